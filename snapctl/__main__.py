@@ -1,0 +1,3 @@
+from snapctl.cli import main
+
+main()
