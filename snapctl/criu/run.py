@@ -1,0 +1,102 @@
+"""One reproducible CRIU invocation: argv recorded, log kept, failures raised with the log tail."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapctl.criu.locate import CriuBinary
+from snapctl.errors import SnapctlError
+
+# Passed to every invocation: full logs, and no iptables (not installed on our hosts).
+COMMON_OPTIONS: tuple[str, ...] = ("-v4",)
+LOG_TAIL_LINES = 25
+
+
+class CriuError(SnapctlError):
+    """CRIU exited non-zero or timed out; carries the action, exit code and log tail."""
+
+    def __init__(
+        self, action: str, returncode: int | None, log_path: Path, tail: str, reason: str = ""
+    ) -> None:
+        what = reason or ("timed out" if returncode is None else f"exited with status {returncode}")
+        super().__init__(f"criu {action} {what} (log: {log_path})", path=str(log_path))
+        self.action = action
+        self.returncode = returncode
+        self.log_path = log_path
+        self.tail = tail
+
+
+@dataclass(frozen=True)
+class CriuResult:
+    """A finished CRIU run."""
+
+    action: str
+    argv: tuple[str, ...]
+    log_path: Path
+    seconds: float
+
+
+def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a CRIU log, errors first-class: lines with "Error" are always kept."""
+    try:
+        text = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in text if "Error" in line or "error" in line][-10:]
+    tail = text[-lines:]
+    return "\n".join([*(e for e in errors if e not in tail), *tail])
+
+
+def run_criu(
+    criu: CriuBinary,
+    action: str,
+    images_dir: Path,
+    log_path: Path,
+    args: Sequence[str] = (),
+    *,
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+) -> CriuResult:
+    """Run ``criu ACTION`` to completion; raise :class:`CriuError` unless it succeeds."""
+    if not (timeout_s > 0 and timeout_s < float("inf")):
+        raise ValueError("timeout_s must be positive and finite")
+    argv = (
+        str(criu.path),
+        action,
+        "--images-dir",
+        str(images_dir),
+        "--log-file",
+        str(log_path),
+        *COMMON_OPTIONS,
+        *args,
+    )
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The exact argv beside the log makes every run reproducible by hand.
+    log_path.with_suffix(".argv").write_text(shlex.join(argv) + "\n")
+    started = time.monotonic()
+    try:
+        proc = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            env={**os.environ, **(env or {})},
+            pass_fds=tuple(pass_fds),
+            check=False,
+        )
+    except subprocess.TimeoutExpired as error:
+        raise CriuError(action, None, log_path, log_tail(log_path)) from error
+    seconds = time.monotonic() - started
+    if proc.returncode != 0:
+        output = proc.stdout.decode(errors="replace").strip()
+        tail = log_tail(log_path)
+        raise CriuError(action, proc.returncode, log_path, f"{output}\n{tail}".strip())
+    return CriuResult(action=action, argv=argv, log_path=log_path, seconds=seconds)
