@@ -1,0 +1,79 @@
+"""The CRIU dump and restore that snapctl performs, with the options this layout needs."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+
+from snapctl.criu.locate import CriuBinary
+from snapctl.criu.run import CriuResult, run_criu
+
+# Options shared by dump and restore: the tree's loopback TCP connection (a TCPStore-like
+# peer) and Unix sockets, glibc named semaphores (link remaps), file locks; no iptables
+# network lock (not installed, and the tree has its own netns).
+TREE_OPTIONS: tuple[str, ...] = (
+    "--tcp-established",
+    "--ext-unix-sk",
+    "--link-remap",
+    "--file-locks",
+    "--network-lock",
+    "skip",
+)
+
+ACTION_SCRIPT = """#!/bin/sh
+# Written by snapctl. At post-dump the tree is still frozen: copy the activation's /dev/shm,
+# hard links kept (cp -a), before CRIU deletes its link_remap files. A failure fails the dump.
+set -eu
+if [ "$CRTOOLS_SCRIPT_ACTION" = post-dump ]; then
+    cp -a "/proc/$CRTOOLS_INIT_PID/root/dev/shm/." {shm_target}
+fi
+exit 0
+"""
+
+
+def write_action_script(path: Path, shm_target: Path) -> Path:
+    """Create the post-dump action script that snapshots /dev/shm into ``shm_target``."""
+    path.write_text(ACTION_SCRIPT.format(shm_target=shlex.quote(str(shm_target))))
+    path.chmod(0o700)
+    return path
+
+
+def dump_tree(
+    criu: CriuBinary,
+    root_pid: int,
+    images_dir: Path,
+    log_path: Path,
+    *,
+    external_mounts: Mapping[str, str],
+    action_script: Path,
+    timeout_s: float,
+    leave_running: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> CriuResult:
+    """``criu dump`` the tree rooted at ``root_pid`` (PID 1 of its namespaces)."""
+    args = ["--tree", str(root_pid), *TREE_OPTIONS, "--action-script", str(action_script)]
+    if leave_running:
+        args.append("--leave-running")
+    for key, target in external_mounts.items():
+        args += ["--external", f"mnt[{target}]:{key}"]
+    return run_criu(criu, "dump", images_dir, log_path, args, timeout_s=timeout_s, env=env)
+
+
+def restore_tree(
+    criu: CriuBinary,
+    images_dir: Path,
+    work_dir: Path,
+    log_path: Path,
+    pidfile: Path,
+    *,
+    external_dirs: Mapping[str, Path],
+    timeout_s: float,
+    env: Mapping[str, str] | None = None,
+) -> CriuResult:
+    """``criu restore`` detached into new namespaces; the image directory is only read."""
+    args = ["--work-dir", str(work_dir), "--restore-detached", "--root", "/"]
+    args += ["--pidfile", str(pidfile), *TREE_OPTIONS]
+    for key, directory in external_dirs.items():
+        args += ["--external", f"mnt[{key}]:{directory}"]
+    return run_criu(criu, "restore", images_dir, log_path, args, timeout_s=timeout_s, env=env)

@@ -1,0 +1,29 @@
+"""Published images: directory layout, the manifest, hashing, atomic publication, verification.
+
+An image directory holds ``criu/`` (CRIU's images), ``shm/`` (the activation's ``/dev/shm`` as
+it was while the tree was frozen, hard links kept), ``logs/`` and ``manifest.json``. The
+manifest is written last inside a staging directory that is then renamed into place, so an
+image either is complete and verifiable or does not exist under its name.
+"""
+
+from snapctl.images.manifest import FileEntry, Manifest, ProcessEntry
+from snapctl.images.store import (
+    ImageError,
+    ImageStaging,
+    hash_tree,
+    load_manifest,
+    stage_shm_copy,
+    verify_image,
+)
+
+__all__ = [
+    "FileEntry",
+    "ImageError",
+    "ImageStaging",
+    "Manifest",
+    "ProcessEntry",
+    "hash_tree",
+    "load_manifest",
+    "stage_shm_copy",
+    "verify_image",
+]

@@ -1,0 +1,104 @@
+"""Where an activation's files live on the host and inside its sandbox."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.namespaces import mounts
+
+SANDBOX_CONTROL_DIR = "/run/snapctl/control"
+SANDBOX_LOGS_DIR = "/run/snapctl/logs"
+SANDBOX_LOG_FILE = f"{SANDBOX_LOGS_DIR}/server.log"
+SANDBOX_SHM_DIR = "/dev/shm"
+
+# CRIU external-mount keys: the image records these instead of the host directories, and
+# each restore maps them to that activation's own directories.
+EXTERNAL_MOUNT_KEYS = {
+    "control": SANDBOX_CONTROL_DIR,
+    "logs": SANDBOX_LOGS_DIR,
+    "shm": SANDBOX_SHM_DIR,
+}
+
+
+class BindMount(BaseModel):
+    """A host directory bind-mounted at a fixed path inside the sandbox."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str
+    target: str
+
+
+class SandboxSpec(BaseModel):
+    """What the in-namespace init does before it executes the server (see ``init``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    argv: list[str]
+    cwd: str
+    env: dict[str, str]
+    binds: list[BindMount]
+    log_file: str = SANDBOX_LOG_FILE
+    lo_addresses: list[str] = []
+    hostname: str = "snapctl"
+
+
+@dataclass(frozen=True)
+class ActivationDirs:
+    """The host directories of one activation (donor or copy).
+
+    ``root`` holds ``control`` (0700, empty), ``shm`` (a tmpfs mounted here) and ``work``
+    (CRIU's work dir); ``logs`` lives apart so it survives the activation's cleanup.
+    """
+
+    root: Path
+    logs: Path
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def shm(self) -> Path:
+        return self.root / "shm"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def server_log(self) -> Path:
+        return self.logs / "server.log"
+
+    def host_dir_for(self, key: str) -> Path:
+        return {"control": self.control, "logs": self.logs, "shm": self.shm}[key]
+
+    def binds(self) -> list[BindMount]:
+        return [
+            BindMount(host=str(self.host_dir_for(key)), target=target)
+            for key, target in EXTERNAL_MOUNT_KEYS.items()
+        ]
+
+    def create(self, shm_size: str = "50%") -> None:
+        """Make fresh directories; the shm tmpfs is mounted in the host's mount namespace."""
+        self.root.mkdir(parents=True, mode=0o700)
+        self.control.mkdir(mode=0o700)
+        self.shm.mkdir(mode=0o755)
+        self.work.mkdir(mode=0o700)
+        self.logs.mkdir(parents=True, mode=0o700, exist_ok=True)
+        # CRIU checks a restored log's mode against the dump: always create it 0600.
+        fd = os.open(self.server_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.close(fd)
+        os.chmod(self.server_log, 0o600)
+        mounts.mount_tmpfs(self.shm, f"mode=1777,size={shm_size}")
+
+    def remove(self) -> None:
+        """Unmount and delete everything but the logs (processes must be gone already)."""
+        if mounts.is_mountpoint(self.shm):
+            mounts.umount(self.shm)
+        shutil.rmtree(self.root, ignore_errors=False)

@@ -1,0 +1,71 @@
+"""Thin wrappers over mount(2)/umount2(2) (Python has none) and a mount-table reader."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 2
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+
+
+def mount(source: str, target: str | Path, fstype: str | None, flags: int, data: str = "") -> None:
+    _check(
+        _libc.mount(
+            source.encode(),
+            str(target).encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {source} on {target}",
+    )
+
+
+def umount(target: str | Path, detach: bool = False) -> None:
+    _check(_libc.umount2(str(target).encode(), MNT_DETACH if detach else 0), f"umount {target}")
+
+
+def mount_tmpfs(target: str | Path, options: str) -> None:
+    mount("tmpfs", target, "tmpfs", 0, options)
+
+
+def bind(source: str | Path, target: str | Path) -> None:
+    mount(str(source), target, None, MS_BIND)
+
+
+def make_private_recursive(target: str = "/") -> None:
+    mount("none", target, None, MS_REC | MS_PRIVATE)
+
+
+def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every mount seen by ``pid``, in table order."""
+    entries: list[tuple[str, str]] = []
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        separator = fields.index("-")
+        point = fields[4].encode().decode("unicode_escape")
+        entries.append((point, fields[separator + 1]))
+    return entries
+
+
+def is_mountpoint(path: Path) -> bool:
+    resolved = str(path.resolve())
+    return any(point == resolved for point, _ in mountinfo())
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points at or below ``path`` in this mount namespace (for cleanup audits)."""
+    base = str(path.resolve())
+    return [p for p, _ in mountinfo() if p == base or p.startswith(base + "/")]

@@ -1,0 +1,119 @@
+"""A process pinned by pidfd, and the stop sequence (SIGTERM, wait, SIGKILL, verify)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import select
+import signal
+import time
+
+import psutil
+
+from snapctl.errors import SnapctlError
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class ProcessGoneError(SnapctlError):
+    """The process is gone, or its PID now belongs to another process."""
+
+
+def become_subreaper() -> None:
+    """Adopt orphaned descendants (CRIU-restored trees) so they can be waited for and reaped."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def start_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess as error:
+        raise ProcessGoneError(f"process {pid} does not exist", pid=pid) from error
+
+
+class PinnedProcess:
+    """A process held by pidfd; ``expected_start`` (when given) must match its start time."""
+
+    def __init__(self, pid: int, expected_start: float | None = None) -> None:
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError as error:
+            raise ProcessGoneError(f"process {pid} does not exist", pid=pid) from error
+        self.pid = pid
+        # Read the start time after the pidfd exists: if it still matches, the pidfd
+        # refers to the recorded process and not to a later one with the same PID.
+        self.start_time = start_time(pid)
+        if expected_start is not None and abs(self.start_time - expected_start) > 0.05:
+            self.close()
+            raise ProcessGoneError(
+                f"pid {pid} now belongs to another process (start time differs)", pid=pid
+            )
+
+    def alive(self) -> bool:
+        if self._pidfd is None:
+            return False
+        exited = select.select([self._pidfd], [], [], 0)[0]
+        return not exited
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait until the process exits; True if it did within ``timeout_s``."""
+        if self._pidfd is None:
+            return True
+        exited = bool(select.select([self._pidfd], [], [], max(timeout_s, 0))[0])
+        if exited:
+            self._reap()
+        return exited
+
+    def _reap(self) -> None:
+        # Our child or an adopted orphan must be reaped, or it stays a zombie.
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(self.pid, os.WNOHANG)
+
+    def signal(self, signum: int) -> None:
+        if self._pidfd is None:
+            return
+        try:
+            signal.pidfd_send_signal(self._pidfd, signum)
+        except ProcessLookupError:
+            pass  # ESRCH: already exited, which is what stopping wants
+        except OSError as error:
+            if error.errno != errno.ESRCH:
+                raise
+
+    def stop(self, stop_timeout_s: float = 10.0, kill_timeout_s: float = 10.0) -> str:
+        """SIGTERM, wait, SIGKILL; return how it ended ("exited", "terminated", "killed")."""
+        if not self.alive():
+            self.wait(0)
+            return "exited"
+        self.signal(signal.SIGTERM)
+        if self.wait(stop_timeout_s):
+            return "terminated"
+        self.signal(signal.SIGKILL)
+        if self.wait(kill_timeout_s):
+            return "killed"
+        message = f"process {self.pid} survived SIGKILL for {kill_timeout_s} s"
+        raise SnapctlError(message, pid=self.pid)
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def __enter__(self) -> PinnedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Wait until none of ``pids`` exists; return those still present at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    left = list(pids)
+    while left and time.monotonic() < deadline:
+        left = [pid for pid in left if psutil.pid_exists(pid)]
+        if left:
+            time.sleep(0.02)
+    return left
