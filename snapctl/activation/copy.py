@@ -1,0 +1,152 @@
+"""``snapctl copy``: verify an image, stage fresh directories, restore into new namespaces
+with CRIU, then activate the copy exactly like the donor."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from snapctl.activation.donor import ActivationReport, activate_and_probe, new_session
+from snapctl.activation.launch import LaunchOptions, log_tail
+from snapctl.activation.native import NativeStep, tree_pids
+from snapctl.activation.session import Session
+from snapctl.criu import CriuBinary, read_restore_stats
+from snapctl.criu.ops import restore_tree
+from snapctl.errors import SnapctlError
+from snapctl.images import stage_shm_copy, verify_image
+from snapctl.supervision.process import PinnedProcess, become_subreaper
+from snapctl.supervision.state import StateDir
+
+Progress = Callable[[str], None]
+
+
+class RestoreError(SnapctlError):
+    """CRIU could not restore the image; nothing of the copy was left running."""
+
+
+def start_copy(
+    image: Path,
+    options: LaunchOptions,
+    *,
+    criu: CriuBinary,
+    native: NativeStep,
+    publish: tuple[str, int] | None,
+    state: StateDir,
+    progress: Progress,
+) -> tuple[Session, ActivationReport]:
+    """Restore one copy and activate it; on failure stop and clean up, then raise."""
+    state.ensure()
+    timings: dict[str, float] = {}
+    image = image.absolute()
+    progress("verifying the image")
+    started = time.monotonic()
+    manifest = verify_image(image, cache_dir=state.verified)
+    timings["verify"] = time.monotonic() - started
+    if manifest.criu_version != criu.version:
+        raise RestoreError(
+            f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
+            phase="verify",
+        )
+    # Restored trees are reparented to the nearest subreaper: let that be us.
+    become_subreaper()
+    session = new_session(state, "copy", options.name)
+    session.image = image
+    session.host, session.port = options.host, options.port
+    try:
+        progress("staging the copy's directories")
+        started = time.monotonic()
+        stage_shm_copy(image / "shm", session.dirs.shm)
+        timings["stage"] = time.monotonic() - started
+        progress("restoring with CRIU")
+        pidfile = session.dirs.work / "root.pid"
+        started = time.monotonic()
+        try:
+            restore_tree(
+                criu,
+                image / "criu",
+                session.dirs.work,
+                session.dirs.logs / "restore.log",
+                pidfile,
+                external_dirs={k: session.dirs.host_dir_for(k) for k in manifest.external_mounts},
+                timeout_s=options.timeout_s,
+            )
+        except SnapctlError as error:
+            raise RestoreError(
+                f"criu restore failed: {error}",
+                phase="restore",
+                path=session.dirs.logs / "restore.log",
+                log_tail=getattr(error, "tail", None),
+            ) from error
+        timings["restore"] = time.monotonic() - started
+        session.root = PinnedProcess(int(pidfile.read_text().strip()))
+        session.remember_tree()
+        native.after_restore(tree_pids(session.root.pid), options.timeout_s)
+        progress("activating the copy")
+        try:
+            phases = activate_and_probe(session, manifest.capture_id, options, publish, timings)
+        except SnapctlError as error:
+            if error.log_tail is None:
+                error.log_tail = log_tail(session.dirs.server_log)
+            raise
+        stats = read_restore_stats(session.dirs.work)
+        report = ActivationReport(
+            name=session.name,
+            kind="copy",
+            image=str(image),
+            image_id=manifest.image_id,
+            activation_id=session.activation_id,
+            root_pid=session.root.pid,
+            pids=tree_pids(session.root.pid),
+            host=options.host,
+            port=options.port,
+            published=None
+            if session.publisher is None
+            else "{}:{}".format(*session.publisher.address),
+            logs=str(session.dirs.logs),
+            timings_s={k: round(v, 6) for k, v in timings.items()},
+            image_bytes=manifest.total_bytes,
+            restore_stats=stats.model_dump(),
+            handshake_phases=phases,
+        )
+        return session, report
+    except BaseException as error:
+        _, audit = session.stop()
+        if isinstance(error, SnapctlError):
+            error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
+            error.args = (error.message,)
+        raise
+
+
+def start_copies(
+    image: Path,
+    options: LaunchOptions,
+    count: int,
+    *,
+    criu: CriuBinary,
+    native: NativeStep,
+    publish_base: tuple[str, int] | None,
+    state: StateDir,
+    progress: Progress,
+) -> list[tuple[Session, ActivationReport] | SnapctlError]:
+    """Restore ``count`` copies at once, each with its own name, directories and port."""
+    verify_image(image.absolute(), cache_dir=state.verified)  # once, before the parallel starts
+
+    def one(index: int) -> tuple[Session, ActivationReport] | SnapctlError:
+        copy_options = LaunchOptions(**{**options.__dict__})
+        if options.name:
+            copy_options.name = f"{options.name}-{index + 1}"
+        publish = None
+        if publish_base is not None:
+            publish = (publish_base[0], publish_base[1] + index if publish_base[1] else 0)
+        try:
+            return start_copy(
+                image, copy_options, criu=criu, native=native, publish=publish, state=state,
+                progress=lambda step: progress(f"copy {index + 1}: {step}"),
+            )  # fmt: skip
+        except SnapctlError as error:
+            return error
+
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return list(pool.map(one, range(count)))

@@ -1,0 +1,297 @@
+"""``snapctl donor``: launch, wait for capture-ready, dump with CRIU (leave running), publish
+a verified image, then activate the continuing original."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+import snapctl
+from snapctl.activation.handshake import activate, probe_http_ready
+from snapctl.activation.launch import (
+    LaunchOptions,
+    fixture_command,
+    launch_in_sandbox,
+    redact_argv,
+    snapshot_config_arg,
+    wait_capture_ready,
+)
+from snapctl.activation.native import NativeStep, tree_pids
+from snapctl.activation.session import CleanupAudit, Session
+from snapctl.criu import CriuBinary, read_dump_stats
+from snapctl.criu.ops import dump_tree, write_action_script
+from snapctl.criu.stats import DumpStats
+from snapctl.errors import SnapctlError
+from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
+from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
+from snapctl.protocol.models import CaptureReady
+from snapctl.supervision.state import StateDir
+
+Progress = Callable[[str], None]
+
+
+class CaptureError(SnapctlError):
+    """The capture (native step, CRIU dump, publication) failed; no image was published."""
+
+
+class ActivationReport(BaseModel):
+    """The one machine-readable record of a started activation (``--json``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    kind: str
+    image: str | None
+    image_id: str | None
+    activation_id: str
+    root_pid: int
+    pids: list[int]
+    host: str | None
+    port: int
+    published: str | None
+    logs: str
+    timings_s: dict[str, float]
+    image_bytes: int | None = None
+    dump_stats: DumpStats | None = None
+    restore_stats: dict[str, int] | None = None
+    handshake_phases: list[str] = []
+
+
+@dataclass
+class _Captured:
+    manifest: Manifest
+    image: Path
+
+
+def new_session(state: StateDir, kind: str, name: str | None) -> Session:
+    activation_id = f"{kind}-{uuid.uuid4().hex[:12]}"
+    name = name or activation_id
+    dirs = ActivationDirs(root=state.activations / activation_id, logs=state.logs / activation_id)
+    dirs.create()
+    return Session(name=name, activation_id=activation_id, kind=kind, dirs=dirs, state=state)
+
+
+def _process_tree(root_pid: int) -> list[ProcessEntry]:
+    entries = []
+    for pid in tree_pids(root_pid):
+        try:
+            proc = psutil.Process(pid)
+            with proc.oneshot():
+                entries.append(
+                    ProcessEntry(
+                        pid=pid,
+                        ppid=proc.ppid(),
+                        name=proc.name(),
+                        threads=proc.num_threads(),
+                        cmdline=redact_argv(proc.cmdline()),
+                    )
+                )
+        except psutil.NoSuchProcess:
+            continue
+    return entries
+
+
+def capture(
+    session: Session,
+    ready: CaptureReady,
+    *,
+    image: Path,
+    force: bool,
+    criu: CriuBinary,
+    native: NativeStep,
+    server_argv: list[str],
+    server_cwd: Path,
+    options: LaunchOptions,
+    timings: dict[str, float],
+) -> _Captured:
+    """Dump the running tree into a staging directory and publish it; the tree keeps running."""
+    assert session.root is not None
+    staging = ImageStaging(image, force=force)
+    try:
+        pids = tree_pids(session.root.pid)
+        process_tree = _process_tree(session.root.pid)
+        native.before_dump(pids, options.timeout_s)
+        action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
+        started = time.monotonic()
+        try:
+            dump_tree(
+                criu,
+                session.root.pid,
+                staging.dir / "criu",
+                staging.dir / "logs" / "dump.log",
+                external_mounts=EXTERNAL_MOUNT_KEYS,
+                action_script=action,
+                timeout_s=options.timeout_s,
+            )
+        finally:
+            timings["dump"] = time.monotonic() - started
+            native.after_dump(pids, options.timeout_s)
+        stats = read_dump_stats(staging.dir / "criu")
+        started = time.monotonic()
+        files = hash_tree(staging.dir)
+        manifest = Manifest(
+            image_id=uuid.uuid4().hex,
+            capture_id=ready.capture_id,
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            snapctl_version=snapctl.__version__,
+            criu_version=criu.version,
+            kernel=platform.release(),
+            hostname=socket.gethostname(),
+            python_version=platform.python_version(),
+            server_argv=redact_argv(server_argv),
+            server_cwd=str(server_cwd),
+            oracle=ready.oracle,
+            root_pid=session.root.pid,
+            process_tree=process_tree,
+            dump_stats=stats,
+            dump_seconds=round(timings["dump"], 6),
+            native_step=native.name,
+            external_mounts=dict(EXTERNAL_MOUNT_KEYS),
+            lo_addresses=options.lo_addresses,
+            host=options.host,
+            port=options.port,
+            shm_files=sorted(
+                str(p.relative_to(staging.dir / "shm")) for p in (staging.dir / "shm").rglob("*")
+            ),
+            files=files,
+        )
+        published = staging.publish(manifest)
+        timings["publish"] = time.monotonic() - started
+        return _Captured(manifest=manifest, image=published)
+    except BaseException as error:
+        staging.abort()
+        if isinstance(error, SnapctlError):
+            raise CaptureError(
+                f"capture failed, no image published: {error}",
+                phase="capture",
+                path=getattr(error, "path", None),
+                log_tail=getattr(error, "tail", None) or error.log_tail,
+            ) from error
+        if isinstance(error, OSError):
+            raise CaptureError(
+                f"capture failed, no image published: {error}", phase="capture"
+            ) from error
+        raise
+
+
+def start_donor(
+    options: LaunchOptions,
+    *,
+    image: Path,
+    force: bool,
+    criu: CriuBinary,
+    native: NativeStep,
+    publish: tuple[str, int] | None,
+    state: StateDir,
+    progress: Progress,
+    activate_donor: bool = True,
+) -> tuple[Session, ActivationReport, CleanupAudit | None]:
+    """Launch → capture-ready → dump → publish → (activate the donor). On failure everything
+    started is stopped and audited before the error propagates."""
+    state.ensure()
+    timings: dict[str, float] = {}
+    session = new_session(state, "donor", options.name)
+    session.host, session.port = options.host, options.port
+    try:
+        if options.server_argv:
+            argv, cwd = list(options.server_argv), Path.cwd()
+        else:
+            progress("preparing the bundled fixture model")
+            argv, cwd = fixture_command(options, state)
+        argv = [*argv, "--snapshot-config", snapshot_config_arg(options.server_timeout_s)]
+        env = dict(os.environ)
+        if options.api_key and not options.server_argv:
+            env["FIXTURE_API_KEY"] = options.api_key
+        progress("launching the server in fresh namespaces")
+        started = time.monotonic()
+        session.launcher, session.root = launch_in_sandbox(argv, cwd, session.dirs, options, env)
+        progress("waiting for capture-ready.json")
+        ready = wait_capture_ready(session.dirs, session.root, options.timeout_s)
+        timings["launch_to_capture_ready"] = time.monotonic() - started
+        session.remember_tree()
+        progress("capturing the process tree with CRIU")
+        captured = capture(
+            session, ready, image=image, force=force, criu=criu, native=native,
+            server_argv=argv, server_cwd=cwd, options=options, timings=timings,
+        )  # fmt: skip
+        session.image = captured.image
+        phases: list[str] = []
+        if activate_donor:
+            progress("activating the donor")
+            phases = activate_and_probe(session, ready.capture_id, options, publish, timings)
+        report = ActivationReport(
+            name=session.name,
+            kind="donor",
+            image=str(captured.image),
+            image_id=captured.manifest.image_id,
+            activation_id=session.activation_id,
+            root_pid=session.root.pid,
+            pids=tree_pids(session.root.pid),
+            host=options.host,
+            port=options.port,
+            published=_published(session),
+            logs=str(session.dirs.logs),
+            timings_s={k: round(v, 6) for k, v in timings.items()},
+            image_bytes=captured.manifest.total_bytes,
+            dump_stats=captured.manifest.dump_stats,
+            handshake_phases=phases,
+        )
+        return session, report, None
+    except BaseException as error:
+        _, audit = session.stop()
+        if isinstance(error, SnapctlError):
+            error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
+            error.args = (error.message,)
+        raise
+
+
+def _published(session: Session) -> str | None:
+    if session.publisher is None:
+        return None
+    return "{}:{}".format(*session.publisher.address)
+
+
+def activate_and_probe(
+    session: Session,
+    capture_id: str,
+    options: LaunchOptions,
+    publish: tuple[str, int] | None,
+    timings: dict[str, float],
+) -> list[str]:
+    """Handshake, then probe public HTTP through the activation's netns, then publish."""
+    assert session.root is not None
+    started = time.monotonic()
+    handshake = activate(
+        session.control,
+        capture_id=capture_id,
+        activation_id=session.activation_id,
+        kind="donor" if session.kind == "donor" else "copy",
+        host=session.host,
+        port=session.port,
+        timeout_s=options.timeout_s,
+        alive=session.root.alive,
+    )
+    timings["handshake"] = time.monotonic() - started
+    session.attach_network(publish)
+    assert session.connector is not None
+    timings["validated_to_http_200"] = probe_http_ready(
+        session.connector,
+        session.host or "127.0.0.1",
+        session.port,
+        api_key=options.api_key,
+        timeout_s=options.timeout_s,
+        alive=session.root.alive,
+    )
+    session.remember_tree()
+    session.save_record()
+    return handshake.phases

@@ -1,0 +1,164 @@
+"""The capturer side of one activation: activation → challenge → release → validated, then
+public HTTP readiness probed through the activation's network namespace."""
+
+from __future__ import annotations
+
+import http.client
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from snapctl.errors import SnapctlError
+from snapctl.namespaces.netns import NetnsConnector
+from snapctl.protocol.controldir import ControlDir
+from snapctl.protocol.models import Activation, Challenge, ControlFile, ErrorReport, Release, Status
+from snapctl.protocol.waiter import ControlDirWatcher
+
+STATUS_REPOLL_S = 0.002
+
+
+class ActivationError(SnapctlError):
+    """The server refused or failed the activation (``error.json``), or never became ready."""
+
+    def __init__(
+        self, message: str, *, phase: str | None = None, report: ErrorReport | None = None
+    ) -> None:
+        super().__init__(message, phase=phase)
+        self.report = report
+
+
+@dataclass
+class HandshakeTimings:
+    """Milliseconds from writing activation.json to each step the server took."""
+
+    challenge_ms: float = 0.0
+    validated_ms: float = 0.0
+    http_ready_ms: float = 0.0
+    phases: list[str] = field(default_factory=list)
+
+
+def _fail_on_error(arrival_name: ControlFile, model: object) -> None:
+    if arrival_name is ControlFile.ERROR:
+        assert isinstance(model, ErrorReport)
+        raise ActivationError(
+            f"server reported {model.error_type} in phase {model.phase!r}: {model.error}",
+            phase=model.phase,
+            report=model,
+        )
+
+
+def activate(
+    control: ControlDir,
+    *,
+    capture_id: str,
+    activation_id: str,
+    kind: Literal["donor", "copy"],
+    host: str | None,
+    port: int,
+    timeout_s: float,
+    alive: Callable[[], bool] | None = None,
+) -> HandshakeTimings:
+    """Run the handshake; return when ``status.json`` says validated (raise on error.json)."""
+    timings = HandshakeTimings()
+    activation = Activation(
+        capture_id=capture_id,
+        activation_id=activation_id,
+        kind=kind,
+        native_complete=True,
+        host=host,
+        port=port,
+    )
+    deadline = time.monotonic() + timeout_s
+    with ControlDirWatcher(control) as watcher:
+        started = time.monotonic()
+        control.write(activation)
+        name, challenge = watcher.wait_for(
+            (ControlFile.CHALLENGE, ControlFile.ERROR), deadline - time.monotonic(), alive=alive
+        )
+        _fail_on_error(name, challenge)
+        timings.challenge_ms = (time.monotonic() - started) * 1000
+        if not isinstance(challenge, Challenge):
+            raise ActivationError("challenge.json is not a challenge", phase="capture barrier")
+        if (challenge.capture_id, challenge.activation_id) != (capture_id, activation_id):
+            raise ActivationError(
+                "challenge.json names another capture or activation", phase="capture barrier"
+            )
+        control.write(Release.answering(challenge))
+        while True:
+            name, model = watcher.wait_for(
+                (ControlFile.ERROR, ControlFile.STATUS), deadline - time.monotonic(), alive=alive
+            )
+            _fail_on_error(name, model)
+            assert isinstance(model, Status)
+            if model.activation_id != activation_id:
+                raise ActivationError("status.json names another activation", phase="recover")
+            if not timings.phases or timings.phases[-1] != model.phase:
+                timings.phases.append(model.phase)
+            if model.phase == "validated":
+                break
+            # "recovering": the next change is validated or error.json; status.json exists
+            # already, so the waiter would return at once: pace the re-reads instead.
+            time.sleep(STATUS_REPOLL_S)
+        timings.validated_ms = (time.monotonic() - started) * 1000
+    return timings
+
+
+class _NetnsHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, connector: NetnsConnector, host: str, port: int, timeout: float) -> None:
+        super().__init__(host, port, timeout=timeout)
+        self._connector = connector
+
+    def connect(self) -> None:
+        self.sock = self._connector.connect(self.host, self.port, self.timeout or 2.0)
+
+
+def http_get(
+    connector: NetnsConnector,
+    host: str,
+    port: int,
+    path: str,
+    api_key: str | None = None,
+    timeout_s: float = 5.0,
+) -> tuple[int, bytes]:
+    """One GET inside the namespace; returns (status, body)."""
+    connection = _NetnsHTTPConnection(connector, host, port, timeout_s)
+    try:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        connection.request("GET", path, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def probe_http_ready(
+    connector: NetnsConnector,
+    host: str,
+    port: int,
+    *,
+    api_key: str | None,
+    timeout_s: float,
+    alive: Callable[[], bool] | None = None,
+    path: str = "/v1/models",
+) -> float:
+    """Poll until ``GET path`` answers 200; return the seconds it took."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise ActivationError("server exited before its public port answered", phase="serve")
+        try:
+            status, body = http_get(connector, host, port, path, api_key, timeout_s=2.0)
+            if status == 200:
+                return time.monotonic() - started
+            last = f"HTTP {status}: {body[:200]!r}"
+        except (TimeoutError, OSError, http.client.HTTPException) as error:
+            last = f"{type(error).__name__}: {error}"
+        time.sleep(0.005)
+    raise ActivationError(
+        f"public port {host}:{port} never answered {path} with 200 within {timeout_s:g} s "
+        f"(last: {last})",
+        phase="serve",
+    )

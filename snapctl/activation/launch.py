@@ -1,0 +1,195 @@
+"""Launching a server as PID 1 of fresh namespaces and waiting until it is ready for capture."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+import snapctl
+from snapctl.errors import ProcessExitedError, SnapctlError, WaitTimeoutError
+from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR, ActivationDirs, SandboxSpec
+from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
+from snapctl.protocol.waiter import wait_for
+from snapctl.supervision.process import PinnedProcess
+from snapctl.supervision.state import StateDir
+
+SECRET_FLAGS = ("--api-key", "--token", "--hf-token", "--password")
+LOG_TAIL_CHARS = 4000
+
+
+class LaunchError(SnapctlError):
+    """The server could not be launched or died / stalled before capture-ready."""
+
+
+@dataclass
+class LaunchOptions:
+    """How to start a server for capture (``server_argv`` None: the bundled fixture)."""
+
+    server_argv: list[str] | None = None
+    name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    lo_addresses: list[str] = field(default_factory=list)
+    api_key_env: str | None = None
+    timeout_s: float = 300.0
+    server_timeout_s: float = 300.0
+    fixture_params_mb: int = 4
+    fixture_retained_mb: int = 16
+    fixture_kv_mb: int = 8
+
+    @property
+    def api_key(self) -> str | None:
+        return os.environ.get(self.api_key_env) if self.api_key_env else None
+
+
+def repo_root() -> Path:
+    return Path(snapctl.__file__).resolve().parent.parent
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Replace the values of secret-bearing flags by ``***``."""
+    redacted: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            redacted.append("***")
+            hide_next = False
+        elif arg in SECRET_FLAGS:
+            redacted.append(arg)
+            hide_next = True
+        elif arg.split("=", 1)[0] in SECRET_FLAGS and "=" in arg:
+            redacted.append(arg.split("=", 1)[0] + "=***")
+        else:
+            redacted.append(arg)
+    return redacted
+
+
+def fixture_command(options: LaunchOptions, state: StateDir) -> tuple[list[str], Path]:
+    """The bundled fixture's serve command (building its model once), and its cwd."""
+    root = repo_root()
+    if not (root / "fixtures" / "__init__.py").is_file():
+        raise LaunchError(f"the bundled fixture is not beside snapctl ({root / 'fixtures'})")
+    model = state.models / f"fixture-{options.fixture_params_mb}mb"
+    if not (model / "config.json").exists():
+        tmp = state.models / f".{model.name}.{uuid.uuid4().hex[:8]}"
+        subprocess.run(
+            [sys.executable, "-m", "fixtures", "build-model", "--out", str(tmp),
+             "--params-mb", str(options.fixture_params_mb)],
+            cwd=root, check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            os.rename(tmp, model)
+        except OSError:
+            # Built concurrently by another snapctl: theirs is byte-identical.
+            shutil.rmtree(tmp, ignore_errors=True)
+    argv = [
+        sys.executable, "-m", "fixtures", "serve", "--model", str(model),
+        "--host", options.host, "--port", str(options.port),
+        "--retained-mb", str(options.fixture_retained_mb), "--kv-mb", str(options.fixture_kv_mb),
+    ]  # fmt: skip
+    return argv, root
+
+
+def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - chars))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _find_namespace_root(unshare: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """The host PID of PID 1 in the new namespace: unshare's only child."""
+    deadline = time.monotonic() + timeout_s
+    parent = psutil.Process(unshare.pid)
+    while time.monotonic() < deadline:
+        children = parent.children()
+        if children:
+            return children[0].pid
+        if unshare.poll() is not None:
+            raise LaunchError(f"unshare exited with status {unshare.returncode} before forking")
+        time.sleep(0.002)
+    raise LaunchError("unshare did not start the namespace's first process in time")
+
+
+def launch_in_sandbox(
+    argv: list[str],
+    cwd: Path,
+    dirs: ActivationDirs,
+    options: LaunchOptions,
+    env: dict[str, str],
+) -> tuple[subprocess.Popen[bytes], PinnedProcess]:
+    """Start ``argv`` as PID 1 (and session leader) of new pid/net/ipc/uts/mount namespaces."""
+    spec = SandboxSpec(
+        argv=argv,
+        cwd=str(cwd),
+        env=env,
+        binds=dirs.binds(),
+        lo_addresses=options.lo_addresses,
+    )
+    spec_path = dirs.root / "sandbox.json"
+    spec_path.write_text(spec.model_dump_json())
+    spec_path.chmod(0o600)
+    launcher_log = (dirs.logs / "launcher.log").open("ab")
+    try:
+        unshare = subprocess.Popen(
+            ["unshare", "--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "--",
+             sys.executable, "-m", "snapctl.namespaces.init", str(spec_path)],
+            stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=launcher_log,
+            close_fds=True, start_new_session=True, cwd=str(repo_root()),
+        )  # fmt: skip
+    finally:
+        launcher_log.close()
+    root_pid = _find_namespace_root(unshare, 10.0)
+    return unshare, PinnedProcess(root_pid)
+
+
+def snapshot_config_arg(timeout_s: float) -> str:
+    config = SnapshotConfig(mode="startup", control_dir=SANDBOX_CONTROL_DIR, timeout_s=timeout_s)
+    return json.dumps(config.model_dump(mode="json"), separators=(",", ":"))
+
+
+def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: float) -> CaptureReady:
+    """Wait for capture-ready.json under our own deadline, watching the tree."""
+    from snapctl.protocol.controldir import ControlDir
+
+    control = ControlDir(dirs.control)
+    try:
+        _, model = wait_for(
+            control, (ControlFile.CAPTURE_READY, ControlFile.ERROR), timeout_s, alive=root.alive
+        )
+    except ProcessExitedError as error:
+        report = control.read(ControlFile.ERROR)
+        detail = f"; error.json: {report.phase}: {report.error}" if report else ""
+        raise LaunchError(
+            f"server exited before capture-ready{detail}",
+            phase="launch",
+            path=dirs.server_log,
+            log_tail=log_tail(dirs.server_log),
+        ) from error
+    except WaitTimeoutError as error:
+        raise LaunchError(
+            f"capture-ready.json did not appear within {timeout_s:g} s",
+            phase="launch",
+            path=dirs.server_log,
+            log_tail=log_tail(dirs.server_log),
+        ) from error
+    if isinstance(model, ErrorReport):
+        raise LaunchError(
+            f"server failed before capture: {model.phase}: {model.error_type}: {model.error}",
+            phase="launch",
+            path=dirs.server_log,
+            log_tail=log_tail(dirs.server_log),
+        )
+    assert isinstance(model, CaptureReady)
+    return model

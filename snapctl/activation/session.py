@@ -1,0 +1,151 @@
+"""A running activation: its processes, directories, namespace connector and publisher, and
+how it is stopped and audited so that nothing is left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.namespaces import mounts
+from snapctl.namespaces.layout import ActivationDirs
+from snapctl.namespaces.netns import NetnsConnector, Publisher
+from snapctl.protocol.controldir import ControlDir
+from snapctl.supervision.process import PinnedProcess, wait_gone
+from snapctl.supervision.state import ActivationRecord, StateDir
+
+
+class CleanupAudit(BaseModel):
+    """What an activation left behind after it stopped (all empty means clean)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    processes: list[int]
+    mounts: list[str]
+    directories: list[str]
+    listeners: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return not (self.processes or self.mounts or self.directories or self.listeners)
+
+    def describe(self) -> str:
+        parts = [f"{k}: {v}" for k, v in self.model_dump().items() if v]
+        return "; ".join(parts) or "clean"
+
+
+def _port_open(address: tuple[str, int]) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(0.2)
+        return probe.connect_ex(address) == 0
+
+
+@dataclass
+class Session:
+    """One activation from launch or restore until it is stopped."""
+
+    name: str
+    activation_id: str
+    kind: str
+    dirs: ActivationDirs
+    state: StateDir
+    image: Path | None = None
+    root: PinnedProcess | None = None
+    launcher: subprocess.Popen[bytes] | None = None
+    tree_pids: list[int] = field(default_factory=list)
+    connector: NetnsConnector | None = None
+    publisher: Publisher | None = None
+    host: str | None = None
+    port: int = 8000
+    stopped: bool = False
+
+    @property
+    def control(self) -> ControlDir:
+        return ControlDir(self.dirs.control)
+
+    def alive(self) -> bool:
+        return self.root is not None and self.root.alive()
+
+    def remember_tree(self) -> None:
+        """Record every PID of the tree now, to audit them after the stop."""
+        if self.root is None:
+            return
+        with contextlib.suppress(psutil.NoSuchProcess):
+            children = psutil.Process(self.root.pid).children(recursive=True)
+            pids = [self.root.pid, *(child.pid for child in children)]
+            self.tree_pids = sorted(set(self.tree_pids) | set(pids))
+
+    def attach_network(self, publish: tuple[str, int] | None) -> None:
+        assert self.root is not None
+        self.connector = NetnsConnector(self.root.pid)
+        if publish is not None:
+            self.publisher = Publisher(
+                self.connector, publish[0], publish[1], (self.host or "127.0.0.1", self.port)
+            )
+
+    def save_record(self) -> None:
+        assert self.root is not None
+        me = psutil.Process()
+        published = None
+        if self.publisher is not None:
+            published = "{}:{}".format(*self.publisher.address)
+        self.state.save_record(
+            ActivationRecord(
+                name=self.name,
+                activation_id=self.activation_id,
+                kind=self.kind,
+                image=str(self.image) if self.image else None,
+                root_pid=self.root.pid,
+                root_start_time=self.root.start_time,
+                supervisor_pid=me.pid,
+                supervisor_start_time=me.create_time(),
+                activation_dir=str(self.dirs.root),
+                logs_dir=str(self.dirs.logs),
+                host=self.host,
+                port=self.port,
+                published=published,
+                created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            )
+        )
+
+    def stop(self, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
+        """Stop the tree (TERM, wait, KILL), tear down, and audit. Safe to call twice."""
+        how = "not started"
+        published = self.publisher.address if self.publisher else None
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+        if self.connector is not None:
+            self.connector.close()
+            self.connector = None
+        if self.root is not None:
+            self.remember_tree()
+            how = self.root.stop(stop_timeout_s)
+            self.root.close()
+        if self.launcher is not None:
+            try:
+                self.launcher.wait(timeout=stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.launcher.kill()
+                self.launcher.wait()
+        # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
+        left = wait_gone(self.tree_pids, stop_timeout_s)
+        if not left and self.dirs.root.exists():
+            self.dirs.remove()
+        self.state.drop_record(self.name)
+        self.stopped = True
+        audit = CleanupAudit(
+            processes=left,
+            mounts=mounts.mounts_under(self.dirs.root) if self.dirs.root.exists() else [],
+            directories=[str(self.dirs.root)] if self.dirs.root.exists() else [],
+            listeners=[f"{published[0]}:{published[1]}"]
+            if published and _port_open(published)
+            else [],
+        )
+        return how, audit

@@ -1,0 +1,59 @@
+"""``snapctl donor``: capture a server and keep the original serving."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from snapctl.cli._activation_options import CommonOptions, activation_options
+from snapctl.cli.serving import Progress, serve
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option(
+    "--image",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory to publish the image into (must not exist unless --force).",
+)
+@click.option("--force", is_flag=True, help="Replace an existing image directory.")
+@click.option(
+    "--lo-address",
+    "lo_addresses",
+    multiple=True,
+    metavar="ADDR",
+    help="Extra address on the sandbox's loopback (repeatable).",
+)
+@activation_options
+@click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
+def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tuple[str, ...],
+          common: CommonOptions) -> None:  # fmt: skip
+    """Capture a server and keep the original serving."""
+    from snapctl.activation.donor import start_donor
+    from snapctl.activation.launch import LaunchOptions
+    from snapctl.activation.native import native_step
+    from snapctl.criu import find_criu
+    from snapctl.supervision.state import StateDir
+
+    options = LaunchOptions(
+        server_argv=list(server_cmd) or None,
+        name=common.name,
+        host=common.host,
+        port=common.port,
+        lo_addresses=list(lo_addresses),
+        api_key_env=common.api_key_env,
+        timeout_s=common.timeout_s,
+    )
+    criu = find_criu(common.criu_path)
+    native = native_step(common.native)
+
+    def start(progress: Progress) -> tuple[Any, Any]:
+        session, report, _ = start_donor(
+            options, image=image, force=force, criu=criu, native=native,
+            publish=common.publish, state=StateDir(), progress=progress,
+        )  # fmt: skip
+        return session, report
+
+    serve(start, as_json=common.as_json, detach=common.detach)

@@ -1,0 +1,85 @@
+"""snapctl's state directory: activations, kept logs, records for ps/stop, caches, models."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.protocol.atomic import write_json_atomic
+
+DEFAULT_STATE_DIR = Path("/var/lib/snapctl")
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("SNAPCTL_STATE_DIR", DEFAULT_STATE_DIR)).absolute()
+
+
+class ActivationRecord(BaseModel):
+    """What ``snapctl ps``/``stop``/``logs`` know of a running activation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = 1
+    name: str
+    activation_id: str
+    kind: str
+    image: str | None
+    root_pid: int
+    root_start_time: float
+    supervisor_pid: int
+    supervisor_start_time: float
+    activation_dir: str
+    logs_dir: str
+    host: str | None
+    port: int
+    published: str | None
+    created: str
+
+
+class StateDir:
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or state_dir()
+
+    @property
+    def activations(self) -> Path:
+        return self.root / "activations"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def records(self) -> Path:
+        return self.root / "records"
+
+    @property
+    def verified(self) -> Path:
+        return self.root / "verified"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    def ensure(self) -> None:
+        for path in (self.activations, self.logs, self.records, self.verified, self.models):
+            path.mkdir(parents=True, mode=0o700, exist_ok=True)
+
+    def record_path(self, name: str) -> Path:
+        return self.records / f"{name}.json"
+
+    def save_record(self, record: ActivationRecord) -> None:
+        payload = record.model_dump(mode="json")
+        write_json_atomic(self.record_path(record.name), payload, overwrite=True)
+
+    def load_records(self) -> list[ActivationRecord]:
+        if not self.records.is_dir():
+            return []
+        return [
+            ActivationRecord.model_validate_json(path.read_text())
+            for path in sorted(self.records.glob("*.json"))
+        ]
+
+    def drop_record(self, name: str) -> None:
+        self.record_path(name).unlink(missing_ok=True)
