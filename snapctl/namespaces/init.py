@@ -22,19 +22,19 @@ PR_SET_PDEATHSIG = 1
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 
 
-def _needed_ancestors(spec: SandboxSpec) -> set[str]:
-    """Paths whose filesystems the server needs, so their tmpfs mounts must stay."""
+def _needed_paths(spec: SandboxSpec) -> set[str]:
+    """Paths whose filesystems the server itself needs, so their tmpfs mounts must stay."""
     paths = {spec.cwd, os.path.realpath(sys.executable)}
     if spec.argv and os.path.isabs(spec.argv[0]):
         paths.add(os.path.realpath(spec.argv[0]))
     return paths
 
 
-def _drop_foreign_tmpfs(spec: SandboxSpec) -> None:
-    """Detach host tmpfs mounts: CRIU would otherwise tar their contents into the image."""
-    needed = _needed_ancestors(spec)
+def _drop_foreign_tmpfs(needed: set[str], keep_points: set[str]) -> None:
+    """Detach tmpfs mounts the server does not need: CRIU would tar their contents into the
+    image, and record host paths (say the donor's own directories) a copy cannot have."""
     for point, fstype in reversed(mounts.mountinfo()):
-        if fstype != "tmpfs":
+        if fstype != "tmpfs" or point in keep_points:
             continue
         if any(path == point or path.startswith(point.rstrip("/") + "/") for path in needed):
             continue
@@ -65,12 +65,15 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
 
     # Hold the host directories before their parents may be unmounted or covered.
     sources = {b.target: os.open(b.host, os.O_PATH | os.O_DIRECTORY) for b in spec.binds}
-    _drop_foreign_tmpfs(spec)
+    needed = _needed_paths(spec)
+    _drop_foreign_tmpfs(needed | {b.host for b in spec.binds}, keep_points=set())
     mounts.mount_tmpfs("/run", "mode=0755")
     for target, fd in sources.items():
         Path(target).mkdir(parents=True, exist_ok=True)
         mounts.bind(f"/proc/self/fd/{fd}", target)
         os.close(fd)
+    # Now that the targets hold them, drop the host-side mounts of the sources too.
+    _drop_foreign_tmpfs(needed, keep_points={"/run", *sources})
     # A /proc of the new PID namespace, so pids read there match os.getpid().
     mounts.umount("/proc", detach=True)
     mounts.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
