@@ -1,0 +1,77 @@
+"""Small pieces of activation: argv redaction, --publish parsing, the native step seam."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import pytest
+
+from snapctl.activation.launch import redact_argv
+from snapctl.activation.native import CudaCheckpoint, NativeStepError, native_step
+from snapctl.cli._activation_options import parse_publish
+
+
+def test_redact_argv_hides_secret_values() -> None:
+    argv = ["vllm", "serve", "m", "--api-key", "sk-1", "--hf-token=abc", "--port", "8000"]
+    assert redact_argv(argv) == [
+        "vllm", "serve", "m", "--api-key", "***", "--hf-token=***", "--port", "8000",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("8080", ("127.0.0.1", 8080)), ("127.0.0.2:9", ("127.0.0.2", 9)), ("0", ("127.0.0.1", 0))],
+)
+def test_parse_publish(value: str, expected: tuple[str, int]) -> None:
+    assert parse_publish(value) == expected
+
+
+@pytest.mark.parametrize("value", ["x", "1:70000", "host:"])
+def test_parse_publish_rejects(value: str) -> None:
+    with pytest.raises(click.BadParameter):
+        parse_publish(value)
+
+
+def fake_cuda_checkpoint(tmp_path: Path, fail_action: str = "") -> tuple[Path, Path]:
+    calls = tmp_path / "calls"
+    tool = tmp_path / "cuda-checkpoint"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {calls}\n'
+        f'[ "$2" = "{fail_action}" ] && {{ echo "boom" >&2; exit 3; }}\n'
+        "exit 0\n"
+    )
+    tool.chmod(0o755)
+    return tool, calls
+
+
+def test_cuda_checkpoint_runs_each_action_for_cuda_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tool, calls = fake_cuda_checkpoint(tmp_path)
+    monkeypatch.setattr("snapctl.activation.native.holds_cuda", lambda pid: pid != 3)
+    step = CudaCheckpoint(str(tool))
+    step.before_dump([1, 2, 3], timeout_s=5)
+    step.after_restore([1], timeout_s=5)
+    assert calls.read_text().splitlines() == [
+        "--action lock --pid 1", "--action lock --pid 2",
+        "--action checkpoint --pid 1", "--action checkpoint --pid 2",
+        "--action restore --pid 1", "--action unlock --pid 1",
+    ]  # fmt: skip
+
+
+def test_cuda_checkpoint_failure_names_action_and_pid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tool, _ = fake_cuda_checkpoint(tmp_path, fail_action="checkpoint")
+    monkeypatch.setattr("snapctl.activation.native.holds_cuda", lambda pid: True)
+    with pytest.raises(NativeStepError, match="checkpoint failed") as info:
+        CudaCheckpoint(str(tool)).before_dump([42], timeout_s=5)
+    assert info.value.pid == 42
+
+
+def test_native_step_names() -> None:
+    assert native_step("none").name == "none"
+    with pytest.raises(NativeStepError):
+        native_step("bogus")

@@ -1,0 +1,131 @@
+"""Image store: hashing with hard-link groups, verification, atomic publication, shm staging."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from snapctl.criu.stats import DumpStats
+from snapctl.images import ImageError, ImageStaging, Manifest, hash_tree, stage_shm_copy
+from snapctl.images.store import load_manifest, verify_image
+from snapctl.protocol.models import Oracle
+
+
+def make_manifest(files: dict[str, object], **changes: object) -> Manifest:
+    fields: dict[str, object] = dict(
+        image_id="0" * 32, capture_id="1" * 32, created="2026-11-30T00:00:00+00:00",
+        snapctl_version="0.1.0", criu_version="4.2.1", kernel="6.18", hostname="h",
+        python_version="3.11.7", server_argv=["srv", "--api-key", "***"], server_cwd="/",
+        oracle=Oracle(token_ids=[1], text="a", sampled_token_logprob=-0.5), root_pid=10,
+        process_tree=[], dump_stats=DumpStats(), dump_seconds=0.1, native_step="none",
+        external_mounts={"shm": "/dev/shm"}, lo_addresses=[], host="127.0.0.1", port=8000,
+        shm_files=[], files=files,
+    )  # fmt: skip
+    fields.update(changes)
+    return Manifest.model_validate(fields)
+
+
+def publish_sample(final: Path) -> Manifest:
+    staging = ImageStaging(final)
+    (staging.dir / "criu" / "pages-1.img").write_bytes(os.urandom(10000))
+    (staging.dir / "shm" / "sem.x").write_bytes(b"semaphore")
+    os.link(staging.dir / "shm" / "sem.x", staging.dir / "shm" / "link_remap.7")
+    manifest = make_manifest(hash_tree(staging.dir))
+    staging.publish(manifest)
+    return manifest
+
+
+def test_hash_tree_groups_hard_links(tmp_path: Path) -> None:
+    (tmp_path / "a").write_bytes(b"1")
+    os.link(tmp_path / "a", tmp_path / "b")
+    (tmp_path / "c").write_bytes(b"1")
+    files = hash_tree(tmp_path)
+    assert files["a"].link_group is not None
+    assert files["a"].link_group == files["b"].link_group
+    assert files["c"].link_group is None
+    assert files["a"].sha256 == files["c"].sha256
+
+
+def test_publish_is_atomic_and_verifies(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    manifest = publish_sample(final)
+    assert load_manifest(final) == manifest
+    assert verify_image(final).image_id == manifest.image_id
+    assert [p.name for p in tmp_path.iterdir()] == ["img"]  # no staging left
+    assert (final / "manifest.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_existing_image_is_refused_without_force(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    publish_sample(final)
+    with pytest.raises(ImageError, match="already exists"):
+        ImageStaging(final)
+    replaced = publish_sample_force(final)
+    assert load_manifest(final).image_id == replaced.image_id
+
+
+def publish_sample_force(final: Path) -> Manifest:
+    staging = ImageStaging(final, force=True)
+    (staging.dir / "criu" / "x").write_bytes(b"new")
+    manifest = make_manifest(hash_tree(staging.dir), image_id="f" * 32)
+    staging.publish(manifest)
+    return manifest
+
+
+@pytest.mark.parametrize(
+    ("victim", "named"),
+    [("criu/pages-1.img", "pages-1.img"), ("shm/sem.x", "sem.x|link_remap.7")],  # one inode
+)
+def test_flipped_byte_names_the_file(tmp_path: Path, victim: str, named: str) -> None:
+    final = tmp_path / "img"
+    publish_sample(final)
+    path = final / victim
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ImageError, match=named):
+        verify_image(final)
+
+
+def test_missing_and_extra_files_are_refused(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    publish_sample(final)
+    (final / "criu" / "extra").write_bytes(b"x")
+    with pytest.raises(ImageError, match="unexpected file"):
+        verify_image(final)
+    (final / "criu" / "extra").unlink()
+    (final / "criu" / "pages-1.img").unlink()
+    with pytest.raises(ImageError, match="missing"):
+        verify_image(final)
+
+
+def test_verification_cache_still_catches_changes(tmp_path: Path) -> None:
+    final, cache = tmp_path / "img", tmp_path / "cache"
+    publish_sample(final)
+    verify_image(final, cache_dir=cache)
+    assert len(list(cache.iterdir())) == 1
+    verify_image(final, cache_dir=cache)  # cache hit
+    path = final / "criu" / "pages-1.img"
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))  # same size; mtime/ctime change
+    with pytest.raises(ImageError, match="pages-1.img"):
+        verify_image(final, cache_dir=cache)
+
+
+def test_stage_shm_copy_keeps_hard_links(tmp_path: Path) -> None:
+    source, target = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    target.mkdir()
+    (source / "sem.x").write_bytes(b"v")
+    os.chmod(source / "sem.x", 0o600)
+    os.link(source / "sem.x", source / "link_remap.3")
+    (source / "other").write_bytes(b"o")
+    stage_shm_copy(source, target)
+    a, b = (target / "sem.x").stat(), (target / "link_remap.3").stat()
+    assert a.st_ino == b.st_ino and a.st_nlink == 2
+    assert a.st_ino != (source / "sem.x").stat().st_ino  # a copy, not the saved file
+    assert a.st_mode & 0o777 == 0o600
+    assert (target / "other").read_bytes() == b"o"
