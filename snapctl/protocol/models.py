@@ -56,6 +56,15 @@ class Phase(StrEnum):
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
+    @field_validator("version", mode="before", check_fields=False)
+    @classmethod
+    def _version_is_the_integer_one(cls, value: object) -> object:
+        # Even in strict mode Literal[1] accepts True and 1.0 (both compare equal to 1); the
+        # wire format means the JSON integer 1 only.
+        if type(value) is not int:
+            raise ValueError("version must be the integer 1")
+        return value
+
 
 class SnapshotConfig(_Strict):
     """The ``--snapshot-config`` JSON object given to the server."""
@@ -174,4 +183,3 @@ CONTROL_MODELS: dict[ControlFile, type[_Strict]] = {
     ControlFile.STATUS: Status,
     ControlFile.ERROR: ErrorReport,
 }
-
