@@ -7,15 +7,28 @@ challenge/release handshake, recovers, checks the canary against the oracle and 
 host and port the server may now bind. Any failure writes ``error.json`` and raises
 :class:`StartupCaptureError`; the server must then exit without binding.
 
-(Interface fixed here; implementation in progress.)
+Nothing here starts a thread or opens a long-lived descriptor: the process is checkpointed by
+CRIU while it waits in the capture barrier.
 """
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from snapctl.protocol.models import Oracle, SnapshotConfig
+from snapctl.errors import CanaryMismatchError, SnapctlError
+from snapctl.launcher._control import DEFAULT_POLL_S, ServerControl, describe_error
+from snapctl.protocol.controldir import ControlDir
+from snapctl.protocol.models import Oracle, Phase, SnapshotConfig
+
+__all__ = [
+    "DEFAULT_POLL_S",
+    "BindTarget",
+    "StartupCaptureError",
+    "StartupHooks",
+    "run_startup_capture",
+]
 
 
 class StartupHooks(Protocol):
@@ -41,14 +54,78 @@ class BindTarget:
     kind: str
 
 
-class StartupCaptureError(RuntimeError):
+class StartupCaptureError(SnapctlError, RuntimeError):
     """The startup capture failed; ``error.json`` was written (when possible)."""
 
+    phase: str  # always set here, unlike on SnapctlError
+
     def __init__(self, phase: str, message: str) -> None:
-        super().__init__(f"{phase}: {message}")
-        self.phase = phase
+        super().__init__(f"{phase}: {message}", phase=phase)
 
 
-def run_startup_capture(config: SnapshotConfig, hooks: StartupHooks) -> BindTarget:
-    """Run prepare → capture-ready → activation → challenge/release → recover → validated."""
-    raise NotImplementedError
+def run_startup_capture(
+    config: SnapshotConfig, hooks: StartupHooks, *, poll_s: float = DEFAULT_POLL_S
+) -> BindTarget:
+    """Run prepare → capture-ready → activation → challenge/release → recover → validated.
+
+    ``config.timeout_s`` bounds each wait for a control file, counting only time this process
+    spends waiting (not time frozen by CRIU). ``poll_s`` is the interval between reads.
+    """
+    capture_id = uuid.uuid4().hex  # made at start, before anything can fail
+    # The launcher takes over from engine initialization; its own checks fail in that phase,
+    # as vLLM validates the control directory before building the engine.
+    phase: Phase = Phase.INITIALIZE_ENGINE
+    control: ServerControl | None = None
+    try:
+        config = SnapshotConfig.model_validate(config.model_dump())
+        control_dir = ControlDir(config.control_dir)
+        # From here error.json can be attempted: every write re-validates the directory, so
+        # nothing is written into one that fails the safety checks.
+        control = ServerControl(control_dir, capture_id, config.timeout_s, poll_s)
+        if not (poll_s > 0 and poll_s <= config.timeout_s):
+            raise ValueError("poll_s must be positive and at most timeout_s")
+        control_dir.validate(require_empty=True)
+
+        phase = Phase.PREPARE
+        oracle = hooks.canary()
+        hooks.release_memory()
+        # Rehearse one full recovery before capture, so a copy never discovers it cannot.
+        hooks.restore_memory()
+        _require_match(oracle, hooks.canary(), "rehearsal canary")
+        hooks.release_memory()
+
+        phase = Phase.CAPTURE_BARRIER
+        control.publish_ready(oracle)
+        activation = control.wait_for_activation()
+
+        phase = Phase.RECOVER
+        control.write_status("recovering")
+        phase = Phase.RECOVERY_RESTORE_MEMORY
+        hooks.restore_memory()
+        phase = Phase.RECOVERY_CANARY
+        _require_match(oracle, hooks.canary(), "recovery canary")
+        phase = Phase.RECOVER
+        control.write_status("validated")
+        return BindTarget(
+            host=activation.host,
+            port=activation.port,
+            activation_id=activation.activation_id,
+            kind=activation.kind,
+        )
+    except BaseException as error:
+        described = describe_error(error)
+        name = type(error).__name__
+        message = name if described == name else f"{name}: {described}"
+        if control is None:
+            # No validated config: there is no control directory we may write into.
+            raise StartupCaptureError(phase, f"{message} (error.json not written)") from error
+        secondary = control.write_error(phase, error)
+        if secondary is not None:
+            message += f" (error.json not written: {type(secondary).__name__}: {secondary})"
+        raise StartupCaptureError(phase, message) from error
+
+
+def _require_match(oracle: Oracle, result: Oracle, what: str) -> None:
+    difference = oracle.mismatch(result)
+    if difference is not None:
+        raise CanaryMismatchError(f"{what} does not match the oracle: {difference}")
