@@ -105,8 +105,7 @@ def capture(
     session: Session,
     ready: CaptureReady,
     *,
-    image: Path,
-    force: bool,
+    staging: ImageStaging,
     criu: CriuBinary,
     native: NativeStep,
     server_argv: list[str],
@@ -116,7 +115,6 @@ def capture(
 ) -> _Captured:
     """Dump the running tree into a staging directory and publish it; the tree keeps running."""
     assert session.root is not None
-    staging = ImageStaging(image, force=force)
     try:
         pids = tree_pids(session.root.pid)
         process_tree = _process_tree(session.root.pid)
@@ -200,7 +198,13 @@ def start_donor(
     started is stopped and audited before the error propagates."""
     state.ensure()
     timings: dict[str, float] = {}
-    session = new_session(state, "donor", options.name)
+    # Refuse an existing or unwritable image path before anything is launched.
+    staging = ImageStaging(image, force=force)
+    try:
+        session = new_session(state, "donor", options.name)
+    except BaseException:
+        staging.abort()
+        raise
     session.host, session.port = options.host, options.port
     try:
         if options.server_argv:
@@ -221,7 +225,7 @@ def start_donor(
         session.remember_tree()
         progress("capturing the process tree with CRIU")
         captured = capture(
-            session, ready, image=image, force=force, criu=criu, native=native,
+            session, ready, staging=staging, criu=criu, native=native,
             server_argv=argv, server_cwd=cwd, options=options, timings=timings,
         )  # fmt: skip
         session.image = captured.image
@@ -248,6 +252,7 @@ def start_donor(
         )
         return session, report, None
     except BaseException as error:
+        staging.abort()
         _, audit = session.stop()
         if isinstance(error, SnapctlError):
             error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"

@@ -1,0 +1,265 @@
+"""End to end with real CRIU and the bundled fixture: donor capture → image → copies.
+
+Each test uses its own state directory and image path under tmp_path, and checks the cleanup
+audit after every stop: no process, mount, directory or listener left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapctl.activation.copy import RestoreError, start_copy
+from snapctl.activation.donor import CaptureError, start_donor
+from snapctl.activation.launch import LaunchError, LaunchOptions
+from snapctl.activation.native import NoNativeStep
+from snapctl.activation.session import Session
+from snapctl.criu import CriuBinary
+from snapctl.images import ImageError, verify_image
+from snapctl.images.store import hash_tree
+from snapctl.supervision.state import StateDir
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+API_KEY = "test-key-123"
+PROMPT = "The capital of"
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
+    monkeypatch.setenv("SNAPCTL_TEST_API_KEY", API_KEY)
+    # One model per test session would be faster, but a fresh state dir proves the build path.
+    return StateDir(tmp_path / "state")
+
+
+@pytest.fixture
+def running() -> Iterator[list[Session]]:
+    sessions: list[Session] = []
+    yield sessions
+    for session in sessions:
+        if not session.stopped:
+            session.stop()
+
+
+def options(**changes: object) -> LaunchOptions:
+    base = LaunchOptions(api_key_env="SNAPCTL_TEST_API_KEY", timeout_s=120)
+    for key, value in changes.items():
+        setattr(base, key, value)
+    return base
+
+
+def get(published: str, path: str, key: str | None = API_KEY) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(f"http://{published}{path}")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def complete(published: str) -> tuple[list[int], str]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{published}/v1", api_key=API_KEY, max_retries=0)
+    result = client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0,
+        logprobs=1,
+    )  # fmt: skip
+    choice = result.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs
+    return [round(x, 4) for x in choice.logprobs.token_logprobs if x is not None], choice.text
+
+
+def stop_clean(session: Session) -> None:
+    how, audit = session.stop()
+    assert audit.clean, audit.describe()
+    assert how in ("terminated", "killed", "exited")
+
+
+def test_donor_then_two_copies_serve_identically(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    image = tmp_path / "image"
+    donor, report, _ = start_donor(
+        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(donor)
+    assert report.published and report.dump_stats is not None
+    assert report.dump_stats.pages_written > 0
+    assert len(report.pids) >= 2  # frontend and the spawned engine
+    manifest = verify_image(image)
+    assert manifest.capture_id and any(n.startswith("shm/") for n in manifest.files)
+    assert "***" not in " ".join(manifest.server_argv) or "--api-key" in manifest.server_argv
+    hashes_before = hash_tree(image)
+
+    assert get(report.published, "/v1/models", key=None)[0] == 401
+    assert get(report.published, "/v1/models", key="wrong")[0] == 401
+    reference = complete(report.published)
+    digests = get(report.published, "/v1/debug/param-digests")[1]
+    stop_clean(donor)
+
+    for _ in range(2):
+        copy, copy_report = start_copy(
+            image, options(), criu=criu_binary, native=NoNativeStep(),
+            publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+        )  # fmt: skip
+        running.append(copy)
+        assert copy_report.published and copy_report.handshake_phases[-1] == "validated"
+        assert complete(copy_report.published) == reference
+        assert get(copy_report.published, "/v1/debug/param-digests")[1] == digests
+        stop_clean(copy)
+    assert hash_tree(image) == hashes_before  # restores only read the image
+
+
+def test_copy_while_donor_runs_shares_no_state(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    image = tmp_path / "image"
+    donor, report, _ = start_donor(
+        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(donor)
+    copy, copy_report = start_copy(
+        image, options(), criu=criu_binary, native=NoNativeStep(),
+        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(copy)
+    assert report.published and copy_report.published
+    assert complete(copy_report.published) == complete(report.published)
+    before = get(copy_report.published, "/v1/debug/shm")[1]
+    request = urllib.request.Request(
+        f"http://{report.published}/v1/debug/shm",
+        data=json.dumps({"marker": 4242}).encode(),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        assert response.status == 200
+    assert get(report.published, "/v1/debug/shm")[1]["marker"] == 4242
+    assert get(copy_report.published, "/v1/debug/shm")[1]["marker"] == before["marker"]
+    stop_clean(copy)
+    stop_clean(donor)
+
+
+FAILING_ACTION_SCRIPT = """#!/bin/sh
+[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && exit 7
+exit 0
+"""
+
+
+@pytest.mark.parametrize("fault", ["criu", "action-script"])
+def test_dump_fault_publishes_nothing_and_cleans_up(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+) -> None:  # fmt: skip
+    if fault == "criu":
+        monkeypatch.setenv("CRIU_FAULT", "1")  # CRIU's FI_DUMP_EARLY: the dump fails
+    else:
+        monkeypatch.setattr("snapctl.criu.ops.ACTION_SCRIPT", FAILING_ACTION_SCRIPT)
+    image = tmp_path / "image"
+    with pytest.raises(CaptureError, match="no image published") as info:
+        start_donor(
+            options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+            publish=None, state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert "cleanup: clean" in str(info.value)
+    assert not image.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".image")] == []
+    assert list(state.activations.iterdir()) == []
+
+
+def test_failed_restore_leaves_nothing_and_image_stays_usable(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    image = tmp_path / "image"
+    donor, _, _ = start_donor(
+        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=None, state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(donor)
+    stop_clean(donor)
+    monkeypatch.setenv("CRIU_FAULT", "4")  # opening a link remap fails on restore
+    with pytest.raises(RestoreError, match="criu restore failed") as info:
+        start_copy(
+            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
+            state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert "cleanup: clean" in str(info.value)
+    assert list(state.activations.iterdir()) == []
+    monkeypatch.delenv("CRIU_FAULT")
+    verify_image(image)
+    copy, copy_report = start_copy(
+        image, options(), criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0),
+        state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(copy)
+    assert copy_report.published and get(copy_report.published, "/v1/models")[0] == 200
+    stop_clean(copy)
+
+
+def test_corrupted_image_is_refused_before_criu(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    image = tmp_path / "image"
+    donor, _, _ = start_donor(
+        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=None, state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(donor)
+    stop_clean(donor)
+    pages = max((image / "criu").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[100] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    with pytest.raises(ImageError, match=pages.name):
+        start_copy(
+            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
+            state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert not state.activations.exists() or list(state.activations.iterdir()) == []
+
+
+def test_existing_image_refused(tmp_path: Path, state: StateDir, criu_binary: CriuBinary) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "keep").write_text("precious")
+    with pytest.raises(ImageError, match="already exists"):
+        start_donor(
+            options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+            publish=None, state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert (image / "keep").read_text() == "precious"
+    assert list(state.activations.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "timeout_s", "match"),
+    [
+        ("import sys; sys.exit(3)", 30.0, "exited before capture-ready"),
+        ("import time; time.sleep(60)", 1.5, "did not appear within"),
+    ],
+)
+def test_server_that_never_gets_ready(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, code: str, timeout_s: float,
+    match: str,
+) -> None:  # fmt: skip
+    argv = [sys.executable, "-c", code]
+    with pytest.raises(LaunchError, match=match) as info:
+        start_donor(
+            options(server_argv=argv, timeout_s=timeout_s), image=tmp_path / "image",
+            force=False, criu=criu_binary, native=NoNativeStep(), publish=None, state=state,
+            progress=lambda step: None,
+        )  # fmt: skip
+    assert "cleanup: clean" in str(info.value)
+    assert not (tmp_path / "image").exists()
+    assert os.listdir(state.activations) == []
