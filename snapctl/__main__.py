@@ -1,3 +1,5 @@
+"""``python -m snapctl``: the same entry point as the ``snapctl`` script."""
+
 from snapctl.cli import main
 
-main()
+raise SystemExit(main())

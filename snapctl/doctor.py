@@ -1,0 +1,354 @@
+"""``snapctl doctor``: can this machine capture and restore a server tree with CRIU?
+
+This module owns the checks and the report; ``snapctl/cli/doctor.py`` only renders it. Every
+check yields a :class:`Check` with a status, what was seen and, when not ``ok``, how to fix it. A
+``fail`` means capture cannot work here (no usable CRIU, ``criu check`` fails, not root, missing
+capabilities, no namespaces); a ``warn`` degrades something optional; ``info`` only informs.
+All access to the machine goes through :class:`System`, so tests can swap in a fake.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl import __version__
+from snapctl.criu.locate import INSTALL_HINT, CriuBinary, find_criu
+from snapctl.errors import SnapctlError
+
+CheckStatus = Literal["ok", "warn", "fail", "info"]
+
+# Capability bit numbers from linux/capability.h. A root-mode CRIU dump/restore of a tree in its
+# own namespaces needs all of these; CAP_SYS_RESOURCE only lets CRIU raise its own RLIMIT_NOFILE.
+CAPABILITIES: dict[str, int] = {
+    "CAP_CHOWN": 0,
+    "CAP_DAC_OVERRIDE": 1,
+    "CAP_DAC_READ_SEARCH": 2,
+    "CAP_FOWNER": 3,
+    "CAP_KILL": 5,
+    "CAP_SETGID": 6,
+    "CAP_SETUID": 7,
+    "CAP_NET_ADMIN": 12,
+    "CAP_SYS_CHROOT": 18,
+    "CAP_SYS_PTRACE": 19,
+    "CAP_SYS_ADMIN": 21,
+    "CAP_SYS_RESOURCE": 24,
+    "CAP_CHECKPOINT_RESTORE": 40,
+}
+OPTIONAL_CAPABILITIES = frozenset({"CAP_SYS_RESOURCE"})
+NAMESPACE_PROBE = ("--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "true")
+MINIMUM_PYTHON = (3, 11)
+SEARCH_ORDER = "SNAPCTL_CRIU, the prefix, PATH"
+
+
+class Check(BaseModel):
+    """One line of the report."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str
+    status: CheckStatus
+    detail: str
+    fix: str | None = None
+
+
+class DoctorReport(BaseModel):
+    """All checks; ``ready`` is false when any check failed (capture cannot work here)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: Literal[1] = 1
+    snapctl_version: str
+    ready: bool
+    checks: tuple[Check, ...]
+
+    @classmethod
+    def from_checks(cls, checks: Sequence[Check]) -> DoctorReport:
+        ready = all(check.status != "fail" for check in checks)
+        return cls(snapctl_version=__version__, ready=ready, checks=tuple(checks))
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(check.name for check in self.checks if check.status == "fail")
+
+
+class System:
+    """The machine as the doctor sees it; tests override methods to fake a different one."""
+
+    def run(self, argv: Sequence[str], timeout_s: float) -> tuple[int, str]:
+        """Run ``argv``: (exit status, stdout and stderr); OSError or TimeoutExpired if it can't."""
+        proc = subprocess.run(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+        )
+        return proc.returncode, proc.stdout.strip()
+
+    def read_text(self, path: str) -> str:
+        return Path(path).read_text()
+
+    def geteuid(self) -> int:
+        return os.geteuid()
+
+    def which(self, name: str) -> str | None:
+        return shutil.which(name)
+
+    def uname(self) -> tuple[str, str]:
+        """Kernel release and machine architecture."""
+        return platform.release(), platform.machine()
+
+    def find_criu(self, explicit: str | None) -> CriuBinary:
+        return find_criu(explicit)
+
+    def python(self) -> tuple[tuple[int, int, int], str]:
+        major, minor, micro = sys.version_info[:3]
+        return (major, minor, micro), sys.executable
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def _tail(text: str, lines: int = 3) -> str:
+    kept = [line.strip() for line in text.splitlines() if line.strip()][-lines:]
+    return " | ".join(kept) if kept else "(no output)"
+
+
+def _run_probe(system: System, argv: Sequence[str], timeout_s: float) -> tuple[bool, str]:
+    """Run a probe command; (succeeded, output or the reason it could not run)."""
+    try:
+        returncode, output = system.run(argv, timeout_s)
+    except subprocess.TimeoutExpired:
+        return False, f"timed out after {timeout_s:g} s"
+    except OSError as error:
+        return False, f"cannot run {argv[0]}: {error.strerror or error}"
+    return returncode == 0, output
+
+
+def check_root(system: System) -> Check:
+    euid = system.geteuid()
+    if euid == 0:
+        return Check(name="root", status="ok", detail="running as root (euid 0)")
+    return Check(
+        name="root",
+        status="fail",
+        detail=f"running as euid {euid}",
+        fix="run snapctl as root: CRIU dumps and restores whole process trees and namespaces",
+    )
+
+
+def effective_capabilities(status_text: str) -> int:
+    """The ``CapEff`` mask from the text of ``/proc/self/status``."""
+    for line in status_text.splitlines():
+        if line.startswith("CapEff:"):
+            return int(line.split(":", 1)[1].strip(), 16)
+    raise ValueError("no CapEff line in /proc/self/status")
+
+
+def check_capabilities(system: System) -> Check:
+    try:
+        mask = effective_capabilities(system.read_text("/proc/self/status"))
+    except (OSError, ValueError) as error:
+        return Check(name="capabilities", status="fail", detail=f"cannot read CapEff: {error}")
+    missing = [name for name, bit in CAPABILITIES.items() if not mask >> bit & 1]
+    needed = [name for name in missing if name not in OPTIONAL_CAPABILITIES]
+    if needed:
+        return Check(
+            name="capabilities",
+            status="fail",
+            detail=f"missing {', '.join(needed)}",
+            fix="run with full root capabilities (for a container: --privileged, or add "
+            + ", ".join(name.removeprefix("CAP_") for name in needed)
+            + ")",
+        )
+    if missing:
+        return Check(
+            name="capabilities",
+            status="warn",
+            detail=f"all needed present; {', '.join(missing)} missing (harmless: CRIU only logs "
+            "that it cannot raise its own RLIMIT_NOFILE)",
+        )
+    return Check(name="capabilities", status="ok", detail="all capabilities CRIU needs")
+
+
+def check_kernel(system: System) -> Check:
+    release, machine = system.uname()
+    if machine != "x86_64":
+        return Check(
+            name="kernel",
+            status="warn",
+            detail=f"{release} on {machine}",
+            fix="scripts/install-criu supports x86_64 only; provide CRIU >= 4.2 yourself",
+        )
+    return Check(name="kernel", status="info", detail=f"{release} on {machine}")
+
+
+def _criu_fix(error: SnapctlError, explicit: str | None) -> str:
+    # find_criu never falls back from a CRIU named explicitly, so say how to name a usable one
+    # (or to stop naming one) rather than how to install one.
+    if error.path is not None:
+        if explicit and error.path == Path(explicit):
+            return f"--criu must name a CRIU >= 4.2, or leave it out to search {SEARCH_ORDER}"
+        env = os.environ.get("SNAPCTL_CRIU")
+        if env and error.path == Path(env):
+            return "SNAPCTL_CRIU must name a CRIU >= 4.2, or unset it to search the prefix and PATH"
+    return INSTALL_HINT
+
+
+def check_criu(system: System, explicit: str | None) -> tuple[Check, CriuBinary | None]:
+    try:
+        criu = system.find_criu(explicit)
+    except SnapctlError as error:
+        return Check(
+            name="criu", status="fail", detail=error.message, fix=_criu_fix(error, explicit)
+        ), None
+    except (OSError, subprocess.SubprocessError) as error:
+        return Check(name="criu", status="fail", detail=str(error), fix=INSTALL_HINT), None
+    detail = f"{criu.version} at {criu.path} (found by {criu.source})"
+    return Check(name="criu", status="ok", detail=detail), criu
+
+
+def check_criu_check(system: System, criu: CriuBinary | None) -> Check:
+    if criu is None:
+        return Check(name="criu check", status="fail", detail="not run: no usable CRIU")
+    passed, output = _run_probe(system, [str(criu.path), "check"], timeout_s=60)
+    if passed:
+        return Check(name="criu check", status="ok", detail=_last_line(output))
+    return Check(
+        name="criu check",
+        status="fail",
+        detail=_tail(output),
+        fix=f"see `{criu.path} check -v4`; kernel and CRIU version must match (kernels >= 6.13 "
+        "need CRIU >= 4.2)",
+    )
+
+
+def check_lazy_restore(system: System, criu: CriuBinary | None) -> Check:
+    name = "lazy restore"
+    if criu is None:
+        return Check(name=name, status="warn", detail="not run: no usable CRIU")
+    argv = [str(criu.path), "check", "--feature", "uffd-noncoop"]
+    passed, output = _run_probe(system, argv, timeout_s=30)
+    if passed:
+        return Check(name=name, status="ok", detail="userfaultfd (uffd-noncoop) supported")
+    return Check(
+        name=name,
+        status="warn",
+        detail=f"uffd-noncoop unsupported: {_tail(output, 1)}",
+        fix="lazy restore needs userfaultfd in the kernel; plain restore still works",
+    )
+
+
+def check_unshare(system: System) -> tuple[Check, str | None]:
+    path = system.which("unshare")
+    if path is None:
+        fix = "install util-linux (apt-get install util-linux)"
+        return Check(name="unshare", status="fail", detail="not found on PATH", fix=fix), None
+    return Check(name="unshare", status="ok", detail=path), path
+
+
+def check_namespaces(system: System, unshare: str | None) -> Check:
+    name = "namespaces"
+    if unshare is None:
+        return Check(name=name, status="fail", detail="not tested: unshare is missing")
+    passed, output = _run_probe(system, [unshare, *NAMESPACE_PROBE], timeout_s=20)
+    if passed:
+        return Check(name=name, status="ok", detail="can create pid, net, ipc, uts and mnt ones")
+    return Check(
+        name=name,
+        status="fail",
+        detail=f"unshare failed: {_tail(output, 1)}",
+        fix="run as root without a seccomp/AppArmor profile that forbids unshare "
+        "(a privileged container)",
+    )
+
+
+def _unescape_mount(field: str) -> str:
+    # /proc/self/mounts escapes space, tab, newline and backslash as octal (\040).
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def mount_type(mounts_text: str, mount_point: str) -> str | None:
+    """The filesystem type mounted at ``mount_point`` (the topmost of stacked mounts)."""
+    found = None
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and _unescape_mount(fields[1]) == mount_point:
+            found = fields[2]
+    return found
+
+
+def check_dev_shm(system: System) -> Check:
+    try:
+        fstype = mount_type(system.read_text("/proc/self/mounts"), "/dev/shm")
+    except OSError as error:
+        return Check(name="/dev/shm", status="warn", detail=f"cannot read mounts: {error}")
+    if fstype == "tmpfs":
+        return Check(name="/dev/shm", status="ok", detail="tmpfs")
+    detail = "not a mount point" if fstype is None else f"is {fstype}, not tmpfs"
+    return Check(
+        name="/dev/shm",
+        status="warn",
+        detail=detail,
+        fix="mount a tmpfs on /dev/shm: servers keep named semaphores and shared memory there",
+    )
+
+
+def check_cuda_checkpoint(system: System) -> Check:
+    path = system.which("cuda-checkpoint")
+    if path is None:
+        return Check(
+            name="cuda-checkpoint",
+            status="info",
+            detail="not found (only servers that hold CUDA state need it)",
+        )
+    return Check(name="cuda-checkpoint", status="info", detail=path)
+
+
+def check_python(system: System) -> Check:
+    version, executable = system.python()
+    shown = ".".join(map(str, version))
+    if version[:2] < MINIMUM_PYTHON:
+        return Check(
+            name="python",
+            status="fail",
+            detail=f"{shown} at {executable}",
+            fix="snapctl needs Python >= 3.11; run scripts/setup",
+        )
+    return Check(name="python", status="ok", detail=f"{shown} at {executable}")
+
+
+def run_doctor(criu: str | None = None, system: System | None = None) -> DoctorReport:
+    """Run every check (``criu`` names a CRIU binary to use) and return the report."""
+    system = system or System()
+    criu_found, binary = check_criu(system, criu)
+    unshare_found, unshare = check_unshare(system)
+    checks = [
+        check_root(system),
+        check_capabilities(system),
+        check_kernel(system),
+        criu_found,
+        check_criu_check(system, binary),
+        check_lazy_restore(system, binary),
+        unshare_found,
+        check_namespaces(system, unshare),
+        check_dev_shm(system),
+        check_cuda_checkpoint(system),
+        check_python(system),
+    ]
+    return DoctorReport.from_checks(checks)

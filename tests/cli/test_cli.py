@@ -1,0 +1,192 @@
+"""The snapctl CLI: version, lazy command listing, error-to-exit-status mapping, doctor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from snapctl import __version__
+from snapctl.cli import COMMANDS, load_command, main, snapctl
+from snapctl.criu import CriuError
+from snapctl.doctor import DoctorReport
+from snapctl.errors import CanaryMismatchError, ExitStatus, SnapctlError
+
+HEAVY_MODULES = ("pydantic", "rich", "psutil", "pyroute2", "watchdog")
+
+
+@pytest.fixture
+def raising(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BaseException]]:
+    """A ``boom`` command that raises whatever the test puts in the returned list."""
+    to_raise: list[BaseException] = []
+
+    @click.command()
+    def boom() -> None:
+        """Raise the exception the test chose."""
+        raise to_raise[0]
+
+    monkeypatch.setitem(snapctl.commands, "boom", boom)
+    yield to_raise
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(snapctl, ["--version"])
+
+    assert result.exit_code == 0 and result.stdout == f"snapctl {__version__}\n"
+
+
+def test_help_lists_every_command() -> None:
+    result = CliRunner().invoke(snapctl, ["--help"])
+
+    assert result.exit_code == 0 and "--traceback" in result.stdout
+    for name, lazy in COMMANDS.items():
+        assert f"{name}  " in result.stdout and lazy.short_help in result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_listed_command_loads_and_matches_its_listing(name: str) -> None:
+    command = load_command(name, COMMANDS[name].target)
+
+    assert command.name == name
+    assert (command.help or "").strip().splitlines()[0] == COMMANDS[name].short_help
+
+
+def test_help_imports_no_command_and_nothing_heavy() -> None:
+    # --help must stay fast: the group lists commands from COMMANDS without importing them.
+    probe = (
+        "import sys\n"
+        "from snapctl.cli import main\n"
+        "code = main(['--help'])\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in sys.argv[1:]"
+        " or m.startswith('snapctl.cli.')]\n"
+        "print(sorted(loaded))\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *HEAVY_MODULES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_snapctl_error_is_one_red_line_with_phase_and_path(
+    raising: list[BaseException], capsys: pytest.CaptureFixture[str]
+) -> None:
+    raising.append(SnapctlError("control dir is not empty", phase="prepare", path="/run/x"))
+
+    code = main(["boom"])
+
+    assert code == ExitStatus.ERROR
+    assert capsys.readouterr().err == "error: control dir is not empty [phase: prepare] (/run/x)\n"
+
+
+def test_criu_error_names_its_log_once_and_shows_the_tail(
+    raising: list[BaseException], capsys: pytest.CaptureFixture[str]
+) -> None:
+    raising.append(CriuError("dump", 1, Path("/logs/dump.log"), "Error (cr-dump.c:1): boom"))
+
+    code = main(["boom"])
+
+    err = capsys.readouterr().err
+    assert code == ExitStatus.CAPTURE_FAILED
+    assert err.splitlines() == [
+        "error: criu dump exited with status 1 (log: /logs/dump.log)",
+        "Error (cr-dump.c:1): boom",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (CriuError("restore", None, Path("/r.log"), ""), ExitStatus.ACTIVATION_FAILED),
+        (CanaryMismatchError("canary text differs"), ExitStatus.VERIFY_FAILED),
+        (KeyboardInterrupt(), ExitStatus.INTERRUPTED),
+        (ValueError("unexpected"), ExitStatus.ERROR),
+    ],
+)
+def test_exit_status_mapping(
+    raising: list[BaseException],
+    capsys: pytest.CaptureFixture[str],
+    error: BaseException,
+    status: ExitStatus,
+) -> None:
+    raising.append(error)
+
+    assert main(["boom"]) == status
+    if isinstance(error, ValueError):
+        assert "error: ValueError: unexpected (--traceback shows where)" in capsys.readouterr().err
+
+
+def test_declared_exit_status_wins(raising: list[BaseException]) -> None:
+    error = SnapctlError("image identity differs")
+    error.exit_status = ExitStatus.ACTIVATION_FAILED  # type: ignore[attr-defined]
+    raising.append(error)
+
+    assert main(["boom"]) == ExitStatus.ACTIVATION_FAILED
+
+
+@pytest.mark.parametrize("error", [SnapctlError("x"), KeyboardInterrupt(), ValueError("y")])
+def test_traceback_flag_reraises(raising: list[BaseException], error: BaseException) -> None:
+    raising.append(error)
+
+    with pytest.raises(type(error)):
+        main(["--traceback", "boom"])
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["no-such-command"]) == ExitStatus.USAGE
+    assert "No such command" in capsys.readouterr().err
+
+
+def test_doctor_json_is_one_valid_report() -> None:
+    result = CliRunner().invoke(snapctl, ["doctor", "--json"])
+
+    report = DoctorReport.model_validate_json(result.stdout)
+    assert len(result.stdout.splitlines()) == 1
+    assert result.exit_code == (ExitStatus.OK if report.ready else ExitStatus.ERROR)
+    assert {"criu", "criu check", "root", "namespaces"} <= {check.name for check in report.checks}
+
+
+@pytest.mark.criu
+def test_doctor_reports_ok_on_a_capture_machine() -> None:
+    result = CliRunner().invoke(snapctl, ["doctor", "--json"])
+
+    report = json.loads(result.stdout)
+    assert result.exit_code == 0, result.output
+    assert report["ready"] is True
+    statuses = {check["name"]: check["status"] for check in report["checks"]}
+    assert statuses["criu"] == statuses["criu check"] == statuses["namespaces"] == "ok"
+
+
+def test_doctor_table_renders(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["doctor"])
+
+    out = capsys.readouterr().out
+    assert code in (ExitStatus.OK, ExitStatus.ERROR)
+    assert "criu check" in out and "namespaces" in out
+
+
+def test_doctor_with_a_bogus_criu_fails_clearly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bogus = tmp_path / "no-such-criu"
+
+    code = main(["doctor", "--json", "--criu", str(bogus)])
+
+    captured = capsys.readouterr()
+    criu = {check["name"]: check for check in json.loads(captured.out)["checks"]}["criu"]
+    assert code == ExitStatus.ERROR
+    assert criu["status"] == "fail"
+    assert criu["detail"] == f"CRIU given by option does not exist: {bogus}"
+    assert criu["fix"].startswith("--criu must name a CRIU >= 4.2")
+    assert captured.err == "error: capture cannot work here: criu, criu check failed\n"

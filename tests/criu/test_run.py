@@ -1,0 +1,88 @@
+"""run_criu: the fixed options, the argv file beside the log, failures and timeouts."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from snapctl.criu import CriuBinary, CriuError, run_criu
+
+# A fake criu: records its argv and environment, writes a log to --log-file, then behaves as
+# FAKE_MODE says (ok, fail, hang).
+FAKE_CRIU = """#!/bin/sh
+printf '%s\\n' "$@" > "$FAKE_DIR/argv"
+log=
+prev=
+for arg in "$@"; do
+    [ "$prev" = --log-file ] && log=$arg
+    prev=$arg
+done
+echo "(00.000001) Version: 4.2.1" > "$log"
+case "$FAKE_MODE" in
+    ok) echo "(00.000100) Dumping finished successfully" >> "$log"; exit 0 ;;
+    fail)
+        echo "(00.000050) Error (criu/cr-dump.c:2093): boom: tree is not a session leader" >> "$log"
+        for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30
+        do echo "(00.000060) filler line $i" >> "$log"; done
+        echo "on stdout" ; exit 1 ;;
+    hang) exec sleep 30 ;;
+esac
+exit 42
+"""
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CriuBinary:
+    path = tmp_path / "criu"
+    path.write_text(FAKE_CRIU)
+    path.chmod(0o755)
+    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+    return CriuBinary(path=path, version="4.2.1", source="option")
+
+
+def test_success_records_the_exact_argv_beside_the_log(fake: CriuBinary, tmp_path: Path) -> None:
+    images, log = tmp_path / "img", tmp_path / "logs" / "dump.log"
+
+    result = run_criu(
+        fake, "dump", images, log, ["--tree", "7"], timeout_s=10, env={"FAKE_MODE": "ok"}
+    )
+
+    expected = (str(fake.path), "dump", "--images-dir", str(images), "--log-file", str(log))
+    assert result.argv == (*expected, "-v4", "--tree", "7")
+    assert (tmp_path / "argv").read_text().splitlines() == list(result.argv[1:])
+    assert (log.parent / "dump.argv").read_text() == shlex.join(result.argv) + "\n"
+    assert result.log_path == log and result.action == "dump" and result.seconds >= 0
+
+
+def test_failure_raises_with_the_log_tail(fake: CriuBinary, tmp_path: Path) -> None:
+    log = tmp_path / "dump.log"
+
+    with pytest.raises(CriuError) as caught:
+        run_criu(fake, "dump", tmp_path, log, timeout_s=10, env={"FAKE_MODE": "fail"})
+
+    error = caught.value
+    assert (error.action, error.returncode, error.log_path) == ("dump", 1, log)
+    assert "criu dump exited with status 1" in str(error) and str(log) in str(error)
+    assert error.path == log
+    # The error line survives even though it scrolled out of the last 25 lines.
+    assert "boom: tree is not a session leader" in error.tail
+    assert "filler line 30" in error.tail and "on stdout" in error.tail
+
+
+def test_timeout_raises_without_a_returncode(fake: CriuBinary, tmp_path: Path) -> None:
+    with pytest.raises(CriuError, match="criu restore timed out") as caught:
+        run_criu(
+            fake, "restore", tmp_path, tmp_path / "r.log", timeout_s=0.5, env={"FAKE_MODE": "hang"}
+        )
+
+    assert caught.value.returncode is None
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1, float("inf"), float("nan")])
+def test_timeout_must_be_positive_and_finite(
+    fake: CriuBinary, tmp_path: Path, timeout_s: float
+) -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_criu(fake, "dump", tmp_path, tmp_path / "x.log", timeout_s=timeout_s)
