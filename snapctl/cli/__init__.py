@@ -37,6 +37,18 @@ COMMANDS: dict[str, LazyCommand] = {
     "doctor": LazyCommand(
         "snapctl.cli.doctor:doctor", "Check that this machine can capture and restore with CRIU."
     ),
+    "donor": LazyCommand(
+        "snapctl.cli.donor:donor", "Capture a server and keep the original serving."
+    ),
+    "copy": LazyCommand("snapctl.cli.copy:copy", "Restore a copy of an image and serve it."),
+    "ps": LazyCommand("snapctl.cli.activations:ps", "List running activations."),
+    "stop": LazyCommand(
+        "snapctl.cli.activations:stop", "Stop an activation and clean up after it."
+    ),
+    "logs": LazyCommand("snapctl.cli.activations:logs", "Print an activation's server log."),
+    "inspect": LazyCommand(
+        "snapctl.cli.inspect:inspect", "Show an image's manifest (and verify it)."
+    ),
 }
 
 # CRIU actions whose failure means "the capture failed" or "the activation failed".
