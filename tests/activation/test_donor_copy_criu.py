@@ -263,3 +263,66 @@ def test_server_that_never_gets_ready(
     assert "cleanup: clean" in str(info.value)
     assert not (tmp_path / "image").exists()
     assert os.listdir(state.activations) == []
+
+
+def test_four_concurrent_copies_all_serve(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    from snapctl.activation.copy import start_copies
+
+    image = tmp_path / "image"
+    donor, report, _ = start_donor(
+        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(donor)
+    assert report.published
+    reference = complete(report.published)
+    stop_clean(donor)
+    results = start_copies(
+        image, options(), 4, criu=criu_binary, native=NoNativeStep(),
+        publish_base=("127.0.0.1", 0), state=state, progress=lambda step: None,
+    )  # fmt: skip
+    sessions = [r[0] for r in results if isinstance(r, tuple)]
+    running.extend(sessions)
+    assert len(sessions) == 4, [str(r) for r in results if not isinstance(r, tuple)]
+    for _, copy_report in (r for r in results if isinstance(r, tuple)):
+        assert copy_report.published and complete(copy_report.published) == reference
+    for session in sessions:
+        stop_clean(session)
+
+
+def test_recovery_fault_in_a_copy_fails_closed(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    from snapctl.activation.handshake import ActivationError
+
+    image = tmp_path / "image"
+    donor, _, _ = start_donor(
+        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=None, state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(donor)
+    stop_clean(donor)
+    weights = next(state.models.glob("fixture-*/model.safetensors"))
+    original = weights.read_bytes()
+    changed = bytearray(original)
+    changed[-10] ^= 0xFF  # a changed weights file: the copy's recovery must refuse it
+    weights.write_bytes(bytes(changed))
+    try:
+        with pytest.raises(ActivationError, match="recovery") as info:
+            start_copy(
+                image, options(), criu=criu_binary, native=NoNativeStep(),
+                publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+            )  # fmt: skip
+        assert info.value.phase is not None and info.value.phase.startswith("recovery")
+        assert "cleanup: clean" in str(info.value)
+    finally:
+        weights.write_bytes(original)
+    copy, copy_report = start_copy(
+        image, options(), criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0),
+        state=state, progress=lambda step: None,
+    )  # fmt: skip
+    running.append(copy)
+    assert copy_report.published and get(copy_report.published, "/v1/models")[0] == 200
+    stop_clean(copy)
