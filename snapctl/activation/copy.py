@@ -3,6 +3,7 @@ with CRIU, then activate the copy exactly like the donor."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from snapctl.criu import CriuBinary, read_restore_stats
 from snapctl.criu.ops import restore_tree
 from snapctl.errors import SnapctlError
 from snapctl.images import stage_shm_copy, verify_image
-from snapctl.supervision.process import PinnedProcess, become_subreaper
+from snapctl.supervision.process import PinnedProcess, ProcessGoneError, become_subreaper
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -54,13 +55,13 @@ def start_copy(
     session = new_session(state, "copy", options.name)
     session.image = image
     session.host, session.port = options.host, options.port
+    pidfile = session.dirs.work / "root.pid"
     try:
         progress("staging the copy's directories")
         started = time.monotonic()
         stage_shm_copy(image / "shm", session.dirs.shm)
         timings["stage"] = time.monotonic() - started
         progress("restoring with CRIU")
-        pidfile = session.dirs.work / "root.pid"
         started = time.monotonic()
         try:
             restore_tree(
@@ -112,6 +113,10 @@ def start_copy(
         )
         return session, report
     except BaseException as error:
+        if session.root is None and pidfile.exists():
+            # Interrupted after CRIU restored the tree but before we pinned it.
+            with contextlib.suppress(ProcessGoneError, ValueError):
+                session.root = PinnedProcess(int(pidfile.read_text().strip()))
         _, audit = session.stop()
         if isinstance(error, SnapctlError):
             error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"

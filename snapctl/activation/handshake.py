@@ -153,6 +153,13 @@ def probe_http_ready(
             status, body = http_get(connector, host, port, path, api_key, timeout_s=2.0)
             if status == 200:
                 return time.monotonic() - started
+            if status in (401, 403):
+                # Up, but refusing our key: waiting longer cannot help.
+                raise ActivationError(
+                    f"public port {host}:{port} answers {path} with HTTP {status}: the API key "
+                    "is missing or wrong (give it with --api-key-env)",
+                    phase="serve",
+                )
             last = f"HTTP {status}: {body[:200]!r}"
         except (TimeoutError, OSError, http.client.HTTPException) as error:
             last = f"{type(error).__name__}: {error}"

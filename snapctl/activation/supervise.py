@@ -22,7 +22,13 @@ from snapctl.supervision.state import ActivationRecord, StateDir
 
 def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
     """Serve until the tree exits, or SIGINT/SIGTERM arrives; then stop and audit."""
-    assert session.root is not None
+    return run_all_until_stopped([session], stop_timeout_s)[0]
+
+
+def run_all_until_stopped(
+    sessions: list[Session], stop_timeout_s: float = 10.0
+) -> list[tuple[str, CleanupAudit]]:
+    """Serve until every tree exited, or SIGINT/SIGTERM arrives; then stop and audit each."""
     stop = threading.Event()
 
     def request_stop(signum: int, frame: object) -> None:
@@ -30,12 +36,12 @@ def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[s
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not stop.is_set() and session.root.alive():
+        while not stop.is_set() and any(session.alive() for session in sessions):
             stop.wait(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return session.stop(stop_timeout_s)
+    return [session.stop(stop_timeout_s) for session in sessions]
 
 
 def detach(start: Callable[[], tuple[Session, Any]]) -> tuple[Session, Any] | None:

@@ -45,7 +45,7 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
         session, _ = child
         run_until_stopped(session)
         return
-    session, report = start(progress)
+    session, report = start_interruptible(progress, start)
     if as_json:
         emit_json(report)
     else:
@@ -55,3 +55,20 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
     if not as_json:
         style = "green" if audit.clean else "bold red"
         stderr().print(f"stopped ({how}); cleanup: {audit.describe()}", style=style)
+
+
+def start_interruptible(
+    progress: Progress, start: Callable[[Progress], tuple[Any, Any]]
+) -> tuple[Any, Any]:
+    """Run ``start`` with SIGTERM raising KeyboardInterrupt, so a stop request during launch or
+    restore still runs the cleanup of whatever was started (the default action would not)."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        return start(progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
