@@ -45,10 +45,9 @@ def run_all_until_stopped(
 
 
 def detach(start: Callable[[], tuple[Session, Any]]) -> tuple[Session, Any] | None:
-    """Fork a supervisor that runs ``start`` and then supervises; the parent gets its report.
+    """Fork a supervisor that runs ``start``; only the supervisor (child) returns.
 
-    Returns in the supervisor (child) with the session, and ``None``... never in the parent:
-    the parent prints the child's report line and exits with the child's status.
+    The parent prints the child's report line (or error) and exits with the child's status.
     """
     read_fd, write_fd = os.pipe()
     pid = os.fork()
