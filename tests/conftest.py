@@ -42,7 +42,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     pytest.skip(problem)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def criu_binary() -> CriuBinary:
     """The real CRIU (use together with ``@pytest.mark.criu``)."""
     criu, problem = _real_criu()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import signal
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
-from snapctl.supervision.process import PinnedProcess, wait_gone
+from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
 from snapctl.supervision.state import ActivationRecord, StateDir
 
 
@@ -38,6 +39,28 @@ class CleanupAudit(BaseModel):
     def describe(self) -> str:
         parts = [f"{k}: {v}" for k, v in self.model_dump().items() if v]
         return "; ".join(parts) or "clean"
+
+
+def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
+    """SIGKILL every process that still sees this activation's tmpfs; return the survivors.
+
+    After a normal stop there are none (PID 1 of the namespace took them along); they appear
+    when a start was interrupted before the tree's root was pinned, e.g. while CRIU restored.
+    Membership is re-checked after pinning, so a reused PID is never signalled.
+    """
+    pinned: list[PinnedProcess] = []
+    for pid in mounts.processes_with_mount_source(dirs.mount_source):
+        with contextlib.suppress(ProcessGoneError):
+            process = PinnedProcess(pid)
+            if pid in mounts.processes_with_mount_source(dirs.mount_source):
+                process.signal(signal.SIGKILL)
+                pinned.append(process)
+            else:
+                process.close()
+    for process in pinned:
+        process.wait(timeout_s)
+        process.close()
+    return mounts.processes_with_mount_source(dirs.mount_source)
 
 
 def _port_open(address: tuple[str, int]) -> bool:
@@ -136,6 +159,7 @@ class Session:
                 self.launcher.wait()
         # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
         left = wait_gone(self.tree_pids, stop_timeout_s)
+        left = sorted({*left, *end_stragglers(self.dirs, stop_timeout_s)})
         if not left and self.dirs.root.exists():
             self.dirs.remove()
         self.state.drop_record(self.name)

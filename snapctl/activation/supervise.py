@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from snapctl.activation.session import CleanupAudit, Session
+from snapctl.activation.session import CleanupAudit, Session, end_stragglers
 from snapctl.errors import SnapctlError
 from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
@@ -106,11 +106,12 @@ def stop_recorded(
     dirs = ActivationDirs(
         root=state.activations / record.activation_id, logs=state.logs / record.activation_id
     )
-    if dirs.root.exists():
+    left = end_stragglers(dirs, stop_timeout_s) if dirs.root.exists() else []
+    if dirs.root.exists() and not left:
         dirs.remove()
     state.drop_record(record.name)
     return how, CleanupAudit(
-        processes=[],
+        processes=left,
         mounts=mounts.mounts_under(dirs.root) if dirs.root.exists() else [],
         directories=[str(dirs.root)] if dirs.root.exists() else [],
         listeners=[],

@@ -81,22 +81,34 @@ def run_criu(
     # The exact argv beside the log makes every run reproducible by hand.
     log_path.with_suffix(".argv").write_text(shlex.join(argv) + "\n")
     started = time.monotonic()
-    try:
-        proc = subprocess.run(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            timeout=timeout_s,
-            env={**os.environ, **(env or {})},
-            pass_fds=tuple(pass_fds),
-            check=False,
-        )
-    except subprocess.TimeoutExpired as error:
-        raise CriuError(action, None, log_path, log_tail(log_path)) from error
+    # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt here waits for
+    # CRIU to finish: killed half-way, it leaves a frozen tree or an unknown restored one.
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+        pass_fds=tuple(pass_fds),
+        start_new_session=True,
+    )
+    interrupted: BaseException | None = None
+    deadline = started + timeout_s
+    while True:
+        try:
+            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0))
+            break
+        except subprocess.TimeoutExpired as error:
+            proc.kill()
+            proc.communicate()
+            raise CriuError(action, None, log_path, log_tail(log_path)) from error
+        except KeyboardInterrupt as error:
+            interrupted = error
+    if interrupted is not None:
+        raise interrupted
     seconds = time.monotonic() - started
     if proc.returncode != 0:
-        output = proc.stdout.decode(errors="replace").strip()
+        printed = output.decode(errors="replace").strip()
         tail = log_tail(log_path)
-        raise CriuError(action, proc.returncode, log_path, f"{output}\n{tail}".strip())
+        raise CriuError(action, proc.returncode, log_path, f"{printed}\n{tail}".strip())
     return CriuResult(action=action, argv=argv, log_path=log_path, seconds=seconds)

@@ -78,6 +78,11 @@ class ActivationDirs:
     def host_dir_for(self, key: str) -> Path:
         return {"control": self.control, "logs": self.logs, "shm": self.shm}[key]
 
+    @property
+    def mount_source(self) -> str:
+        """The shm tmpfs's source name: unique per activation, so its processes can be found."""
+        return f"snapctl-{self.root.name}"
+
     def binds(self) -> list[BindMount]:
         return [
             BindMount(host=str(self.host_dir_for(key)), target=target)
@@ -95,7 +100,7 @@ class ActivationDirs:
         fd = os.open(self.server_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.close(fd)
         os.chmod(self.server_log, 0o600)
-        mounts.mount_tmpfs(self.shm, f"mode=1777,size={shm_size}")
+        mounts.mount_tmpfs(self.shm, f"mode=1777,size={shm_size}", source=self.mount_source)
 
     def remove(self) -> None:
         """Unmount and delete everything but the logs (processes must be gone already)."""

@@ -6,6 +6,8 @@ import ctypes
 import os
 from pathlib import Path
 
+MS_RDONLY = 0x1
+MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
@@ -37,8 +39,8 @@ def umount(target: str | Path, detach: bool = False) -> None:
     _check(_libc.umount2(str(target).encode(), MNT_DETACH if detach else 0), f"umount {target}")
 
 
-def mount_tmpfs(target: str | Path, options: str) -> None:
-    mount("tmpfs", target, "tmpfs", 0, options)
+def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs") -> None:
+    mount(source, target, "tmpfs", 0, options)
 
 
 def bind(source: str | Path, target: str | Path) -> None:
@@ -58,6 +60,36 @@ def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
         point = fields[4].encode().decode("unicode_escape")
         entries.append((point, fields[separator + 1]))
     return entries
+
+
+def _mount_sources(pid: int | str) -> set[str]:
+    sources = set()
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        sources.add(fields[fields.index("-") + 2])
+    return sources
+
+
+def processes_with_mount_source(source: str) -> list[int]:
+    """PIDs of processes in *other* mount namespaces that see a mount named ``source``.
+
+    An activation's tmpfs carries a unique source name and every process of the activation
+    sees it, whatever its PID namespace or parent: this finds even a tree whose root PID was
+    never learnt (a restore interrupted before its pidfile was read).
+    """
+    own_namespace = os.stat("/proc/self/ns/mnt").st_ino
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry.name}/ns/mnt").st_ino == own_namespace:
+                continue
+            if source in _mount_sources(entry.name):
+                found.append(int(entry.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # exited while we looked, or a kernel thread without a namespace link
+    return sorted(found)
 
 
 def is_mountpoint(path: Path) -> bool:

@@ -17,23 +17,21 @@ import pytest
 
 from snapctl.activation.copy import RestoreError, start_copy
 from snapctl.activation.donor import CaptureError, start_donor
-from snapctl.activation.launch import LaunchError, LaunchOptions
+from snapctl.activation.launch import LaunchError
 from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary
 from snapctl.images import ImageError, verify_image
 from snapctl.images.store import hash_tree
 from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, get, options, stop_clean
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
-
-API_KEY = "test-key-123"
-PROMPT = "The capital of"
 
 
 @pytest.fixture
 def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
-    monkeypatch.setenv("SNAPCTL_TEST_API_KEY", API_KEY)
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
     # One model per test session would be faster, but a fresh state dir proves the build path.
     return StateDir(tmp_path / "state")
 
@@ -45,43 +43,6 @@ def running() -> Iterator[list[Session]]:
     for session in sessions:
         if not session.stopped:
             session.stop()
-
-
-def options(**changes: object) -> LaunchOptions:
-    base = LaunchOptions(api_key_env="SNAPCTL_TEST_API_KEY", timeout_s=120)
-    for key, value in changes.items():
-        setattr(base, key, value)
-    return base
-
-
-def get(published: str, path: str, key: str | None = API_KEY) -> tuple[int, dict[str, object]]:
-    request = urllib.request.Request(f"http://{published}{path}")
-    if key:
-        request.add_header("Authorization", f"Bearer {key}")
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read() or b"{}")
-
-
-def complete(published: str) -> tuple[list[int], str]:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"http://{published}/v1", api_key=API_KEY, max_retries=0)
-    result = client.completions.create(
-        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0,
-        logprobs=1,
-    )  # fmt: skip
-    choice = result.choices[0]
-    assert choice.logprobs is not None and choice.logprobs.token_logprobs
-    return [round(x, 4) for x in choice.logprobs.token_logprobs if x is not None], choice.text
-
-
-def stop_clean(session: Session) -> None:
-    how, audit = session.stop()
-    assert audit.clean, audit.describe()
-    assert how in ("terminated", "killed", "exited")
 
 
 def test_donor_then_two_copies_serve_identically(

@@ -1,0 +1,71 @@
+"""Shared pieces of the real-CRIU activation tests: launch options, HTTP helpers, audits."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from snapctl.activation.launch import LaunchOptions
+from snapctl.activation.session import Session
+from snapctl.namespaces import mounts
+from snapctl.supervision.state import StateDir
+
+API_KEY = "test-key-123"
+API_KEY_ENV = "SNAPCTL_TEST_API_KEY"
+PROMPT = "The capital of"
+
+
+def options(**changes: object) -> LaunchOptions:
+    """Launch options with an API key (from ``API_KEY_ENV``) and a generous timeout."""
+    base = LaunchOptions(api_key_env=API_KEY_ENV, timeout_s=120)
+    for key, value in changes.items():
+        setattr(base, key, value)
+    return base
+
+
+def get(published: str, path: str, key: str | None = API_KEY) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(f"http://{published}{path}")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"{}")
+
+
+def complete(published: str) -> tuple[list[float], str]:
+    """A greedy completion through the ``openai`` client: (log probabilities, text)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{published}/v1", api_key=API_KEY, max_retries=0)
+    result = client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0,
+        logprobs=1,
+    )  # fmt: skip
+    choice = result.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs
+    return [round(x, 4) for x in choice.logprobs.token_logprobs if x is not None], choice.text
+
+
+def stop_clean(session: Session) -> None:
+    how, audit = session.stop()
+    assert audit.clean, audit.describe()
+    assert how in ("terminated", "killed", "exited")
+
+
+def leftovers(state: StateDir, activation_ids: list[str] = []) -> list[str]:  # noqa: B006
+    """Anything of an activation still present: directories, mounts, and any process that
+    still sees one of ``activation_ids``' tmpfs (found even when its PID was never known)."""
+    found = [str(p) for p in state.activations.iterdir()] if state.activations.exists() else []
+    found += mounts.mounts_under(state.root)
+    for activation_id in activation_ids:
+        pids = mounts.processes_with_mount_source(f"snapctl-{activation_id}")
+        found += [f"pid {pid} of {activation_id}" for pid in pids]
+    return found
+
+
+def image_files(image: Path) -> list[str]:
+    return sorted(str(p.relative_to(image)) for p in image.rglob("*") if p.is_file())

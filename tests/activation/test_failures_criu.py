@@ -1,0 +1,225 @@
+"""Failures of donor capture and copy restore, with real CRIU: each one gives a clear reason
+and phase, publishes nothing half-made, and leaves no process, mount or directory behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapctl.activation.copy import RestoreError, start_copy
+from snapctl.activation.donor import CaptureError, start_donor
+from snapctl.activation.handshake import ActivationError
+from snapctl.activation.native import NoNativeStep
+from snapctl.activation.session import Session
+from snapctl.criu import CriuBinary
+from snapctl.images import ImageError, verify_image
+from snapctl.namespaces import mounts
+from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import (
+    API_KEY,
+    API_KEY_ENV,
+    get,
+    image_files,
+    leftovers,
+    options,
+    stop_clean,
+)
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StateDir]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(API_KEY_ENV, API_KEY)
+        yield StateDir(tmp_path_factory.mktemp("state"))
+
+
+@pytest.fixture(scope="module")
+def image(
+    tmp_path_factory: pytest.TempPathFactory, state: StateDir, criu_binary: CriuBinary
+) -> Path:
+    """One captured fixture image shared by the restore-failure tests (restores only read it)."""
+    path = tmp_path_factory.mktemp("images") / "image"
+    donor, _, _ = start_donor(
+        options(), image=path, force=False, criu=criu_binary, native=NoNativeStep(),
+        publish=None, state=state, progress=lambda step: None, activate_donor=False,
+    )  # fmt: skip
+    stop_clean(donor)
+    return path
+
+
+@pytest.fixture
+def small_mount(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs (root can fill it), unmounted afterwards."""
+    target = tmp_path / "small"
+    target.mkdir()
+    mounts.mount_tmpfs(target, "size=2m,mode=0755")
+    try:
+        yield target
+    finally:
+        mounts.umount(target, detach=True)
+
+
+def assert_restores(image: Path, state: StateDir, criu: CriuBinary) -> None:
+    """The image still verifies and a copy from it serves."""
+    verify_image(image)
+    session, report = start_copy(
+        image, options(), criu=criu, native=NoNativeStep(), publish=("127.0.0.1", 0),
+        state=state, progress=lambda step: None,
+    )  # fmt: skip
+    try:
+        assert report.published and get(report.published, "/v1/models")[0] == 200
+    finally:
+        stop_clean(session)
+
+
+def test_interrupt_after_restore_before_pin_leaves_nothing(
+    image: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C right after CRIU restored the tree, before snapctl learnt its root PID."""
+    import snapctl.activation.copy as copy_module
+
+    real_restore = copy_module.restore_tree
+    restored: list[str] = []
+
+    def restore_then_interrupt(criu: CriuBinary, images: Path, work: Path, log: Path,
+                               pidfile: Path, **kwargs: object) -> None:  # fmt: skip
+        real_restore(criu, images, work, log, pidfile, **kwargs)  # type: ignore[arg-type]
+        restored.append(work.parent.name)
+        pidfile.unlink()  # as if the interrupt came before the pidfile could be read
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(copy_module, "restore_tree", restore_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        start_copy(
+            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
+            state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert restored, "the restore ran"
+    assert leftovers(state, restored) == []
+
+
+def test_missing_staged_file_fails_restore_and_image_stays_usable(
+    image: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import snapctl.activation.copy as copy_module
+
+    real_stage = copy_module.stage_shm_copy
+    removed: list[str] = []
+
+    def stage_then_lose_a_file(source: Path, target: Path) -> None:
+        real_stage(source, target)
+        victim = next(p for p in sorted(target.iterdir()) if p.is_file())
+        removed.append(victim.name)
+        victim.unlink()
+
+    monkeypatch.setattr(copy_module, "stage_shm_copy", stage_then_lose_a_file)
+    before = image_files(image)
+    with pytest.raises(RestoreError, match="criu restore failed") as info:
+        start_copy(
+            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
+            state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert removed and info.value.phase == "restore"
+    assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
+    assert leftovers(state) == []
+    assert image_files(image) == before
+    monkeypatch.undo()
+    assert_restores(image, state, criu_binary)
+
+
+NEVER_BINDS = """
+import sys, time
+from snapctl.launcher import run_startup_capture
+from snapctl.protocol.models import Oracle, SnapshotConfig
+
+class Hooks:
+    def canary(self):
+        return Oracle(token_ids=[1], text="a", sampled_token_logprob=-0.5)
+    def release_memory(self): pass
+    def restore_memory(self): pass
+
+config = SnapshotConfig.model_validate_json(sys.argv[sys.argv.index("--snapshot-config") + 1])
+run_startup_capture(config, Hooks())
+time.sleep(3600)  # validated, but never binds its public port
+"""
+
+
+def test_public_port_that_never_answers_fails_in_phase_serve(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    script = tmp_path / "never_binds.py"
+    script.write_text(NEVER_BINDS)
+    image = tmp_path / "image"
+    with pytest.raises(ActivationError, match="port") as info:
+        start_donor(
+            options(server_argv=[sys.executable, str(script)], timeout_s=3.0), image=image,
+            force=False, criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0),
+            state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert info.value.phase == "serve"
+    assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
+    assert leftovers(state) == []
+    verify_image(image)  # the capture itself succeeded and stays published
+
+
+def test_disk_full_publishes_nothing(
+    small_mount: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    image = small_mount / "image"
+    with pytest.raises(CaptureError, match="no image published") as info:
+        start_donor(
+            options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+            publish=None, state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert info.value.phase == "capture" and "cleanup: clean" in str(info.value)
+    assert list(small_mount.iterdir()) == []  # no image, no staging directory
+    assert leftovers(state) == []
+
+
+def test_unwritable_image_path_refused_before_launch(
+    small_mount: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    mounts.mount("none", small_mount, None, mounts.MS_REMOUNT | mounts.MS_RDONLY)
+    with pytest.raises(ImageError, match="cannot create a staging directory") as info:
+        start_donor(
+            options(), image=small_mount / "image", force=False, criu=criu_binary,
+            native=NoNativeStep(), publish=None, state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert "Read-only file system" in str(info.value)
+    assert leftovers(state) == []
+
+
+def test_lo_address_serves_in_donor_and_copy(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    address = "10.77.1.2"  # exists only on the sandbox's loopback
+    image = tmp_path / "image"
+    running: list[Session] = []
+    try:
+        donor, report, _ = start_donor(
+            options(lo_addresses=[address], host=address), image=image, force=False,
+            criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0), state=state,
+            progress=lambda step: None,
+        )  # fmt: skip
+        running.append(donor)
+        assert report.host == address and report.published
+        assert get(report.published, "/v1/models")[0] == 200
+        stop_clean(donor)
+        copy, copy_report = start_copy(
+            image, options(host=address), criu=criu_binary, native=NoNativeStep(),
+            publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+        )  # fmt: skip
+        running.append(copy)
+        assert copy_report.published and get(copy_report.published, "/v1/models")[0] == 200
+        stop_clean(copy)
+    finally:
+        for session in running:
+            if not session.stopped:
+                session.stop()
+    assert os.listdir(state.activations) == []
