@@ -9,6 +9,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
 from snapctl.activation.donor import ActivationReport, activate_and_probe, new_session
 from snapctl.activation.launch import LaunchOptions, log_tail
 from snapctl.activation.native import NativeStep, tree_pids
@@ -21,6 +23,15 @@ from snapctl.supervision.process import PinnedProcess, ProcessGoneError, become_
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
+
+
+class CopiesReport(BaseModel):
+    """The machine-readable record of ``copy --count N``: each copy and the total wall time."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    copies: list[ActivationReport]
+    total_s: float
 
 
 class RestoreError(SnapctlError):
@@ -133,9 +144,12 @@ def start_copies(
     native: NativeStep,
     publish_base: tuple[str, int] | None,
     state: StateDir,
-    progress: Progress,
+    progress_for: Callable[[str], Progress],
 ) -> list[tuple[Session, ActivationReport] | SnapctlError]:
-    """Restore ``count`` copies at once, each with its own name, directories and port."""
+    """Restore ``count`` copies at once, each with its own name, directories and port.
+
+    ``progress_for(label)`` gives the progress callback of the copy labelled ``label``.
+    """
     verify_image(image.absolute(), cache_dir=state.verified)  # once, before the parallel starts
 
     def one(index: int) -> tuple[Session, ActivationReport] | SnapctlError:
@@ -148,7 +162,7 @@ def start_copies(
         try:
             return start_copy(
                 image, copy_options, criu=criu, native=native, publish=publish, state=state,
-                progress=lambda step: progress(f"copy {index + 1}: {step}"),
+                progress=progress_for(f"copy {index + 1}"),
             )  # fmt: skip
         except SnapctlError as error:
             return error

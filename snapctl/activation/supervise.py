@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,26 +29,38 @@ def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[s
 def run_all_until_stopped(
     sessions: list[Session], stop_timeout_s: float = 10.0
 ) -> list[tuple[str, CleanupAudit]]:
-    """Serve until every tree exited, or SIGINT/SIGTERM arrives; then stop and audit each."""
+    """Serve until every tree exited, or SIGINT/SIGTERM arrives; then stop and audit each.
+
+    A tree that exits (or is stopped with ``snapctl stop``) is cleaned up at once, while the
+    others keep serving.
+    """
     stop = threading.Event()
+    results: dict[int, tuple[str, CleanupAudit]] = {}
 
     def request_stop(signum: int, frame: object) -> None:
         stop.set()
 
     previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not stop.is_set() and any(session.alive() for session in sessions):
+        while not stop.is_set() and len(results) < len(sessions):
+            for index, session in enumerate(sessions):
+                if index not in results and not session.alive():
+                    results[index] = session.stop(stop_timeout_s)
             stop.wait(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    return [session.stop(stop_timeout_s) for session in sessions]
+    for index, session in enumerate(sessions):
+        if index not in results:
+            results[index] = session.stop(stop_timeout_s)
+    return [results[index] for index in range(len(sessions))]
 
 
-def detach(start: Callable[[], tuple[Session, Any]]) -> tuple[Session, Any] | None:
+def detach(start: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any] | None:
     """Fork a supervisor that runs ``start``; only the supervisor (child) returns.
 
-    The parent prints the child's report line (or error) and exits with the child's status.
+    ``start`` returns what the supervisor will supervise and a report (a pydantic model or a
+    JSON-ready dict). The parent prints the child's report (or error) and exits with its status.
     """
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -69,18 +82,19 @@ def detach(start: Callable[[], tuple[Session, Any]]) -> tuple[Session, Any] | No
     os.setsid()
     writer = os.fdopen(write_fd, "w")
     try:
-        session, report = start()
+        supervised, report = start()
     except SnapctlError as error:
         writer.write(json.dumps({"error": str(error).splitlines()[0], "status": 1}) + "\n")
         writer.close()
         os._exit(1)
-    writer.write(json.dumps({"report": report.model_dump(mode="json")}) + "\n")
+    record = report.model_dump(mode="json") if hasattr(report, "model_dump") else report
+    writer.write(json.dumps({"report": record}) + "\n")
     writer.close()
     # Detach stdio from the terminal: the supervisor lives on alone.
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    return session, report
+    return supervised, report
 
 
 def stop_recorded(
@@ -99,9 +113,17 @@ def stop_recorded(
         how = root.stop(stop_timeout_s)
         root.close()
     if supervisor is not None:
-        # The supervisor sees its tree gone, cleans up and exits; give it the time to.
-        if not supervisor.wait(stop_timeout_s):
-            supervisor.stop(stop_timeout_s)
+        # The supervisor sees the tree gone, cleans up and drops the record; give it the time.
+        deadline = time.monotonic() + stop_timeout_s
+        while state.record_path(record.name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        others = [
+            r
+            for r in state.load_records()
+            if r.supervisor_pid == record.supervisor_pid and r.name != record.name
+        ]
+        if not others and not supervisor.wait(stop_timeout_s):
+            supervisor.stop(stop_timeout_s)  # it supervised only this one and is stuck
         supervisor.close()
     dirs = ActivationDirs(
         root=state.activations / record.activation_id, logs=state.logs / record.activation_id

@@ -61,40 +61,57 @@ def serve_many(
     image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions
 ) -> None:
     """``--count N``: restore N copies at once, report each and the total, then supervise."""
+    from snapctl.activation.supervise import detach, run_all_until_stopped
+    from snapctl.cli.output import Steps, emit_json
+    from snapctl.cli.serving import render_copies, start_interruptible, wait_and_stop
+
+    if common.detach:
+        child = detach(lambda: start_many(image, options, count, criu, native, common, None))
+        assert child is not None
+        sessions, _ = child
+        run_all_until_stopped(sessions)
+        return
+    with Steps(quiet=common.as_json) as steps:
+        sessions, report = start_interruptible(
+            lambda: start_many(image, options, count, criu, native, common, steps)
+        )
+    if common.as_json:
+        emit_json(report)
+    else:
+        render_copies(report.copies, report.total_s)
+    wait_and_stop(sessions, as_json=common.as_json)
+
+
+def start_many(
+    image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
+    steps: Any,
+) -> tuple[list[Any], Any]:  # fmt: skip
+    """Start the copies; all or nothing: if one fails, the others are stopped too."""
     import time
 
-    from snapctl.activation.copy import start_copies
-    from snapctl.activation.supervise import run_all_until_stopped
-    from snapctl.cli.output import emit_json, note, stderr
+    from snapctl.activation.copy import CopiesReport, start_copies
     from snapctl.errors import SnapctlError
     from snapctl.supervision.state import StateDir
 
-    if common.detach:
-        raise click.UsageError("--count with --detach is not supported yet; detach one at a time")
     started = time.monotonic()
     results = start_copies(
         image, options, count, criu=criu, native=native, publish_base=common.publish,
-        state=StateDir(), progress=lambda step: note(f"• {step}", quiet=common.as_json),
+        state=StateDir(),
+        progress_for=(lambda label: lambda step: None) if steps is None else steps.lane,
     )  # fmt: skip
     total_s = time.monotonic() - started
     sessions = [result[0] for result in results if isinstance(result, tuple)]
-    failures = [str(result) for result in results if isinstance(result, SnapctlError)]
-    record = {
-        "copies": [r[1].model_dump(mode="json") for r in results if isinstance(r, tuple)],
-        "failures": failures,
-        "total_s": round(total_s, 6),
-    }
-    if common.as_json:
-        emit_json(record)
-    else:
-        for result in results:
-            if isinstance(result, tuple):
-                report = result[1]
-                line = f"{report.name}: ready in {sum(report.timings_s.values()):.3f} s"
-                stderr().print(f"{line}, published {report.published or '-'}")
-        stderr().print(f"{len(sessions)}/{count} copies ready in {total_s:.3f} s")
+    failures = [result for result in results if isinstance(result, SnapctlError)]
     if failures:
         for session in sessions:
             session.stop()
-        raise SnapctlError(f"{len(failures)} of {count} copies failed: {failures[0]}")
-    run_all_until_stopped(sessions)
+        if steps is not None:
+            for index, result in enumerate(results):
+                steps.end(f"copy {index + 1}", ok=isinstance(result, tuple))
+        first = failures[0]
+        raise SnapctlError(
+            f"{len(failures)} of {count} copies failed (the others were stopped): {first}",
+            phase=first.phase, path=first.path,
+        )  # fmt: skip
+    reports = [result[1] for result in results if isinstance(result, tuple)]
+    return sessions, CopiesReport(copies=reports, total_s=round(total_s, 6))

@@ -1,11 +1,11 @@
-"""Running an activation from the CLI: progress, the report, foreground or detached."""
+"""Running activations from the CLI: progress, reports, foreground or detached supervision."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from snapctl.cli.output import emit_json, note, stderr, stdout
+from snapctl.cli.output import Steps, emit_json, stderr, stdout
 
 Progress = Callable[[str], None]
 
@@ -30,13 +30,26 @@ def render_report(report: Any) -> None:
     stdout().print(table)
 
 
+def render_copies(reports: list[Any], total_s: float) -> None:
+    """One row per copy with its phase times, and the total wall time of the whole start."""
+    from rich.table import Table
+
+    phases = list(dict.fromkeys(phase for report in reports for phase in report.timings_s))
+    table = Table(title=f"{len(reports)} copies ready in {total_s * 1000:.0f} ms")
+    for column in ("copy", "published", *phases, "sum"):
+        table.add_column(column, justify="left" if column in ("copy", "published") else "right")
+    for report in reports:
+        times = [report.timings_s.get(phase) for phase in phases]
+        cells = ["-" if t is None else f"{t * 1000:.0f} ms" for t in times]
+        total = sum(t for t in times if t is not None)
+        table.add_row(report.name, report.published or "-", *cells, f"{total * 1000:.0f} ms")
+    stdout().print(table)
+
+
 def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach: bool) -> None:
     """Start (with progress), print the report, then supervise or hand over to a supervisor."""
     from snapctl.activation.supervise import detach as detach_supervisor
     from snapctl.activation.supervise import run_until_stopped
-
-    def progress(step: str) -> None:
-        note(f"• {step}", quiet=as_json)
 
     if detach:
         # The child supervises; the parent prints the child's report and exits there.
@@ -45,21 +58,30 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
         session, _ = child
         run_until_stopped(session)
         return
-    session, report = start_interruptible(progress, start)
+    with Steps(quiet=as_json) as steps:
+        session, report = start_interruptible(lambda: start(steps))
     if as_json:
         emit_json(report)
     else:
         render_report(report)
-        stderr().print("serving; press Ctrl-C to stop", style="dim")
-    how, audit = run_until_stopped(session)
+    wait_and_stop([session], as_json=as_json)
+
+
+def wait_and_stop(sessions: list[Any], *, as_json: bool) -> None:
+    """Supervise in the foreground until Ctrl-C (or every tree exited), then report cleanup."""
+    from snapctl.activation.supervise import run_all_until_stopped
+
     if not as_json:
-        style = "green" if audit.clean else "bold red"
-        stderr().print(f"stopped ({how}); cleanup: {audit.describe()}", style=style)
+        stderr().print("serving; press Ctrl-C to stop", style="dim")
+    results = run_all_until_stopped(sessions)
+    if not as_json:
+        for session, (how, audit) in zip(sessions, results, strict=True):
+            style = "green" if audit.clean else "bold red"
+            stderr().print(f"{session.name}: stopped ({how}); cleanup: {audit.describe()}",
+                           style=style, markup=False)  # fmt: skip
 
 
-def start_interruptible(
-    progress: Progress, start: Callable[[Progress], tuple[Any, Any]]
-) -> tuple[Any, Any]:
+def start_interruptible(start: Callable[[], Any]) -> Any:
     """Run ``start`` with SIGTERM raising KeyboardInterrupt, so a stop request during launch or
     restore still runs the cleanup of whatever was started (the default action would not)."""
     import signal
@@ -69,6 +91,6 @@ def start_interruptible(
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        return start(progress)
+        return start()
     finally:
         signal.signal(signal.SIGTERM, previous)

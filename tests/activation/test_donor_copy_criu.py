@@ -242,7 +242,7 @@ def test_four_concurrent_copies_all_serve(
     stop_clean(donor)
     results = start_copies(
         image, options(), 4, criu=criu_binary, native=NoNativeStep(),
-        publish_base=("127.0.0.1", 0), state=state, progress=lambda step: None,
+        publish_base=("127.0.0.1", 0), state=state, progress_for=lambda label: lambda step: None,
     )  # fmt: skip
     sessions = [r[0] for r in results if isinstance(r, tuple)]
     running.extend(sessions)

@@ -1,0 +1,77 @@
+"""The CLI end to end with real CRIU: detached donor and ``copy --count N --detach``, then
+``ps``/``stop`` per copy while its siblings keep serving, and nothing left at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, get
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+def snapctl(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state), API_KEY_ENV: API_KEY}
+    return subprocess.run(
+        [sys.executable, "-m", "snapctl", *args], env=env, capture_output=True, text=True,
+        timeout=180, check=False,
+    )  # fmt: skip
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_count_detach_copies_stop_one_at_a_time(tmp_path: Path, criu_binary: object) -> None:
+    state, image = tmp_path / "state", tmp_path / "image"
+    key = ("--api-key-env", API_KEY_ENV)
+    donor = json.loads(ok(snapctl(state, "donor", "--image", str(image), "--name", "d", *key,
+                                  "--detach", "--json")))  # fmt: skip
+    assert donor["name"] == "d" and donor["image_id"]
+    ok(snapctl(state, "stop", "d"))
+
+    started = json.loads(ok(snapctl(state, "copy", "--image", str(image), "--name", "c",
+                                    "--count", "2", "--publish", "127.0.0.1:0", *key,
+                                    "--detach", "--json")))  # fmt: skip
+    copies = {copy["name"]: copy for copy in started["copies"]}
+    assert sorted(copies) == ["c-1", "c-2"] and started["total_s"] > 0
+    listed = {row["name"]: row for row in json.loads(ok(snapctl(state, "ps", "--json")))}
+    assert sorted(listed) == ["c-1", "c-2"] and all(row["running"] for row in listed.values())
+    supervisors = {row["supervisor_pid"] for row in listed.values()}
+    assert len(supervisors) == 1  # one supervisor for the whole --count
+
+    assert "cleanup: clean" in ok(snapctl(state, "stop", "c-1"))
+    assert get(copies["c-2"]["published"], "/v1/models")[0] == 200  # its sibling still serves
+    assert [row["name"] for row in json.loads(ok(snapctl(state, "ps", "--json")))] == ["c-2"]
+    assert "cleanup: clean" in ok(snapctl(state, "stop", "c-2"))
+
+    assert json.loads(ok(snapctl(state, "ps", "--json"))) == []
+    assert list((state / "activations").iterdir()) == []
+    supervisor = supervisors.pop()
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(supervisor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = psutil.pid_exists(supervisor) and psutil.Process(supervisor).status() != "zombie"
+    assert not alive, "the supervisor exits once its copies are stopped"
+
+
+def test_count_failure_stops_every_copy(tmp_path: Path, criu_binary: object) -> None:
+    """A copy that cannot serve (no API key for the probe) fails the whole --count, cleanly."""
+    state, image = tmp_path / "state", tmp_path / "image"
+    ok(snapctl(state, "donor", "--image", str(image), "--name", "d",
+               "--api-key-env", API_KEY_ENV, "--detach", "--json"))  # fmt: skip
+    ok(snapctl(state, "stop", "d"))
+    result = snapctl(state, "copy", "--image", str(image), "--count", "2", "--json")
+    assert result.returncode != 0
+    assert "2 of 2 copies failed" in result.stderr and "401" in result.stderr
+    assert result.stdout == ""
+    assert list((state / "activations").iterdir()) == []
