@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from snapctl.activation.session import CleanupAudit, Session, end_stragglers
 from snapctl.errors import SnapctlError
 from snapctl.namespaces import mounts
@@ -138,3 +140,57 @@ def stop_recorded(
         directories=[str(dirs.root)] if dirs.root.exists() else [],
         listeners=[],
     )
+
+
+class CollectedActivation(BaseModel):
+    """One activation ``snapctl gc`` cleaned up after its snapctl process died."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    activation_id: str
+    names: list[str]
+    processes_ended: list[int]
+    audit: CleanupAudit
+
+
+def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[CollectedActivation]:
+    """Stop and remove every activation whose owning snapctl process is gone (killed with
+    SIGKILL, or the machine's snapctl crashed); activations still owned are left alone."""
+    collected = []
+    records = state.load_records()
+    for root in sorted(state.activations.iterdir()) if state.activations.is_dir() else []:
+        dirs = ActivationDirs(root=root, logs=state.logs / root.name)
+        owner = dirs.owner()
+        if owner is not None and owner.alive():
+            continue
+        if owner is None and time.time() - root.stat().st_mtime < stop_timeout_s:
+            continue  # being created right now: the owner file is written first thing
+        mine = [r for r in records if r.activation_id == root.name]
+        ended = []
+        for record in mine:
+            with (
+                contextlib.suppress(ProcessGoneError),
+                PinnedProcess(record.root_pid, record.root_start_time) as tree_root,
+            ):
+                tree_root.stop(stop_timeout_s)
+                ended.append(record.root_pid)
+        ended += mounts.processes_with_mount_source(dirs.mount_source)
+        left = end_stragglers(dirs, stop_timeout_s)
+        if not left:
+            dirs.remove()
+        for record in mine:
+            state.drop_record(record.name)
+        collected.append(
+            CollectedActivation(
+                activation_id=root.name,
+                names=[r.name for r in mine],
+                processes_ended=sorted(set(ended)),
+                audit=CleanupAudit(
+                    processes=left,
+                    mounts=mounts.mounts_under(root) if root.exists() else [],
+                    directories=[str(root)] if root.exists() else [],
+                    listeners=[],
+                ),
+            )
+        )
+    return collected

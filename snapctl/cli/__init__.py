@@ -46,6 +46,9 @@ COMMANDS: dict[str, LazyCommand] = {
         "snapctl.cli.activations:stop", "Stop an activation and clean up after it."
     ),
     "logs": LazyCommand("snapctl.cli.activations:logs", "Print an activation's server log."),
+    "gc": LazyCommand(
+        "snapctl.cli.activations:gc", "Clean up activations whose snapctl process died."
+    ),
     "inspect": LazyCommand(
         "snapctl.cli.inspect:inspect", "Show an image's manifest (and verify it)."
     ),

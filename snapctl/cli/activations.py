@@ -16,18 +16,13 @@ if TYPE_CHECKING:
 @json_option
 def ps(as_json: bool) -> None:
     """List running activations."""
-    import psutil
-
     from snapctl.supervision.state import StateDir
 
     rows = []
     for record in StateDir().load_records():
-        try:
-            started = psutil.Process(record.root_pid).create_time()
-            alive = abs(started - record.root_start_time) < 0.05
-        except psutil.NoSuchProcess:
-            alive = False
-        rows.append({**record.model_dump(mode="json"), "running": alive})
+        alive = _same_process(record.root_pid, record.root_start_time)
+        supervised = _same_process(record.supervisor_pid, record.supervisor_start_time)
+        rows.append({**record.model_dump(mode="json"), "running": alive, "supervised": supervised})
     if as_json:
         emit_json(rows)
         return
@@ -35,11 +30,23 @@ def ps(as_json: bool) -> None:
 
     table = Table("name", "kind", "root pid", "port", "published", "running", "image")
     for row in rows:
+        running = "yes" if row["running"] else "no"
+        if row["running"] and not row["supervised"]:
+            running = "yes, unsupervised (snapctl gc)"
         table.add_row(
             row["name"], row["kind"], str(row["root_pid"]), str(row["port"]),
-            row["published"] or "-", "yes" if row["running"] else "no", row["image"] or "-",
+            row["published"] or "-", running, row["image"] or "-",
         )  # fmt: skip
     stdout().print(table)
+
+
+def _same_process(pid: int, start_time: float) -> bool:
+    import psutil
+
+    try:
+        return abs(psutil.Process(pid).create_time() - start_time) < 0.05
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _find(name: str) -> ActivationRecord:
@@ -93,3 +100,30 @@ def logs(name: str) -> None:
     if log is None:
         raise SnapctlError(f"no activation named {name!r} (see snapctl ps)")
     click.echo(log.read_text(errors="replace"), nl=False)
+
+
+@click.command()
+@click.option("--timeout", "timeout_s", default=10.0, show_default=True,
+              help="Seconds to wait after SIGTERM before SIGKILL.")  # fmt: skip
+@json_option
+def gc(timeout_s: float, as_json: bool) -> None:
+    """Clean up activations whose snapctl process died."""
+    from snapctl.activation.supervise import collect_orphans
+    from snapctl.errors import SnapctlError
+    from snapctl.supervision.state import StateDir
+
+    collected = collect_orphans(StateDir(), timeout_s)
+    if as_json:
+        emit_json([entry.model_dump(mode="json") for entry in collected])
+    else:
+        for entry in collected:
+            names = ", ".join(entry.names) or "unnamed"
+            stdout().print(
+                f"{entry.activation_id} ({names}): ended {len(entry.processes_ended)} "
+                f"process(es); cleanup: {entry.audit.describe()}", markup=False,
+            )  # fmt: skip
+        if not collected:
+            stdout().print("nothing to clean up")
+    dirty = [entry.activation_id for entry in collected if not entry.audit.clean]
+    if dirty:
+        raise SnapctlError(f"cleanup incomplete for {', '.join(dirty)}")

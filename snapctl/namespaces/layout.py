@@ -7,9 +7,11 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.namespaces import mounts
+from snapctl.protocol.atomic import write_json_atomic
 
 SANDBOX_CONTROL_DIR = "/run/snapctl/control"
 SANDBOX_LOGS_DIR = "/run/snapctl/logs"
@@ -48,6 +50,25 @@ class SandboxSpec(BaseModel):
     hostname: str = "snapctl"
 
 
+class ActivationOwner(BaseModel):
+    """The snapctl process that created (and cleans up) an activation: ``owner.json``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    pid: int
+    start_time: float
+
+    @classmethod
+    def current(cls) -> ActivationOwner:
+        return cls(pid=os.getpid(), start_time=psutil.Process().create_time())
+
+    def alive(self) -> bool:
+        try:
+            return abs(psutil.Process(self.pid).create_time() - self.start_time) < 0.05
+        except psutil.NoSuchProcess:
+            return False
+
+
 @dataclass(frozen=True)
 class ActivationDirs:
     """The host directories of one activation (donor or copy).
@@ -72,6 +93,17 @@ class ActivationDirs:
         return self.root / "work"
 
     @property
+    def owner_file(self) -> Path:
+        return self.root / "owner.json"
+
+    def owner(self) -> ActivationOwner | None:
+        """Who created this activation; None if unknown (torn or missing file)."""
+        try:
+            return ActivationOwner.model_validate_json(self.owner_file.read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    @property
     def server_log(self) -> Path:
         return self.logs / "server.log"
 
@@ -92,6 +124,7 @@ class ActivationDirs:
     def create(self, shm_size: str = "50%") -> None:
         """Make fresh directories; the shm tmpfs is mounted in the host's mount namespace."""
         self.root.mkdir(parents=True, mode=0o700)
+        write_json_atomic(self.owner_file, ActivationOwner.current().model_dump(mode="json"))
         self.control.mkdir(mode=0o700)
         self.shm.mkdir(mode=0o755)
         self.work.mkdir(mode=0o700)

@@ -75,3 +75,43 @@ def test_count_failure_stops_every_copy(tmp_path: Path, criu_binary: object) -> 
     assert "2 of 2 copies failed" in result.stderr and "401" in result.stderr
     assert result.stdout == ""
     assert list((state / "activations").iterdir()) == []
+
+
+def test_gc_cleans_up_after_a_killed_snapctl_and_spares_live_ones(
+    tmp_path: Path, criu_binary: object
+) -> None:
+    state, image = tmp_path / "state", tmp_path / "image"
+    key = ("--api-key-env", API_KEY_ENV)
+    ok(snapctl(state, "donor", "--image", str(image), "--name", "d", *key, "--detach", "--json"))
+    ok(snapctl(state, "stop", "d"))
+    live = json.loads(ok(snapctl(state, "copy", "--image", str(image), "--name", "live", *key,
+                                 "--publish", "127.0.0.1:0", "--detach", "--json")))  # fmt: skip
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state), API_KEY_ENV: API_KEY}
+    foreground = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", "copy", "--image", str(image), "--name", "doomed", *key],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "records" / "doomed.json").exists():
+            assert time.monotonic() < deadline and foreground.poll() is None
+            time.sleep(0.05)
+        foreground.kill()  # SIGKILL: no cleanup runs, the restored tree keeps serving
+    finally:
+        foreground.wait()
+    doomed = json.loads((state / "records" / "doomed.json").read_text())
+    rows = {row["name"]: row for row in json.loads(ok(snapctl(state, "ps", "--json")))}
+    assert rows["doomed"]["running"] and not rows["doomed"]["supervised"]
+    assert rows["live"]["running"] and rows["live"]["supervised"]
+
+    collected = json.loads(ok(snapctl(state, "gc", "--json")))
+    assert [entry["names"] for entry in collected] == [["doomed"]]
+    assert collected[0]["audit"] == {
+        "processes": [], "mounts": [], "directories": [], "listeners": []
+    }  # fmt: skip
+    assert not (state / "activations" / doomed["activation_id"]).exists()
+    assert [row["name"] for row in json.loads(ok(snapctl(state, "ps", "--json")))] == ["live"]
+    assert get(live["published"], "/v1/models")[0] == 200  # gc left the live copy alone
+    assert json.loads(ok(snapctl(state, "gc", "--json"))) == []
+    ok(snapctl(state, "stop", "live"))
+    assert list((state / "activations").iterdir()) == []
