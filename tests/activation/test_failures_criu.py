@@ -168,6 +168,45 @@ def test_public_port_that_never_answers_fails_in_phase_serve(
     verify_image(image)  # the capture itself succeeded and stays published
 
 
+FAILS_RECOVERY = """
+import sys
+from snapctl.launcher import StartupCaptureError, run_startup_capture
+from snapctl.protocol.models import Oracle, SnapshotConfig
+
+class Hooks:
+    restores = 0
+    def canary(self):
+        return Oracle(token_ids=[1], text="a", sampled_token_logprob=-0.5)
+    def release_memory(self): pass
+    def restore_memory(self):
+        self.restores += 1
+        if self.restores > 1:  # the first is the rehearsal before capture-ready
+            raise OSError("weights file vanished")
+
+config = SnapshotConfig.model_validate_json(sys.argv[sys.argv.index("--snapshot-config") + 1])
+try:
+    run_startup_capture(config, Hooks())
+except StartupCaptureError:
+    sys.exit(1)
+"""
+
+
+def test_error_json_after_donor_activation_is_reported(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    script = tmp_path / "fails_recovery.py"
+    script.write_text(FAILS_RECOVERY)
+    with pytest.raises(ActivationError, match="weights file vanished") as info:
+        start_donor(
+            options(server_argv=[sys.executable, str(script)], timeout_s=30.0),
+            image=tmp_path / "image", force=False, criu=criu_binary, native=NoNativeStep(),
+            publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert info.value.phase is not None and info.value.phase.startswith("recovery")
+    assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
+    assert leftovers(state) == []
+
+
 def test_disk_full_publishes_nothing(
     small_mount: Path, state: StateDir, criu_binary: CriuBinary
 ) -> None:
