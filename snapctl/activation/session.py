@@ -49,10 +49,10 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     Membership is re-checked after pinning, so a reused PID is never signalled.
     """
     pinned: list[PinnedProcess] = []
-    for pid in mounts.processes_with_mount_source(dirs.mount_source):
+    for pid in dirs.processes():
         with contextlib.suppress(ProcessGoneError):
             process = PinnedProcess(pid)
-            if pid in mounts.processes_with_mount_source(dirs.mount_source):
+            if pid in dirs.processes():
                 process.signal(signal.SIGKILL)
                 pinned.append(process)
             else:
@@ -60,7 +60,7 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     for process in pinned:
         process.wait(timeout_s)
         process.close()
-    return mounts.processes_with_mount_source(dirs.mount_source)
+    return dirs.processes()
 
 
 def _port_open(address: tuple[str, int]) -> bool:

@@ -174,7 +174,7 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
             ):
                 tree_root.stop(stop_timeout_s)
                 ended.append(record.root_pid)
-        ended += mounts.processes_with_mount_source(dirs.mount_source)
+        ended += dirs.processes()
         left = end_stragglers(dirs, stop_timeout_s)
         if not left:
             dirs.remove()

@@ -115,6 +115,10 @@ class ActivationDirs:
         """The shm tmpfs's source name: unique per activation, so its processes can be found."""
         return f"snapctl-{self.root.name}"
 
+    def processes(self) -> list[int]:
+        """Every process inside this activation's sandbox (see ``mounts.processes_with_mount``)."""
+        return mounts.processes_with_mount(self.mount_source, SANDBOX_SHM_DIR)
+
     def binds(self) -> list[BindMount]:
         return [
             BindMount(host=str(self.host_dir_for(key)), target=target)

@@ -62,20 +62,24 @@ def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
     return entries
 
 
-def _mount_sources(pid: int | str) -> set[str]:
-    sources = set()
+def _mounts_by_source(pid: int | str) -> set[tuple[str, str]]:
+    found = set()
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         fields = line.split()
-        sources.add(fields[fields.index("-") + 2])
-    return sources
+        point = fields[4].encode().decode("unicode_escape")
+        found.add((fields[fields.index("-") + 2], point))
+    return found
 
 
-def processes_with_mount_source(source: str) -> list[int]:
-    """PIDs of processes in *other* mount namespaces that see a mount named ``source``.
+def processes_with_mount(source: str, point: str) -> list[int]:
+    """PIDs of processes in *other* mount namespaces that have a mount named ``source`` at
+    ``point``.
 
-    An activation's tmpfs carries a unique source name and every process of the activation
-    sees it, whatever its PID namespace or parent: this finds even a tree whose root PID was
-    never learnt (a restore interrupted before its pidfile was read).
+    An activation's tmpfs carries a unique source name and is mounted at a fixed point inside
+    its sandbox, whatever the PID namespace or parent of the process: this finds even a tree
+    whose root PID was never learnt (a restore interrupted before its pidfile was read).
+    The mount point matters: a namespace being set up for *another* activation starts as a
+    copy of the host's table, where this tmpfs sits at its host path, not at ``point``.
     """
     own_namespace = os.stat("/proc/self/ns/mnt").st_ino
     found = []
@@ -85,7 +89,7 @@ def processes_with_mount_source(source: str) -> list[int]:
         try:
             if os.stat(f"/proc/{entry.name}/ns/mnt").st_ino == own_namespace:
                 continue
-            if source in _mount_sources(entry.name):
+            if (source, point) in _mounts_by_source(entry.name):
                 found.append(int(entry.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # exited while we looked, or a kernel thread without a namespace link

@@ -62,7 +62,7 @@ def leftovers(state: StateDir, activation_ids: list[str] = []) -> list[str]:  # 
     found = [str(p) for p in state.activations.iterdir()] if state.activations.exists() else []
     found += mounts.mounts_under(state.root)
     for activation_id in activation_ids:
-        pids = mounts.processes_with_mount_source(f"snapctl-{activation_id}")
+        pids = mounts.processes_with_mount(f"snapctl-{activation_id}", "/dev/shm")
         found += [f"pid {pid} of {activation_id}" for pid in pids]
     return found
 
