@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import stat
+import struct
 import tarfile
 import time
 import uuid
@@ -38,6 +39,12 @@ from snapctl.images.store import (
 
 ARCHIVE_SUFFIX = ".tar.zst"
 DEFAULT_LEVEL = 3
+# The archive ends in a zstd skippable frame (ignored by ``zstd -d``) holding the sha256 of
+# every byte before it: a flipped byte that still decompresses to the same content (a frame
+# header bit, an unused table bit) is caught too, and the digest can be compared out of band.
+SEAL_MAGIC = 0x184D2A5E
+SEAL_LABEL = b"SNAPCTL-SHA256\0\0"
+SEAL_BYTES = 8 + len(SEAL_LABEL) + 32
 
 ByteProgress = Callable[[int], None]  # called with the bytes done since its last call
 
@@ -63,6 +70,7 @@ class ArchiveReport(BaseModel):
     seconds: float
     mb_per_s: float  # image (uncompressed) bytes per second, 1 MB = 10^6 bytes
     manifest_sha256: str
+    archive_sha256: str  # of the archive's body, as recorded in its seal
 
 
 def _report(
@@ -72,6 +80,7 @@ def _report(
     manifest: Manifest,
     manifest_bytes: bytes,
     seconds: float,
+    archive_sha256: str,
 ) -> ArchiveReport:
     total = manifest.total_bytes + len(manifest_bytes)
     return ArchiveReport(
@@ -85,6 +94,7 @@ def _report(
         seconds=round(seconds, 6),
         mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
         manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+        archive_sha256=archive_sha256,
     )
 
 
@@ -104,18 +114,43 @@ class _HashingReader:
         return data
 
 
-class _CountingReader:
-    """Counts the compressed bytes consumed, for an import's progress."""
+class _SealedBody:
+    """Reads an archive's body (everything before the seal) for the decompressor, hashing it
+    and reporting progress; EOF comes at the seal."""
 
-    def __init__(self, handle: IO[bytes], progress: ByteProgress | None) -> None:
+    def __init__(self, handle: IO[bytes], size: int, progress: ByteProgress | None) -> None:
         self.handle = handle
+        self.left = size
+        self.digest = hashlib.sha256()
         self.progress = progress
 
     def read(self, size: int = -1) -> bytes:
+        size = self.left if size < 0 else min(size, self.left)
         data = self.handle.read(size)
+        self.left -= len(data)
+        self.digest.update(data)
         if self.progress is not None and data:
             self.progress(len(data))
         return data
+
+
+class _HashingWriter:
+    """Passes the compressed stream to the file, hashing it for the seal."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _seal(digest: bytes) -> bytes:
+    return struct.pack("<II", SEAL_MAGIC, len(SEAL_LABEL) + len(digest)) + SEAL_LABEL + digest
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -185,8 +220,9 @@ def export_image(
                 compressor = zstandard.ZstdCompressor(
                     level=level, threads=threads, write_checksum=True
                 )
+                body = _HashingWriter(raw)
                 with (
-                    compressor.stream_writer(raw, closefd=False) as compressed,
+                    compressor.stream_writer(body, closefd=False) as compressed,  # type: ignore[arg-type]
                     tarfile.open(
                         fileobj=compressed,
                         mode="w|",
@@ -194,6 +230,7 @@ def export_image(
                     ) as tar,
                 ):
                     _write_members(tar, image, manifest, manifest_bytes, directories, progress)
+                raw.write(_seal(body.digest.digest()))
                 raw.flush()
                 os.fsync(raw.fileno())
             os.replace(tmp, out)
@@ -201,7 +238,8 @@ def export_image(
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
             raise
-    return _report("export", image, out, manifest, manifest_bytes, time.monotonic() - started)
+    seconds = time.monotonic() - started
+    return _report("export", image, out, manifest, manifest_bytes, seconds, body.digest.hexdigest())
 
 
 def _write_members(
@@ -406,7 +444,8 @@ def import_image(
     progress: ByteProgress | None = None,
 ) -> ArchiveReport:
     """Unpack ``archive`` into the image directory ``to``, verifying while streaming; publish
-    by rename only when every member matched. ``progress`` counts compressed bytes."""
+    by rename only when every member and the archive's seal matched. ``progress`` counts
+    compressed bytes."""
     archive, to = archive.absolute(), to.absolute()
     started = time.monotonic()
     try:
@@ -414,12 +453,17 @@ def import_image(
     except OSError as error:
         raise ArchiveError(f"cannot open {archive}: {error.strerror}", path=archive) from error
     with raw:
+        size = os.fstat(raw.fileno()).st_size
+        seal = os.pread(raw.fileno(), SEAL_BYTES, max(0, size - SEAL_BYTES))
+        sealed = seal[:8] == _seal(b"\0" * 32)[:8] and seal[8 : 8 + len(SEAL_LABEL)] == SEAL_LABEL
         staging = ImageStaging(to, force=force)
         unpacker = _Unpacker(archive, staging.dir)
+        # Unsealed, the whole file is streamed: a hostile member is named before the seal is.
+        body = _SealedBody(raw, size - SEAL_BYTES if sealed else size, progress)
         try:
             try:
                 decompressor = zstandard.ZstdDecompressor()
-                with decompressor.stream_reader(_CountingReader(raw, progress)) as stream:  # type: ignore[arg-type]
+                with decompressor.stream_reader(body) as stream:  # type: ignore[arg-type]
                     with tarfile.open(fileobj=stream, mode="r|") as tar:
                         for member in tar:
                             unpacker.member(tar, member)
@@ -431,12 +475,23 @@ def import_image(
                     f"corrupt near member {unpacker.current}: {error or type(error).__name__}"
                 ) from error
             manifest = unpacker.finish()
+            while body.read(CHUNK):  # whatever follows the frame is covered by the seal too
+                pass
+            if not sealed:
+                raise unpacker.refuse("it has no seal (not written by snapctl image export)")
+            if seal != _seal(body.digest.digest()):
+                raise unpacker.refuse(
+                    "its bytes do not match the sha256 in its seal (damaged in transit, or not "
+                    "written by snapctl image export)"
+                )
             final = staging.publish(manifest)
         except BaseException:
             staging.abort()
             raise
     if cache_dir is not None:
         record_verified(final, manifest, cache_dir)  # every hash was checked while unpacking
+    seconds = time.monotonic() - started
     return _report(
-        "import", final, archive, manifest, unpacker.manifest_bytes, time.monotonic() - started
-    )
+        "import", final, archive, manifest, unpacker.manifest_bytes, seconds,
+        body.digest.hexdigest(),
+    )  # fmt: skip

@@ -161,7 +161,7 @@ def test_file_mismatches_cannot_be_waived() -> None:
     recorded = make_identity()
     current = make_identity(files=[])
 
-    with pytest.raises(IdentityMismatchError, match="libx.so is missing"):
+    with pytest.raises(IdentityMismatchError, match=r"libx\.so is missing"):
         require_match(recorded, current, allow=["kernel"])
     with pytest.raises(SnapctlError, match="cannot be waived"):
         require_match(recorded, current, allow=["files"])
