@@ -47,8 +47,10 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], server_cmd: t
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
     from snapctl.criu import find_criu
+    from snapctl.images.identity import check_waivers
     from snapctl.supervision.state import StateDir
 
+    check_waivers(allow_mismatch)  # a bad name fails before anything starts
     options = LaunchOptions(
         server_argv=list(server_cmd) or None,
         allow_mismatch=allow_mismatch,

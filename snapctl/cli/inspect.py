@@ -21,8 +21,16 @@ def inspect(image: Path, verify: bool, as_json: bool) -> None:
     outside the image it depends on included) and CRIU's dump statistics.
     """
     from snapctl.images import load_manifest, verify_image
+    from snapctl.images.store import record_verified
+    from snapctl.supervision.state import StateDir
 
-    manifest = verify_image(image) if verify else load_manifest(image)
+    if verify:
+        manifest = verify_image(image)  # always a full hash when asked, cache or not
+        state = StateDir()
+        state.ensure()
+        record_verified(image, manifest, state.verified)  # so `snapctl images` shows it
+    else:
+        manifest = load_manifest(image)
     if as_json:
         emit_json(
             {"path": str(image.absolute()), "manifest": manifest.model_dump(mode="json"),
@@ -34,6 +42,7 @@ def inspect(image: Path, verify: bool, as_json: bool) -> None:
     console.print(_processes(manifest))
     console.print(_files(manifest))
     console.print(_identity(manifest))
+    console.print(_depends(manifest))
     console.print(_stats(manifest))
 
 
@@ -107,8 +116,15 @@ def _identity(manifest: Any) -> Any:
         ("env", f"{len(identity.env)} variables (values hashed): " + " ".join(identity.env)),
     ]:
         table.add_row(label, value)
-    for record in identity.files:
-        table.add_row("file", f"{record.path} ({record.size} bytes, {record.sha256[:16]})")
+    table.add_row("files", f"{len(identity.files)} outside the image (listed below)")
+    return table
+
+
+def _depends(manifest: Any) -> Any:
+    table = _table("files outside the image the tree had mapped or open", "path", "bytes",
+                   "sha256")  # fmt: skip
+    for record in manifest.identity.files if manifest.identity else []:
+        table.add_row(record.path, str(record.size), record.sha256[:16])
     return table
 
 

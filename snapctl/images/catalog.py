@@ -41,19 +41,21 @@ class ImageSummary(BaseModel):
 
 
 def server_summary(argv: list[str]) -> str:
-    """A short name for the captured server: the program (or ``python -m MODULE``) and the
-    value of ``--model`` when there is one."""
+    """A short name for the captured server: the program (or ``python -m MODULE``), its leading
+    positional words (``serve MODEL``) and the value of ``--model`` when there is one."""
     if not argv:
         return "-"
-    program = Path(argv[0]).name
-    if len(argv) > 2 and argv[1] == "-m":
-        program = f"{program} -m {argv[2]}"
-    for flag in ("--model", "serve"):
-        if flag in argv:
-            index = argv.index(flag)
-            if index + 1 < len(argv):
-                return f"{program} {flag} {argv[index + 1]}"
-    return program
+    parts, rest = [Path(argv[0]).name], argv[1:]
+    if len(rest) > 1 and rest[0] == "-m":
+        parts.append(f"-m {rest[1]}")
+        rest = rest[2:]
+    for word in rest[:2]:
+        if word.startswith("-"):
+            break
+        parts.append(word)
+    if "--model" in rest and rest.index("--model") + 1 < len(rest):
+        parts.append(f"--model {rest[rest.index('--model') + 1]}")
+    return " ".join(parts)
 
 
 def summarize(image: Path, cache_dir: Path) -> ImageSummary:
