@@ -56,10 +56,10 @@ VOLATILE_ENV = frozenset(
         "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_VERSION",
     }
 )  # fmt: skip
-# Variables snapctl derives for the bundled fixture from its own options, and snapctl's own
-# settings (state directory, CRIU path): never recorded.
+# Variables snapctl derives for the bundled fixture from its own options, and the settings of
+# snapctl and CRIU themselves (state directory, CRIU path, CRIU_FAULT): never recorded.
 DERIVED_ENV = frozenset({"FIXTURE_API_KEY"})
-SNAPCTL_ENV_PREFIX = "SNAPCTL_"
+TOOL_ENV_PREFIXES = ("SNAPCTL_", "CRIU_")
 
 # Paths whose contents are the activation's own (bind-mounted per activation, a private tmpfs
 # in the sandbox) or not files at all.
@@ -179,7 +179,7 @@ def hashed_env(env: Mapping[str, str], salt: str) -> dict[str, str]:
         for name, value in sorted(env.items())
         if name not in VOLATILE_ENV
         and name not in DERIVED_ENV
-        and not name.startswith(SNAPCTL_ENV_PREFIX)
+        and not name.startswith(TOOL_ENV_PREFIXES)
     }
 
 

@@ -94,7 +94,7 @@ def test_hash_files_caches_by_stat_and_sees_every_change(tmp_path: Path) -> None
 
 def test_current_identity_records_env_hashed_without_volatile_or_snapctl_names() -> None:
     env = {"PATH": "/bin", "HF_TOKEN": "hf_secret", "PWD": "/x", "SNAPCTL_STATE_DIR": "/s",
-           "PYTEST_CURRENT_TEST": "t", "FIXTURE_API_KEY": "k"}  # fmt: skip
+           "PYTEST_CURRENT_TEST": "t", "FIXTURE_API_KEY": "k", "CRIU_FAULT": "4"}  # fmt: skip
 
     identity = current_identity(criu_version="4.2.1", argv=["a"], env=env, files=[],
                                 cache_dir=None)  # fmt: skip
