@@ -83,7 +83,7 @@ def export(directory: Path, out: Path, force: bool, level: int, threads: int,
     from snapctl.images import load_manifest
     from snapctl.images.archive import export_image
 
-    total = load_manifest(directory).total_bytes
+    total = load_manifest(directory).total_bytes + (directory / "manifest.json").stat().st_size
     with byte_progress("export", total, quiet=as_json) as progress:
         report = export_image(
             directory, out, force=force, level=level, threads=threads, progress=progress
