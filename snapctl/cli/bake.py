@@ -39,7 +39,7 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tu
     from snapctl.activation.bake import bake_image
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
-    from snapctl.cli.output import emit_json, note, stdout
+    from snapctl.cli.output import Steps, emit_json, stdout
     from snapctl.criu import find_criu
     from snapctl.errors import SnapctlError
     from snapctl.supervision.state import StateDir
@@ -52,11 +52,11 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tu
         api_key_env=common.api_key_env,
         timeout_s=common.timeout_s,
     )
-    report = bake_image(
-        options, image=image, force=force, criu=find_criu(common.criu_path),
-        native=native_step(common.native), state=StateDir(),
-        progress=lambda step: note(f"• {step}", quiet=common.as_json),
-    )  # fmt: skip
+    with Steps(quiet=common.as_json) as steps:
+        report = bake_image(
+            options, image=image, force=force, criu=find_criu(common.criu_path),
+            native=native_step(common.native), state=StateDir(), progress=steps,
+        )  # fmt: skip
     if common.as_json:
         emit_json(report)
     else:
