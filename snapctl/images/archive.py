@@ -346,7 +346,10 @@ class _Unpacker:
             source = tar.extractfile(member)
             assert source is not None
             self.manifest_bytes = source.read()
-            self.manifest = _parse_manifest(self.manifest_bytes, self.archive)
+            try:
+                self.manifest = _parse_manifest(self.manifest_bytes, self.archive)
+            except ArchiveError as error:
+                raise self.refuse(error.message) from error
             self.seen.add(name)
             return
         if not is_safe_relative(name):

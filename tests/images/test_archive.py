@@ -231,6 +231,18 @@ def test_hostile_archive_is_refused_without_writing_outside(tmp_path: Path, case
     assert (Path("/etc/passwd").stat().st_nlink, os.path.islink("/etc")) == (1, False)
 
 
+def test_invalid_manifest_is_refused(tmp_path: Path) -> None:
+    archive = tmp_path / "a.tar.zst"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.addfile(_info("manifest.json", size=2), io.BytesIO(b"{}"))
+    archive.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+
+    with pytest.raises(ArchiveError, match=r"a\.tar\.zst: manifest is not valid"):
+        import_image(archive, tmp_path / "image")
+    assert not (tmp_path / "image").exists()
+
+
 def test_archive_without_the_manifest_first_is_refused(tmp_path: Path) -> None:
     archive = tmp_path / "a.tar.zst"
     buffer = io.BytesIO()
