@@ -30,8 +30,9 @@ from snapctl.cli.serving import Progress, serve
     "allow_mismatch",
     multiple=True,
     metavar="FIELD",
-    help="Restore even though this identity field differs from the image's (repeatable; "
-    "file contents cannot be waived).",
+    help="Restore even though this identity field differs from the image's (repeatable): "
+    "kernel, criu_version, cpu_vendor, cpu_flags, host_id, python_version, argv, env, "
+    "identity. File contents cannot be waived.",
 )
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)

@@ -108,7 +108,7 @@ def export(directory: Path, out: Path, force: bool, level: int, threads: int,
 )
 @json_option
 def import_(archive: Path, to: Path, force: bool, as_json: bool) -> None:
-    """Unpack an image archive, verifying every file, and publish it atomically."""
+    """Unpack and verify an image archive, then publish it atomically."""
     from snapctl.cli.output import emit_json
     from snapctl.images.archive import import_image
     from snapctl.supervision.state import StateDir

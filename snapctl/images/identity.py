@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -110,7 +111,7 @@ class FileRecord(_Strict):
 class Identity(_Strict):
     """Everything outside the image a restore depends on (see the module docstring)."""
 
-    version: int = 1
+    version: Literal[1] = 1
     kernel: str
     criu_version: str
     cpu_vendor: str
