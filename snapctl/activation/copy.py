@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.donor import ActivationReport, activate_and_probe, new_session
+from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
 from snapctl.activation.native import NativeStep, tree_pids
 from snapctl.activation.session import Session
@@ -56,7 +57,15 @@ def start_copy(
     started = time.monotonic()
     manifest = verify_image(image, cache_dir=state.verified)
     timings["verify"] = time.monotonic() - started
-    if manifest.criu_version != criu.version:
+    progress("checking this host against the image's identity")
+    started = time.monotonic()
+    waived = check_identity(
+        manifest, image, criu_version=criu.version, options=options, state=state
+    )
+    timings["identity"] = time.monotonic() - started
+    if waived:
+        progress("waived: " + "; ".join(f"{d.field}: {d.detail}" for d in waived))
+    if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
         raise RestoreError(
             f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
             phase="verify",

@@ -9,7 +9,7 @@ import platform
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ import psutil
 from pydantic import BaseModel, ConfigDict
 
 import snapctl
+from snapctl.activation.gate import capture_identity
 from snapctl.activation.handshake import activate, probe_http_ready
 from snapctl.activation.launch import (
     LaunchOptions,
@@ -112,12 +113,20 @@ def capture(
     server_cwd: Path,
     options: LaunchOptions,
     timings: dict[str, float],
+    server_env: Mapping[str, str],
 ) -> _Captured:
     """Dump the running tree into a staging directory and publish it; the tree keeps running."""
     assert session.root is not None
     try:
         pids = tree_pids(session.root.pid)
         process_tree = _process_tree(session.root.pid)
+        started = time.monotonic()
+        # Read while the tree waits at its barrier: it maps and opens nothing new until released.
+        identity = capture_identity(
+            pids, criu_version=criu.version, server_argv=server_argv, server_env=server_env,
+            state=session.state,
+        )  # fmt: skip
+        timings["identity"] = time.monotonic() - started
         native.before_dump(pids, options.timeout_s)
         action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
         started = time.monotonic()
@@ -162,6 +171,7 @@ def capture(
                 str(p.relative_to(staging.dir / "shm")) for p in (staging.dir / "shm").rglob("*")
             ),
             files=files,
+            identity=identity,
         )
         published = staging.publish(manifest)
         timings["publish"] = time.monotonic() - started
@@ -227,6 +237,7 @@ def start_donor(
         captured = capture(
             session, ready, staging=staging, criu=criu, native=native,
             server_argv=argv, server_cwd=cwd, options=options, timings=timings,
+            server_env=os.environ,
         )  # fmt: skip
         session.image = captured.image
         phases: list[str] = []

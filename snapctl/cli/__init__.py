@@ -52,6 +52,11 @@ COMMANDS: dict[str, LazyCommand] = {
     "inspect": LazyCommand(
         "snapctl.cli.inspect:inspect", "Show an image's manifest (and verify it)."
     ),
+    "bake": LazyCommand(
+        "snapctl.cli.bake:bake", "Capture a server into an image without ever serving it."
+    ),
+    "image": LazyCommand("snapctl.cli.image:image", "Export, import or remove an image."),
+    "images": LazyCommand("snapctl.cli.images:images", "List the images in an image root."),
 }
 
 # CRIU actions whose failure means "the capture failed" or "the activation failed".

@@ -1,4 +1,4 @@
-"""Options shared by ``donor`` and ``copy``, gathered into one :class:`CommonOptions`."""
+"""Options shared by ``donor``, ``copy`` and ``bake``, gathered into one :class:`CommonOptions`."""
 
 from __future__ import annotations
 
@@ -38,39 +38,61 @@ def parse_publish(value: str | None) -> tuple[str, int] | None:
     return (address or "127.0.0.1", number)
 
 
-_OPTIONS = [
-    click.option("--name", help="Name for ps/stop/logs (default: the activation id)."),
-    click.option("--host", default="127.0.0.1", show_default=True,
-                 help="Address the server binds inside its network namespace."),
-    click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
-                 help="Port the server binds inside its network namespace."),
-    click.option("--publish", metavar="[ADDR:]PORT",
-                 help="Forward this host loopback port to the server's port."),
-    click.option("--api-key-env", metavar="VAR",
-                 help="Environment variable holding the API key (used for probes)."),
-    click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float,
-                 help="Wall-clock limit in seconds for each step."),
-    click.option("--criu", "criu_path", type=click.Path(dir_okay=False),
-                 help="CRIU binary (default: $SNAPCTL_CRIU, /opt/snapctl/criu, PATH)."),
-    click.option("--native", default="none", show_default=True,
-                 type=click.Choice(["none", "cuda-checkpoint"]),
-                 help="Device step around dump and restore."),
-    click.option("--detach", is_flag=True,
-                 help="Return once ready; a supervisor keeps it running (snapctl stop)."),
-    click.option("--json", "as_json", is_flag=True,
-                 help="Print one JSON record on stdout; no progress output."),
-]  # fmt: skip
+_OPTIONS = {
+    "name": click.option("--name", help="Name for ps/stop/logs (default: the activation id)."),
+    "host": click.option("--host", default="127.0.0.1", show_default=True,
+                         help="Address the server binds inside its network namespace."),
+    "port": click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+                         help="Port the server binds inside its network namespace."),
+    "publish": click.option("--publish", metavar="[ADDR:]PORT",
+                            help="Forward this host loopback port to the server's port."),
+    "api_key_env": click.option("--api-key-env", metavar="VAR",
+                                help="Environment variable holding the API key (used for probes)."),
+    "timeout_s": click.option("--timeout", "timeout_s", default=300.0, show_default=True,
+                              type=float, help="Wall-clock limit in seconds for each step."),
+    "criu_path": click.option("--criu", "criu_path", type=click.Path(dir_okay=False),
+                              help="CRIU binary (default: $SNAPCTL_CRIU, /opt/snapctl/criu, "
+                                   "PATH)."),
+    "native": click.option("--native", default="none", show_default=True,
+                           type=click.Choice(["none", "cuda-checkpoint"]),
+                           help="Device step around dump and restore."),
+    "detach": click.option("--detach", is_flag=True,
+                           help="Return once ready; a supervisor keeps it running (snapctl stop)."),
+    "as_json": click.option("--json", "as_json", is_flag=True,
+                            help="Print one JSON record on stdout; no progress output."),
+}  # fmt: skip
+
+# What an excluded option stands for (a bake never serves: nothing to name, publish or detach).
+_DEFAULTS: dict[str, Any] = {"name": None, "publish": None, "detach": False}
 
 
 def activation_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """Add the shared options; the command receives them as ``common: CommonOptions``."""
+    return shared_options()(function)
 
-    @functools.wraps(function)
-    def wrapper(**kwargs: Any) -> Any:
-        fields = {name: kwargs.pop(name) for name in CommonOptions.__dataclass_fields__}
-        fields["publish"] = parse_publish(fields["publish"])
-        return function(common=CommonOptions(**fields), **kwargs)
 
-    for decorator in reversed(_OPTIONS):
-        wrapper = decorator(wrapper)
-    return wrapper
+def shared_options(
+    exclude: frozenset[str] = frozenset(),
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Like :func:`activation_options` without the ``exclude``d ones (name, publish, detach),
+    which take their defaults."""
+    unknown = exclude - set(_DEFAULTS)
+    if unknown:
+        raise ValueError(f"options without a default cannot be excluded: {sorted(unknown)}")
+
+    def decorate(function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def wrapper(**kwargs: Any) -> Any:
+            fields = {
+                name: kwargs.pop(name) if name not in exclude else _DEFAULTS[name]
+                for name in CommonOptions.__dataclass_fields__
+            }
+            fields["publish"] = parse_publish(fields["publish"])
+            return function(common=CommonOptions(**fields), **kwargs)
+
+        for name, decorator in reversed(_OPTIONS.items()):
+            if name not in exclude:
+                wrapper = decorator(wrapper)
+        return wrapper
+
+    return decorate

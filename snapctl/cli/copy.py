@@ -11,7 +11,7 @@ from snapctl.cli._activation_options import CommonOptions, activation_options
 from snapctl.cli.serving import Progress, serve
 
 
-@click.command()
+@click.command(context_settings={"ignore_unknown_options": True})
 @click.option(
     "--image",
     required=True,
@@ -25,16 +25,36 @@ from snapctl.cli.serving import Progress, serve
     type=click.IntRange(1, 64),
     help="Restore this many copies at once (published ports count up).",
 )
+@click.option(
+    "--allow-mismatch",
+    "allow_mismatch",
+    multiple=True,
+    metavar="FIELD",
+    help="Restore even though this identity field differs from the image's (repeatable): "
+    "kernel, criu_version, cpu_vendor, cpu_flags, host_id, python_version, argv, env, "
+    "identity. File contents cannot be waived.",
+)
 @activation_options
-def copy(image: Path, count: int, common: CommonOptions) -> None:  # fmt: skip
-    """Restore a copy of an image and serve it."""
+@click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
+def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], server_cmd: tuple[str, ...],
+         common: CommonOptions) -> None:  # fmt: skip
+    """Restore a copy of an image and serve it.
+
+    Before CRIU runs, this host is checked against the image's identity (kernel, CRIU, CPU,
+    host, environment, files the server had mapped or open). A SERVER_CMD, if given, must be
+    the command the image was captured from.
+    """
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
     from snapctl.criu import find_criu
+    from snapctl.images.identity import check_waivers
     from snapctl.supervision.state import StateDir
 
+    check_waivers(allow_mismatch)  # a bad name fails before anything starts
     options = LaunchOptions(
+        server_argv=list(server_cmd) or None,
+        allow_mismatch=allow_mismatch,
         name=common.name,
         host=common.host,
         port=common.port,

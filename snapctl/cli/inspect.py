@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -14,28 +15,125 @@ from snapctl.cli.output import emit_json, json_option, stdout
 @click.option("--verify", is_flag=True, help="Check every file's size and sha256.")
 @json_option
 def inspect(image: Path, verify: bool, as_json: bool) -> None:
-    """Show an image's manifest (and verify it)."""
-    from snapctl.images import load_manifest, verify_image
+    """Show an image's manifest (and verify it).
 
-    manifest = verify_image(image) if verify else load_manifest(image)
+    Shows the process tree, the image's files, the identity a copy is checked against (files
+    outside the image it depends on included) and CRIU's dump statistics.
+    """
+    from snapctl.images import load_manifest, verify_image
+    from snapctl.images.store import record_verified
+    from snapctl.supervision.state import StateDir
+
+    if verify:
+        manifest = verify_image(image)  # always a full hash when asked, cache or not
+        state = StateDir()
+        state.ensure()
+        record_verified(image, manifest, state.verified)  # so `snapctl images` shows it
+    else:
+        manifest = load_manifest(image)
     if as_json:
-        emit_json({"manifest": manifest.model_dump(mode="json"), "verified": verify})
+        emit_json(
+            {"path": str(image.absolute()), "manifest": manifest.model_dump(mode="json"),
+             "verified": verify}
+        )  # fmt: skip
         return
+    console = stdout()
+    console.print(_summary(image, manifest, verify))
+    console.print(_processes(manifest))
+    console.print(_files(manifest))
+    console.print(_identity(manifest))
+    console.print(_depends(manifest))
+    console.print(_stats(manifest))
+
+
+def _table(title: str, *columns: str) -> Any:
     from rich.table import Table
 
-    table = Table(title=f"image {manifest.image_id}", show_header=False)
+    table = Table(title=title, show_header=bool(columns), title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    return table
+
+
+def _summary(image: Path, manifest: Any, verify: bool) -> Any:
+    table = _table(f"image {manifest.image_id}")
+    table.add_column()
+    table.add_column()
     for label, value in [
         ("path", str(image)),
+        ("schema", str(manifest.schema_version)),
         ("created", manifest.created),
         ("capture id", manifest.capture_id),
+        ("snapctl", manifest.snapctl_version),
         ("criu", manifest.criu_version),
         ("kernel", manifest.kernel),
         ("server", " ".join(manifest.server_argv)),
-        ("processes", ", ".join(f"{p.pid}:{p.name}" for p in manifest.process_tree)),
+        ("cwd", manifest.server_cwd),
+        ("binds", f"{manifest.host or '(server default)'}:{manifest.port}"),
         ("files", f"{len(manifest.files)} ({manifest.total_bytes / 1e6:.1f} MB)"),
-        ("frozen", f"{manifest.dump_stats.frozen_time_us / 1000:.1f} ms"),
         ("oracle", f"{manifest.oracle.token_ids} {manifest.oracle.text!r}"),
         ("verified", "yes, every sha256 matches" if verify else "not checked (--verify)"),
     ]:
         table.add_row(label, value)
-    stdout().print(table)
+    return table
+
+
+def _processes(manifest: Any) -> Any:
+    table = _table("process tree (host PIDs at capture)", "pid", "ppid", "name", "threads", "cmd")
+    for process in manifest.process_tree:
+        table.add_row(
+            str(process.pid), str(process.ppid), process.name, str(process.threads),
+            " ".join(process.cmdline),
+        )  # fmt: skip
+    return table
+
+
+def _files(manifest: Any) -> Any:
+    table = _table("image files", "file", "bytes", "sha256", "link group")
+    for name, entry in sorted(manifest.files.items()):
+        group = "" if entry.link_group is None else str(entry.link_group)
+        table.add_row(name, str(entry.size), entry.sha256[:16], group)
+    return table
+
+
+def _identity(manifest: Any) -> Any:
+    identity = manifest.identity
+    table = _table("identity (checked by every copy)")
+    table.add_column()
+    table.add_column()
+    if identity is None:
+        table.add_row("identity", "not recorded (schema 1 image)")
+        return table
+    for label, value in [
+        ("kernel", identity.kernel),
+        ("criu", identity.criu_version),
+        ("cpu", f"{identity.cpu_vendor} {identity.cpu_model}"),
+        ("cpu flags", " ".join(identity.cpu_flags)),
+        ("host id", identity.host_id),
+        ("hostname", identity.hostname),
+        ("python", identity.python_version),
+        ("argv", " ".join(identity.argv)),
+        ("env", f"{len(identity.env)} variables (values hashed): " + " ".join(identity.env)),
+    ]:
+        table.add_row(label, value)
+    table.add_row("files", f"{len(identity.files)} outside the image (listed below)")
+    return table
+
+
+def _depends(manifest: Any) -> Any:
+    table = _table("files outside the image the tree had mapped or open", "path", "bytes",
+                   "sha256")  # fmt: skip
+    for record in manifest.identity.files if manifest.identity else []:
+        table.add_row(record.path, str(record.size), record.sha256[:16])
+    return table
+
+
+def _stats(manifest: Any) -> Any:
+    table = _table("criu dump statistics")
+    table.add_column()
+    table.add_column()
+    table.add_row("dump wall time", f"{manifest.dump_seconds * 1000:.1f} ms")
+    for name, value in manifest.dump_stats.model_dump().items():
+        shown = f"{value / 1000:.1f} ms" if name.endswith("_us") else str(value)
+        table.add_row(name.removesuffix("_us"), shown)
+    return table

@@ -4,6 +4,10 @@ An image directory holds ``criu/`` (CRIU's images), ``shm/`` (the activation's `
 it was while the tree was frozen, hard links kept), ``logs/`` and ``manifest.json``. The
 manifest is written last inside a staging directory that is then renamed into place, so an
 image either is complete and verifiable or does not exist under its name.
+
+``identity`` records what a restore depends on outside the image and compares it with this
+host; ``archive`` moves an image as one sealed ``.tar.zst``; ``catalog`` lists and removes
+images; ``lock`` holds an image while it is read or replaced.
 """
 
 from snapctl.images.manifest import FileEntry, Manifest, ProcessEntry

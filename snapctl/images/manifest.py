@@ -1,15 +1,34 @@
-"""The image manifest: a strict, schema-versioned record of what was captured and how."""
+"""The image manifest: a strict, schema-versioned record of what was captured and how.
+
+Schema 2 adds ``identity`` (what a restore depends on outside the image, see
+:mod:`snapctl.images.identity`); schema-1 manifests still load, without it.
+"""
 
 from __future__ import annotations
 
+import posixpath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from snapctl.criu.stats import DumpStats
+from snapctl.images.identity import Identity
 from snapctl.protocol.models import Oracle
 
 MANIFEST_NAME = "manifest.json"
+SCHEMA_VERSION: Literal[2] = 2
+
+
+def is_safe_relative(name: str) -> bool:
+    """True for a canonical relative path that stays inside its directory (``a/b``, not
+    ``/a``, ``../a``, ``a/../b``, ``./a``, ``a//b`` or ``a/``)."""
+    return (
+        bool(name)
+        and not name.startswith("/")
+        and "\0" not in name
+        and posixpath.normpath(name) == name
+        and all(part not in ("", ".", "..") for part in name.split("/"))
+    )
 
 
 class _Strict(BaseModel):
@@ -37,7 +56,7 @@ class ProcessEntry(_Strict):
 class Manifest(_Strict):
     """``manifest.json``: its presence in a published image directory means complete."""
 
-    schema_version: Literal[1] = 1
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     image_id: str
     capture_id: str
     created: str
@@ -60,6 +79,18 @@ class Manifest(_Strict):
     port: int
     shm_files: list[str]
     files: dict[str, FileEntry]
+    identity: Identity | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> Manifest:
+        if self.schema_version >= 2 and self.identity is None:
+            raise ValueError("a schema-2 manifest must record the identity")
+        if self.schema_version == 1 and self.identity is not None:
+            raise ValueError("a schema-1 manifest has no identity")
+        for name in self.files:
+            if not is_safe_relative(name) or name == MANIFEST_NAME:
+                raise ValueError(f"file name {name!r} is not a plain path inside the image")
+        return self
 
     @property
     def total_bytes(self) -> int:

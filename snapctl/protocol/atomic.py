@@ -39,15 +39,19 @@ def write_json_atomic(
     payload: BaseModel | Mapping[str, Any],
     *,
     overwrite: bool = False,
+    max_bytes: int = MAX_JSON_BYTES,
 ) -> None:
-    """Publish ``payload`` at ``path`` in one step; refuse an existing target unless overwrite."""
+    """Publish ``payload`` at ``path`` in one step; refuse an existing target unless overwrite.
+
+    ``max_bytes`` is raised only for files no protocol peer reads (an image's manifest).
+    """
     target = Path(path)
     try:
         data = encode_json(payload)
     except (TypeError, ValueError) as error:
         raise ProtocolError(f"cannot encode {target.name} as JSON: {error}", path=target) from error
-    if len(data) > MAX_JSON_BYTES:
-        raise ProtocolError(f"{target.name} would exceed {MAX_JSON_BYTES} bytes", path=target)
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{target.name} would exceed {max_bytes} bytes", path=target)
     # Check-then-replace is not atomic against a concurrent writer of the same name; each
     # protocol file has exactly one writer, so this only guards against our own mistakes.
     if not overwrite and os.path.lexists(target):

@@ -7,24 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.criu.stats import DumpStats
 from snapctl.images import ImageError, ImageStaging, Manifest, hash_tree, stage_shm_copy
+from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.images.store import load_manifest, verify_image
-from snapctl.protocol.models import Oracle
-
-
-def make_manifest(files: dict[str, object], **changes: object) -> Manifest:
-    fields: dict[str, object] = dict(
-        image_id="0" * 32, capture_id="1" * 32, created="2026-11-30T00:00:00+00:00",
-        snapctl_version="0.1.0", criu_version="4.2.1", kernel="6.18", hostname="h",
-        python_version="3.11.7", server_argv=["srv", "--api-key", "***"], server_cwd="/",
-        oracle=Oracle(token_ids=[1], text="a", sampled_token_logprob=-0.5), root_pid=10,
-        process_tree=[], dump_stats=DumpStats(), dump_seconds=0.1, native_step="none",
-        external_mounts={"shm": "/dev/shm"}, lo_addresses=[], host="127.0.0.1", port=8000,
-        shm_files=[], files=files,
-    )  # fmt: skip
-    fields.update(changes)
-    return Manifest.model_validate(fields)
+from tests.images.factories import make_manifest
 
 
 def publish_sample(final: Path) -> Manifest:
@@ -129,3 +115,23 @@ def test_stage_shm_copy_keeps_hard_links(tmp_path: Path) -> None:
     assert a.st_ino != (source / "sem.x").stat().st_ino  # a copy, not the saved file
     assert a.st_mode & 0o777 == 0o600
     assert (target / "other").read_bytes() == b"o"
+
+
+def test_replacing_an_image_a_copy_holds_is_refused(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    original = publish_sample(final)
+    with hold_image(final), pytest.raises(ImageBusyError, match="in use"):
+        ImageStaging(final, force=True)
+    assert load_manifest(final) == original
+    assert [p.name for p in tmp_path.iterdir()] == ["img"]  # no staging left
+
+
+def test_schema_1_manifest_still_loads_and_names_are_checked(tmp_path: Path) -> None:
+    manifest = make_manifest({}, schema_version=1, identity=None)
+    assert manifest.identity is None
+    with pytest.raises(ValueError, match="identity"):
+        make_manifest({}, schema_version=2, identity=None)
+    entry = {"size": 1, "sha256": "0" * 64}
+    for hostile in ("../x", "/etc/passwd", "criu/../../x", "./criu/x", "manifest.json"):
+        with pytest.raises(ValueError, match="not a plain path"):
+            make_manifest({hostile: entry})

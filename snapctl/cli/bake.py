@@ -1,0 +1,79 @@
+"""``snapctl bake``: capture a server into an image without ever serving it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from snapctl.cli._activation_options import CommonOptions, shared_options
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@click.option(
+    "--image",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Directory to publish the image into (must not exist unless --force).",
+)
+@click.option(
+    "--force", is_flag=True, help="Replace an existing image (not while a copy holds it)."
+)
+@click.option(
+    "--lo-address",
+    "lo_addresses",
+    multiple=True,
+    metavar="ADDR",
+    help="Extra address on the sandbox's loopback (repeatable).",
+)
+@shared_options(exclude=frozenset({"name", "publish", "detach"}))
+@click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
+def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tuple[str, ...],
+         common: CommonOptions) -> None:  # fmt: skip
+    """Capture a server into an image without ever serving it.
+
+    Launches SERVER_CMD (default: the bundled fixture) in fresh namespaces, waits until it is
+    ready for capture, dumps it with CRIU, publishes the image with its identity record, then
+    stops the original tree without activating it. --host/--port are what copies bind.
+    """
+    from snapctl.activation.bake import bake_image
+    from snapctl.activation.launch import LaunchOptions
+    from snapctl.activation.native import native_step
+    from snapctl.cli.output import Steps, emit_json, stdout
+    from snapctl.criu import find_criu
+    from snapctl.errors import SnapctlError
+    from snapctl.supervision.state import StateDir
+
+    options = LaunchOptions(
+        server_argv=list(server_cmd) or None,
+        host=common.host,
+        port=common.port,
+        lo_addresses=list(lo_addresses),
+        api_key_env=common.api_key_env,
+        timeout_s=common.timeout_s,
+    )
+    with Steps(quiet=common.as_json) as steps:
+        report = bake_image(
+            options, image=image, force=force, criu=find_criu(common.criu_path),
+            native=native_step(common.native), state=StateDir(), progress=steps,
+        )  # fmt: skip
+    if common.as_json:
+        emit_json(report)
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"baked image {report.image_id}", show_header=False)
+        table.add_row("image", report.image)
+        table.add_row("size", f"{report.image_bytes / 1e6:.1f} MB in {report.files} files")
+        table.add_row("processes", str(report.processes))
+        table.add_row("identity", f"{report.identity_files} files outside the image recorded")
+        table.add_row("criu frozen", f"{report.dump_stats.frozen_time_us / 1000:.1f} ms")
+        for phase, seconds in report.timings_s.items():
+            table.add_row(f"time {phase}", f"{seconds * 1000:.1f} ms")
+        table.add_row("original", f"stopped ({report.stopped}); cleanup: {report.cleanup}")
+        stdout().print(table)
+    if not report.clean:
+        raise SnapctlError(
+            f"image published, but the original tree's cleanup left: {report.cleanup}",
+            phase="cleanup",
+        )

@@ -1,0 +1,45 @@
+"""``snapctl images``: list the images in an image root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from snapctl.cli.output import json_option
+
+
+@click.command()
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory holding image directories (default: $SNAPCTL_IMAGE_ROOT, "
+                   "else images/ in the state directory).")  # fmt: skip
+@json_option
+def images(root: Path | None, as_json: bool) -> None:
+    """List the images in an image root."""
+    from snapctl.cli.output import emit_json, stdout
+    from snapctl.images.catalog import default_image_root, list_images
+    from snapctl.supervision.state import StateDir
+
+    rows = list_images(root.absolute() if root else default_image_root(), StateDir().verified)
+    if as_json:
+        emit_json([row.model_dump(mode="json") for row in rows])
+        return
+    from rich.table import Table
+
+    table = Table()
+    for column in ("image", "id", "created", "server", "size", "criu", "verified"):
+        table.add_column(column)
+    for row in rows:
+        if row.problem:
+            table.add_row(Path(row.path).name, "-", "-", row.problem, "-", "-", "no")
+            continue
+        table.add_row(
+            Path(row.path).name,
+            (row.image_id or "")[:12],
+            row.created or "-",
+            row.server or "-",
+            f"{(row.bytes or 0) / 1e6:.1f} MB",
+            row.criu_version or "-",
+            "yes" if row.verified else "no",
+        )
+    stdout().print(table)

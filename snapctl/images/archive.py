@@ -1,0 +1,500 @@
+"""Moving an image between hosts as one file: a zstd-compressed tar (``.tar.zst``) whose first
+member is ``manifest.json``.
+
+Export streams every file through sha256 on the way out and refuses an image that no longer
+matches its manifest. Import reads the manifest first, then checks each member's name, type,
+size and sha256 while unpacking into a staging directory beside the target, which is renamed
+into place only when everything matched: on any failure nothing usable appears. Only plain
+files, directories and hard links to earlier members are accepted; absolute names, ``..``,
+duplicates, symlinks, device nodes and links leading outside are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import stat
+import struct
+import tarfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Literal
+
+import zstandard
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from snapctl.errors import ExitStatus
+from snapctl.images.lock import image_held
+from snapctl.images.manifest import MANIFEST_NAME, Manifest, is_safe_relative
+from snapctl.images.store import (
+    CHUNK,
+    MAX_MANIFEST_BYTES,
+    ImageError,
+    ImageStaging,
+    record_verified,
+)
+
+ARCHIVE_SUFFIX = ".tar.zst"
+DEFAULT_LEVEL = 3
+# The archive ends in a zstd skippable frame (ignored by ``zstd -d``) holding the sha256 of
+# every byte before it: a flipped byte that still decompresses to the same content (a frame
+# header bit, an unused table bit) is caught too, and the digest can be compared out of band.
+SEAL_MAGIC = 0x184D2A5E
+SEAL_LABEL = b"SNAPCTL-SHA256\0\0"
+SEAL_BYTES = 8 + len(SEAL_LABEL) + 32
+
+ByteProgress = Callable[[int], None]  # called with the bytes done since its last call
+
+
+class ArchiveError(ImageError):
+    """An archive is malformed, hostile, or does not match its manifest; nothing was published."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
+
+
+class ArchiveReport(BaseModel):
+    """What an export or import moved and how fast (``--json``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["export", "import"]
+    image: str
+    archive: str
+    image_id: str
+    files: int
+    image_bytes: int
+    archive_bytes: int
+    seconds: float
+    mb_per_s: float  # image (uncompressed) bytes per second, 1 MB = 10^6 bytes
+    manifest_sha256: str
+    archive_sha256: str  # of the archive's body, as recorded in its seal
+
+
+def _report(
+    action: Literal["export", "import"],
+    image: Path,
+    archive: Path,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    seconds: float,
+    archive_sha256: str,
+) -> ArchiveReport:
+    total = manifest.total_bytes + len(manifest_bytes)
+    return ArchiveReport(
+        action=action,
+        image=str(image),
+        archive=str(archive),
+        image_id=manifest.image_id,
+        files=len(manifest.files),
+        image_bytes=total,
+        archive_bytes=archive.stat().st_size,
+        seconds=round(seconds, 6),
+        mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+        manifest_sha256=hashlib.sha256(manifest_bytes).hexdigest(),
+        archive_sha256=archive_sha256,
+    )
+
+
+class _HashingReader:
+    """Reads a file for tarfile while hashing it and reporting progress."""
+
+    def __init__(self, handle: IO[bytes], progress: ByteProgress | None) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+        self.progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.read(size)
+        self.digest.update(data)
+        if self.progress is not None and data:
+            self.progress(len(data))
+        return data
+
+
+class _SealedBody:
+    """Reads an archive's body (everything before the seal) for the decompressor, hashing it
+    and reporting progress; EOF comes at the seal."""
+
+    def __init__(self, handle: IO[bytes], size: int, progress: ByteProgress | None) -> None:
+        self.handle = handle
+        self.left = size
+        self.digest = hashlib.sha256()
+        self.progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        size = self.left if size < 0 else min(size, self.left)
+        data = self.handle.read(size)
+        self.left -= len(data)
+        self.digest.update(data)
+        if self.progress is not None and data:
+            self.progress(len(data))
+        return data
+
+
+class _HashingWriter:
+    """Passes the compressed stream to the file, hashing it for the seal."""
+
+    def __init__(self, handle: IO[bytes]) -> None:
+        self.handle = handle
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.handle.write(data)
+
+    def flush(self) -> None:
+        self.handle.flush()
+
+
+def _seal(digest: bytes) -> bytes:
+    return struct.pack("<II", SEAL_MAGIC, len(SEAL_LABEL) + len(digest)) + SEAL_LABEL + digest
+
+
+# --- export -----------------------------------------------------------------------------------
+
+
+def _walk_image(image: Path, manifest: Manifest) -> list[str]:
+    """The image's directories (relative, parents first); refuse anything export cannot carry."""
+    directories: list[str] = []
+    files: set[str] = set()
+    for root, dirnames, filenames in os.walk(image):
+        for name in dirnames + filenames:
+            path = Path(root) / name
+            relative = str(path.relative_to(image))
+            mode = path.lstat().st_mode
+            if stat.S_ISDIR(mode):
+                directories.append(relative)
+            elif stat.S_ISREG(mode):
+                if relative != MANIFEST_NAME:
+                    files.add(relative)
+            else:
+                raise ArchiveError(f"image member {relative} is not a file or directory", path=path)
+    missing = sorted(set(manifest.files) - files)
+    if missing:
+        raise ArchiveError(f"image file missing: {missing[0]}", path=image / missing[0])
+    extra = sorted(files - set(manifest.files))
+    if extra:
+        raise ArchiveError(f"unexpected file in image: {extra[0]}", path=image / extra[0])
+    return sorted(directories)
+
+
+def _tarinfo(name: str, st: os.stat_result) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.mode = stat.S_IMODE(st.st_mode)
+    info.uid, info.gid = st.st_uid, st.st_gid
+    info.mtime = int(st.st_mtime)
+    return info
+
+
+def export_image(
+    image: Path,
+    out: Path,
+    *,
+    force: bool = False,
+    level: int = DEFAULT_LEVEL,
+    threads: int = -1,
+    progress: ByteProgress | None = None,
+) -> ArchiveReport:
+    """Write ``image`` to ``out`` (zstd with ``threads`` workers; -1: one per CPU), checking
+    every file against the manifest on the way; ``out`` appears only when complete."""
+    image, out = image.absolute(), out.absolute()
+    if out.exists() and not force:
+        raise ArchiveError(f"{out} already exists (use --force to replace it)", path=out)
+    started = time.monotonic()
+    # Shared: copies may read meanwhile, rm and replace wait for the export to finish.
+    with image_held(image):
+        manifest_path = image / MANIFEST_NAME
+        try:
+            with manifest_path.open("rb") as handle:
+                manifest_bytes = handle.read(MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError as error:
+            raise ImageError(f"{image} is not a published image", path=image) from error
+        manifest = _parse_manifest(manifest_bytes, manifest_path)
+        directories = _walk_image(image, manifest)
+        tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with tmp.open("xb") as raw:
+                compressor = zstandard.ZstdCompressor(
+                    level=level, threads=threads, write_checksum=True
+                )
+                body = _HashingWriter(raw)
+                with (
+                    compressor.stream_writer(body, closefd=False) as compressed,  # type: ignore[arg-type]
+                    tarfile.open(
+                        fileobj=compressed,
+                        mode="w|",
+                        format=tarfile.PAX_FORMAT,
+                    ) as tar,
+                ):
+                    _write_members(tar, image, manifest, manifest_bytes, directories, progress)
+                raw.write(_seal(body.digest.digest()))
+                raw.flush()
+                os.fsync(raw.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+    seconds = time.monotonic() - started
+    return _report("export", image, out, manifest, manifest_bytes, seconds, body.digest.hexdigest())
+
+
+def _write_members(
+    tar: tarfile.TarFile,
+    image: Path,
+    manifest: Manifest,
+    manifest_bytes: bytes,
+    directories: list[str],
+    progress: ByteProgress | None,
+) -> None:
+    # The manifest first, so an import knows every expected hash before any content arrives.
+    info = _tarinfo(MANIFEST_NAME, (image / MANIFEST_NAME).stat())
+    info.size = len(manifest_bytes)
+    tar.addfile(info, _HashingReader(_BytesReader(manifest_bytes), progress))  # type: ignore[arg-type]
+    for name in directories:
+        info = _tarinfo(name, (image / name).lstat())
+        info.type = tarfile.DIRTYPE
+        tar.addfile(info)
+    first_of_inode: dict[tuple[int, int], str] = {}
+    for name, entry in sorted(manifest.files.items()):
+        path = image / name
+        st = path.lstat()
+        info = _tarinfo(name, st)
+        inode = (st.st_dev, st.st_ino)
+        if inode in first_of_inode:
+            info.type = tarfile.LNKTYPE
+            info.linkname = first_of_inode[inode]
+            tar.addfile(info)
+            continue
+        first_of_inode[inode] = name
+        if st.st_size != entry.size:
+            raise ArchiveError(f"image file {name} does not match its manifest size", path=path)
+        info.size = entry.size
+        with path.open("rb") as handle:
+            reader = _HashingReader(handle, progress)
+            tar.addfile(info, reader)
+        if reader.digest.hexdigest() != entry.sha256:
+            raise ArchiveError(f"image file {name} does not match its sha256", path=path)
+
+
+class _BytesReader:
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.data) if size < 0 else self.pos + size
+        chunk = self.data[self.pos : end]
+        self.pos += len(chunk)
+        return chunk
+
+
+# --- import -----------------------------------------------------------------------------------
+
+
+def _parse_manifest(data: bytes, where: Path) -> Manifest:
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ArchiveError(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes", path=where)
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where_in = ".".join(str(p) for p in first["loc"])
+        raise ArchiveError(
+            f"manifest is not valid: {where_in}: {first['msg']}", path=where
+        ) from error
+
+
+def _kind(member: tarfile.TarInfo) -> str:
+    if member.issym():
+        return "a symbolic link"
+    if member.ischr() or member.isblk():
+        return "a device node"
+    if member.isfifo():
+        return "a fifo"
+    if member.issparse():
+        return "a sparse file"
+    return f"of tar type {member.type!r}"
+
+
+class _Unpacker:
+    """Checks and writes one archive's members into a staging directory."""
+
+    def __init__(self, archive: Path, root: Path) -> None:
+        self.archive = archive
+        self.root = root
+        self.manifest: Manifest | None = None
+        self.manifest_bytes = b""
+        self.seen: set[str] = set()
+        self.written: set[str] = set()  # regular files written (hard-link targets)
+        self.current = "(start)"
+        self.as_root = os.geteuid() == 0
+
+    def refuse(self, message: str) -> ArchiveError:
+        return ArchiveError(f"archive {self.archive.name}: {message}", path=self.archive)
+
+    def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        name = member.name
+        self.current = name
+        if self.manifest is None:
+            if name != MANIFEST_NAME or not member.isreg():
+                raise self.refuse(f"first member is {name!r}, not {MANIFEST_NAME}")
+            if member.size > MAX_MANIFEST_BYTES:
+                raise self.refuse(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes")
+            source = tar.extractfile(member)
+            assert source is not None
+            self.manifest_bytes = source.read()
+            try:
+                self.manifest = _parse_manifest(self.manifest_bytes, self.archive)
+            except ArchiveError as error:
+                raise self.refuse(error.message) from error
+            self.seen.add(name)
+            return
+        if not is_safe_relative(name):
+            raise self.refuse(f"member {name!r} is not a plain relative path")
+        if name in self.seen:
+            raise self.refuse(f"member {name} appears twice")
+        self.seen.add(name)
+        if member.isdir():
+            self._directory(member)
+        elif member.isreg():
+            self._file(tar, member)
+        elif member.islnk():
+            self._hard_link(member)
+        else:
+            raise self.refuse(f"member {name} is {_kind(member)} (only files, directories "
+                              "and hard links are accepted)")  # fmt: skip
+
+    def _parent(self, name: str) -> None:
+        # Every directory below root was made by us and no symlink is ever created, so
+        # resolving below root cannot leave it.
+        (self.root / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _directory(self, member: tarfile.TarInfo) -> None:
+        path = self.root / member.name
+        self._parent(member.name)
+        if not path.is_dir():
+            path.mkdir(mode=0o700)
+        os.chmod(path, stat.S_IMODE(member.mode) & 0o1777)
+
+    def _expected(self, name: str) -> tuple[int, str, int | None]:
+        assert self.manifest is not None
+        entry = self.manifest.files.get(name)
+        if entry is None:
+            raise self.refuse(f"member {name} is not in the manifest")
+        return entry.size, entry.sha256, entry.link_group
+
+    def _file(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
+        name = member.name
+        size, sha256, _ = self._expected(name)
+        if member.size != size:
+            raise self.refuse(f"member {name} has {member.size} bytes, the manifest {size}")
+        self._parent(name)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.root / name, flags, 0o600)
+        digest = hashlib.sha256()
+        source = tar.extractfile(member)
+        assert source is not None
+        with os.fdopen(fd, "wb") as target:
+            while chunk := source.read(CHUNK):
+                digest.update(chunk)
+                target.write(chunk)
+            os.fchmod(target.fileno(), stat.S_IMODE(member.mode) & 0o777)
+            if self.as_root:
+                os.fchown(target.fileno(), member.uid, member.gid)
+        if digest.hexdigest() != sha256:
+            raise self.refuse(f"member {name} does not match its sha256 in the manifest")
+        self.written.add(name)
+
+    def _hard_link(self, member: tarfile.TarInfo) -> None:
+        name, target = member.name, member.linkname
+        if not is_safe_relative(target) or target not in self.written:
+            raise self.refuse(
+                f"member {name} links to {target!r}, which is not an earlier file of the archive"
+            )
+        size, sha256, group = self._expected(name)
+        t_size, t_sha256, t_group = self._expected(target)
+        if (size, sha256) != (t_size, t_sha256) or group is None or group != t_group:
+            raise self.refuse(f"member {name} is a hard link the manifest does not record")
+        self._parent(name)
+        os.link(self.root / target, self.root / name, follow_symlinks=False)
+
+    def finish(self) -> Manifest:
+        if self.manifest is None:
+            raise self.refuse(f"no {MANIFEST_NAME}: not an image archive")
+        missing = sorted(set(self.manifest.files) - self.seen)
+        if missing:
+            raise self.refuse(f"image file {missing[0]} is missing from the archive")
+        groups: dict[int, set[tuple[int, int]]] = {}
+        for name, entry in self.manifest.files.items():
+            if entry.link_group is not None:
+                st = (self.root / name).lstat()
+                groups.setdefault(entry.link_group, set()).add((st.st_dev, st.st_ino))
+        for group, inodes in groups.items():
+            if len(inodes) != 1:
+                raise self.refuse(f"hard-link group {group} arrived as separate files")
+        return self.manifest
+
+
+def import_image(
+    archive: Path,
+    to: Path,
+    *,
+    force: bool = False,
+    cache_dir: Path | None = None,
+    progress: ByteProgress | None = None,
+) -> ArchiveReport:
+    """Unpack ``archive`` into the image directory ``to``, verifying while streaming; publish
+    by rename only when every member and the archive's seal matched. ``progress`` counts
+    compressed bytes."""
+    archive, to = archive.absolute(), to.absolute()
+    started = time.monotonic()
+    try:
+        raw = archive.open("rb")
+    except OSError as error:
+        raise ArchiveError(f"cannot open {archive}: {error.strerror}", path=archive) from error
+    with raw:
+        size = os.fstat(raw.fileno()).st_size
+        seal = os.pread(raw.fileno(), SEAL_BYTES, max(0, size - SEAL_BYTES))
+        sealed = seal[:8] == _seal(b"\0" * 32)[:8] and seal[8 : 8 + len(SEAL_LABEL)] == SEAL_LABEL
+        staging = ImageStaging(to, force=force)
+        unpacker = _Unpacker(archive, staging.dir)
+        # Unsealed, the whole file is streamed: a hostile member is named before the seal is.
+        body = _SealedBody(raw, size - SEAL_BYTES if sealed else size, progress)
+        try:
+            try:
+                decompressor = zstandard.ZstdDecompressor()
+                with decompressor.stream_reader(body) as stream:  # type: ignore[arg-type]
+                    with tarfile.open(fileobj=stream, mode="r|") as tar:
+                        for member in tar:
+                            unpacker.member(tar, member)
+                    # Read to the end: zstd checks the frame's checksum only there.
+                    while stream.read(CHUNK):
+                        pass
+            except (zstandard.ZstdError, tarfile.TarError, EOFError) as error:
+                raise unpacker.refuse(
+                    f"corrupt near member {unpacker.current}: {error or type(error).__name__}"
+                ) from error
+            manifest = unpacker.finish()
+            while body.read(CHUNK):  # whatever follows the frame is covered by the seal too
+                pass
+            if not sealed:
+                raise unpacker.refuse("it has no seal (not written by snapctl image export)")
+            if seal != _seal(body.digest.digest()):
+                raise unpacker.refuse(
+                    "its bytes do not match the sha256 in its seal (damaged in transit, or not "
+                    "written by snapctl image export)"
+                )
+            final = staging.publish(manifest)
+        except BaseException:
+            staging.abort()
+            raise
+    if cache_dir is not None:
+        record_verified(final, manifest, cache_dir)  # every hash was checked while unpacking
+    seconds = time.monotonic() - started
+    return _report(
+        "import", final, archive, manifest, unpacker.manifest_bytes, seconds,
+        body.digest.hexdigest(),
+    )  # fmt: skip

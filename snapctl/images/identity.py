@@ -1,0 +1,412 @@
+"""What a restore depends on outside the image (kernel, CRIU, CPU, host, server argv and
+environment, Python, and every file the captured tree had mapped or open), how it is read from
+a running tree and from this host, and how two records are compared.
+
+The record is taken just before the dump and checked by every copy before CRIU runs. A
+difference names the field (and the file or variable), never a value that could be secret:
+environment values are stored only as salted sha256, argv with secret flags redacted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import posixpath
+import secrets
+import stat
+import uuid
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from snapctl.errors import ExitStatus, SnapctlError
+
+CHUNK = 4 << 20
+
+# Fields a platform team may waive by name (``--allow-mismatch FIELD``). File contents are
+# not among them: a restored tree that maps a changed library or model runs on bytes it never
+# validated.
+WAIVABLE_FIELDS = (
+    "kernel",
+    "criu_version",
+    "cpu_vendor",
+    "cpu_flags",
+    "host_id",
+    "python_version",
+    "argv",
+    "env",
+    "identity",  # a schema-1 image, which recorded none of this
+)
+FILES_FIELD = "files"
+
+# Variables that differ between two shells of one host without changing what a server does;
+# recording them would refuse every copy started from another terminal or test.
+VOLATILE_ENV = frozenset(
+    {
+        "_", "PWD", "OLDPWD", "SHLVL", "TERM", "TERM_PROGRAM", "TERM_PROGRAM_VERSION",
+        "COLORTERM", "COLUMNS", "LINES", "LS_COLORS", "PS1", "PS2", "PROMPT_COMMAND",
+        "HISTFILE", "HISTSIZE", "HISTCONTROL", "MAIL", "DISPLAY", "WINDOWID", "TMUX",
+        "TMUX_PANE", "STY", "WINDOW", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY",
+        "SSH_AUTH_SOCK", "SSH_AGENT_PID", "XDG_SESSION_ID", "XDG_SESSION_TYPE",
+        "XDG_SESSION_CLASS", "XDG_RUNTIME_DIR", "XDG_VTNR", "INVOCATION_ID", "JOURNAL_STREAM",
+        "PYTEST_CURRENT_TEST", "PYTEST_XDIST_WORKER", "PYTEST_VERSION",
+    }
+)  # fmt: skip
+# Variables snapctl derives for the bundled fixture from its own options, and the settings of
+# snapctl and CRIU themselves (state directory, CRIU path, CRIU_FAULT): never recorded.
+DERIVED_ENV = frozenset({"FIXTURE_API_KEY"})
+TOOL_ENV_PREFIXES = ("SNAPCTL_", "CRIU_")
+
+# Paths whose contents are the activation's own (bind-mounted per activation, a private tmpfs
+# in the sandbox) or not files at all.
+EXCLUDED_PREFIXES = ("/run/", "/dev/", "/proc/", "/sys/", "/memfd:")
+
+# Instruction-set extensions restored code may have chosen at startup (x86 and arm64 names).
+# Only these are compared: kernel-only and virtualization flags differ between hosts of one
+# CPU model without changing which instructions run.
+ISA_FLAG_PREFIXES = (
+    "sse", "ssse", "pni", "avx", "amx", "fma", "f16c", "bmi", "sha", "aes", "vaes", "gfni",
+    "pclmul", "vpclmul", "popcnt", "abm", "lzcnt", "movbe", "adx", "rdrand", "rdseed", "erms",
+    "fsrm", "xsave", "clflushopt", "clwb", "cx16", "mmx", "asimd", "sve", "atomics", "fphp",
+    "i8mm", "bf16",
+)  # fmt: skip
+
+
+class IdentityMismatchError(SnapctlError):
+    """This host differs from the one the image was captured on in a way not waived."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
+
+    def __init__(self, differences: list[Difference], *, path: Path | None = None) -> None:
+        lines = [f"  {d.field}: {d.detail}" for d in differences]
+        waivable = sorted({d.field for d in differences if d.waivable})
+        hint = ""
+        if waivable:
+            hint = " (waive with " + " ".join(f"--allow-mismatch {f}" for f in waivable) + ")"
+        super().__init__(
+            f"this host does not match the image's identity{hint}:\n" + "\n".join(lines),
+            phase="identity",
+            path=path,
+        )
+        self.differences = differences
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class FileRecord(_Strict):
+    """One file outside the image that the captured tree had mapped or open."""
+
+    path: str
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class Identity(_Strict):
+    """Everything outside the image a restore depends on (see the module docstring)."""
+
+    version: Literal[1] = 1
+    kernel: str
+    criu_version: str
+    cpu_vendor: str
+    cpu_model: str  # shown, not compared: flags decide what restored code can execute
+    cpu_flags: list[str]
+    host_id: str
+    hostname: str  # shown, not compared: host_id names the machine
+    python_version: str
+    argv: list[str]
+    env_salt: str
+    env: dict[str, str]  # name -> sha256(salt, name, value)
+    files: list[FileRecord]
+
+
+class Difference(_Strict):
+    """One way this host differs from the recorded identity (never a secret value)."""
+
+    field: str
+    detail: str
+    waivable: bool
+
+
+# --- reading this host ------------------------------------------------------------------------
+
+
+def _cpuinfo() -> tuple[str, str, list[str]]:
+    vendor = model = ""
+    flags: list[str] = []
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine(), "", []
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key in ("vendor_id", "CPU implementer") and not vendor:
+            vendor = value
+        elif key in ("model name", "Processor") and not model:
+            model = value
+        elif key in ("flags", "Features") and not flags:
+            flags = value.split()
+    relevant = sorted({f for f in flags if f.startswith(ISA_FLAG_PREFIXES)})
+    return vendor or platform.machine(), model, relevant
+
+
+def host_id() -> str:
+    """The machine id (systemd's ``/etc/machine-id``), or ``unknown``."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value:
+            return value
+    return "unknown"
+
+
+def env_digest(salt: str, name: str, value: str) -> str:
+    return hashlib.sha256(f"{salt}\0{name}\0{value}".encode(errors="surrogateescape")).hexdigest()
+
+
+def hashed_env(env: Mapping[str, str], salt: str) -> dict[str, str]:
+    """Name -> salted digest of every variable a restore can depend on."""
+    return {
+        name: env_digest(salt, name, value)
+        for name, value in sorted(env.items())
+        if name not in VOLATILE_ENV
+        and name not in DERIVED_ENV
+        and not name.startswith(TOOL_ENV_PREFIXES)
+    }
+
+
+def current_identity(
+    *,
+    criu_version: str,
+    argv: list[str],
+    env: Mapping[str, str],
+    files: Iterable[str],
+    cache_dir: Path | None,
+    env_salt: str | None = None,
+) -> Identity:
+    """This host's identity; ``files`` are hashed here (in parallel, cached by stat).
+
+    At capture ``files`` are those the tree had mapped or open and ``env_salt`` is new; at
+    restore both come from the recorded identity, so the records compare field by field.
+    """
+    vendor, model, flags = _cpuinfo()
+    salt = env_salt if env_salt is not None else secrets.token_hex(16)
+    return Identity(
+        kernel=platform.release(),
+        criu_version=criu_version,
+        cpu_vendor=vendor,
+        cpu_model=model,
+        cpu_flags=flags,
+        host_id=host_id(),
+        hostname=platform.node(),
+        python_version=platform.python_version(),
+        argv=list(argv),
+        env_salt=salt,
+        env=hashed_env(env, salt),
+        files=hash_files(sorted(set(files)), cache_dir),
+    )
+
+
+# --- reading a process tree -------------------------------------------------------------------
+
+
+def _candidate(path: str) -> bool:
+    return (
+        path.startswith("/")
+        and not path.endswith(" (deleted)")
+        and not path.startswith(EXCLUDED_PREFIXES)
+        and posixpath.normpath(path) == path
+    )
+
+
+def _same_file_on_host(pid: int, path: str) -> bool:
+    """True when ``path`` names the same regular file inside the tree's mount namespace as on
+    the host: the sandbox shares the host's root, except for its own mounts."""
+    try:
+        inside = os.stat(f"/proc/{pid}/root{path}")
+        outside = os.stat(path)
+    except OSError:
+        return False
+    same = (inside.st_dev, inside.st_ino) == (outside.st_dev, outside.st_ino)
+    return same and stat.S_ISREG(outside.st_mode)
+
+
+def tree_files(pids: Iterable[int]) -> list[str]:
+    """Host paths of every regular file the processes have mapped or open (sorted, unique).
+
+    Read from ``/proc/PID/maps`` and ``/proc/PID/fd``; sockets, pipes, anonymous and deleted
+    files, the activation's own directories and anything private to the sandbox are left out.
+    """
+    found: set[str] = set()
+    for pid in pids:
+        candidates: set[str] = set()
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0":
+                    candidates.add(fields[5])
+        except OSError:
+            continue  # exited: its files went with it
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            descriptors = []
+        for fd in descriptors:
+            try:
+                candidates.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+        found.update(p for p in candidates if _candidate(p) and _same_file_on_host(pid, p))
+    return sorted(found)
+
+
+# --- hashing with a cache ---------------------------------------------------------------------
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    # Any write changes ctime, which no unprivileged tool can set back: a key match is as
+    # good as a re-hash for the question "is this the file that was recorded".
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _cache_path(cache_dir: Path, path: str) -> Path:
+    return cache_dir / f"{hashlib.sha256(path.encode(errors='surrogateescape')).hexdigest()}.json"
+
+
+def _hash_one(path: str, cache_dir: Path | None) -> FileRecord | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = _stat_key(st)
+    cache = _cache_path(cache_dir, path) if cache_dir is not None else None
+    if cache is not None:
+        try:
+            cached = json.loads(cache.read_text())
+            if cached.get("path") == path and cached.get("key") == key:
+                return FileRecord(path=path, size=st.st_size, sha256=cached["sha256"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # no or damaged cache entry: hash
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+            after = os.fstat(handle.fileno())
+    except OSError:
+        return None
+    record = FileRecord(path=path, size=after.st_size, sha256=digest.hexdigest())
+    if cache is not None and _stat_key(after) == key:  # not written to while we read it
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp")
+            tmp.write_text(json.dumps({"path": path, "key": key, "sha256": record.sha256}))
+            os.replace(tmp, cache)
+        except OSError:
+            pass  # a cache we cannot write only costs a re-hash next time
+    return record
+
+
+def hash_files(paths: list[str], cache_dir: Path | None) -> list[FileRecord]:
+    """Size and sha256 of each path that exists (missing ones are left out), in parallel."""
+    # hashlib releases the GIL: a few threads keep every core and the disk busy.
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(paths)))) as pool:
+        records = pool.map(lambda p: _hash_one(p, cache_dir), paths)
+        return [record for record in records if record is not None]
+
+
+# --- comparing --------------------------------------------------------------------------------
+
+
+def _argv_detail(recorded: list[str], current: list[str]) -> str:
+    for index, (a, b) in enumerate(zip(recorded, current, strict=False)):
+        if a != b:
+            return f"argument {index} differs (image {a!r}, here {b!r})"
+    return f"the image ran {len(recorded)} arguments, this copy names {len(current)}"
+
+
+def compare(recorded: Identity, current: Identity) -> list[Difference]:
+    """Every difference between the recorded identity and this host's (empty: identical)."""
+    out: list[Difference] = []
+
+    def differ(field: str, detail: str) -> None:
+        out.append(Difference(field=field, detail=detail, waivable=field in WAIVABLE_FIELDS))
+
+    for field in ("kernel", "criu_version", "cpu_vendor", "host_id", "python_version"):
+        was, now = getattr(recorded, field), getattr(current, field)
+        if was != now:
+            differ(field, f"image {was}, here {now}")
+    missing_flags = sorted(set(recorded.cpu_flags) - set(current.cpu_flags))
+    if missing_flags:
+        differ("cpu_flags", "this CPU lacks " + " ".join(missing_flags))
+    if recorded.argv != current.argv:
+        differ("argv", _argv_detail(recorded.argv, current.argv))
+    for name in sorted(set(recorded.env) | set(current.env)):
+        if name not in current.env:
+            differ("env", f"{name} is not set here")
+        elif name not in recorded.env:
+            differ("env", f"{name} is set here but was not at capture")
+        elif recorded.env[name] != current.env[name]:
+            differ("env", f"{name} has another value")
+    now_files = {record.path: record for record in current.files}
+    for record in recorded.files:
+        here = now_files.get(record.path)
+        if here is None:
+            differ(FILES_FIELD, f"{record.path} is missing")
+        elif here.size != record.size:
+            differ(FILES_FIELD, f"{record.path} changed size ({record.size} -> {here.size} bytes)")
+        elif here.sha256 != record.sha256:
+            differ(FILES_FIELD, f"{record.path} has other content (sha256 differs)")
+    return out
+
+
+def check_waivers(allow: Iterable[str]) -> list[str]:
+    """Validate ``--allow-mismatch`` names; file contents can never be waived."""
+    names = list(allow)
+    for name in names:
+        if name == FILES_FIELD:
+            raise SnapctlError(
+                "file content mismatches cannot be waived: restore the recorded files",
+                phase="identity",
+            )
+        if name not in WAIVABLE_FIELDS:
+            raise SnapctlError(
+                f"unknown identity field {name!r} (waivable: {', '.join(WAIVABLE_FIELDS)})",
+                phase="identity",
+            )
+    return names
+
+
+def require_match(
+    recorded: Identity | None,
+    current: Identity | None,
+    *,
+    allow: Iterable[str] = (),
+    path: Path | None = None,
+) -> list[Difference]:
+    """Raise :class:`IdentityMismatchError` listing every difference that is not waived;
+    return the waived ones (the caller reports them)."""
+    waived_fields = set(check_waivers(allow))
+    if recorded is None or current is None:
+        differences = [
+            Difference(
+                field="identity",
+                detail="the image records no identity (schema 1): re-bake it",
+                waivable=True,
+            )
+        ]
+    else:
+        differences = compare(recorded, current)
+    refused = [d for d in differences if not (d.waivable and d.field in waived_fields)]
+    if refused:
+        raise IdentityMismatchError(refused, path=path)
+    return differences

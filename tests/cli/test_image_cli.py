@@ -1,0 +1,106 @@
+"""``snapctl images``, ``image export/import/rm`` and ``inspect`` on small sample images, and
+``copy``'s early refusal of a waiver that cannot be given (no CRIU needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from snapctl.cli import main, snapctl
+from snapctl.errors import ExitStatus
+from snapctl.images.lock import hold_image
+from tests.images.factories import publish_sample
+
+
+@pytest.fixture(autouse=True)
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state"
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(snapctl, list(args))
+    return result.exit_code, result.stdout
+
+
+def test_export_import_then_images_lists_both(tmp_path: Path) -> None:
+    root = tmp_path / "images"
+    manifest = publish_sample(root / "a")
+    archive = tmp_path / "a.tar.zst"
+
+    code, out = run("image", "export", str(root / "a"), "--out", str(archive), "--json")
+    assert code == 0, out
+    exported = json.loads(out)
+    assert exported["archive_bytes"] == archive.stat().st_size
+    assert exported["image_bytes"] > 300_000 and exported["mb_per_s"] > 0
+
+    code, out = run("image", "import", str(archive), "--to", str(root / "b"), "--json")
+    assert code == 0, out
+    imported = json.loads(out)
+    assert imported["image_id"] == manifest.image_id
+    assert imported["archive_sha256"] == exported["archive_sha256"]
+    assert imported["manifest_sha256"] == exported["manifest_sha256"]
+
+    code, out = run("images", "--root", str(root), "--json")
+    rows = {Path(row["path"]).name: row for row in json.loads(out)}
+    assert code == 0 and sorted(rows) == ["a", "b"]
+    assert rows["b"]["verified"] is True and rows["a"]["verified"] is False
+
+    code, out = run("inspect", str(root / "a"), "--verify")
+    assert code == 0 and "every sha256 matches" in out and "libx.so" in out
+    code, out = run("images", "--root", str(root))
+    assert code == 0 and out.count("yes") == 2  # --verify recorded a
+
+
+def test_image_rm_refuses_while_held(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    image = tmp_path / "image"
+    publish_sample(image)
+
+    with hold_image(image):
+        assert main(["image", "rm", str(image)]) == ExitStatus.ERROR
+    assert "is in use" in capsys.readouterr().err and image.exists()
+
+    assert main(["image", "rm", str(image), "--json"]) == ExitStatus.OK
+    assert json.loads(capsys.readouterr().out) == {"removed": str(image)}
+    assert not image.exists()
+
+
+def test_import_of_a_damaged_archive_exits_verify_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    publish_sample(tmp_path / "a")
+    archive = tmp_path / "a.tar.zst"
+    assert main(["image", "export", str(tmp_path / "a"), "--out", str(archive)]) == 0
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    archive.write_bytes(bytes(data))
+
+    code = main(["image", "import", str(archive), "--to", str(tmp_path / "b")])
+
+    assert code == ExitStatus.VERIFY_FAILED
+    assert "a.tar.zst" in capsys.readouterr().err and not (tmp_path / "b").exists()
+
+
+def test_inspect_json_and_a_schema_1_image(tmp_path: Path) -> None:
+    publish_sample(tmp_path / "v1", schema_version=1, identity=None)
+
+    code, out = run("inspect", str(tmp_path / "v1"), "--json")
+    assert code == 0 and json.loads(out)["manifest"]["identity"] is None
+    code, out = run("inspect", str(tmp_path / "v1"))
+    assert code == 0 and "not recorded (schema 1 image)" in out
+
+
+@pytest.mark.parametrize(("field", "message"), [("files", "cannot be waived"),
+                                                ("colour", "unknown identity field")])  # fmt: skip
+def test_copy_refuses_a_bad_waiver_before_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], field: str, message: str
+) -> None:
+    publish_sample(tmp_path / "image")
+
+    code = main(["copy", "--image", str(tmp_path / "image"), "--allow-mismatch", field])
+
+    assert code == ExitStatus.ERROR and message in capsys.readouterr().err
+    assert not (tmp_path / "state" / "activations").exists()

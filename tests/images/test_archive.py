@@ -1,0 +1,266 @@
+"""Image archives: round trip, verification while streaming, atomic publication, and refusal
+of hostile members (built here as real .tar.zst files) without writing outside the target."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from snapctl.images import load_manifest, verify_image
+from snapctl.images.archive import SEAL_BYTES, ArchiveError, export_image, import_image
+from snapctl.images.lock import ImageBusyError, hold_image
+from snapctl.images.store import ImageError, is_verified
+from tests.images.factories import publish_sample
+
+
+@pytest.fixture
+def exported(tmp_path: Path) -> tuple[Path, Path]:
+    image = tmp_path / "src" / "image"
+    publish_sample(image)
+    archive = tmp_path / "image.tar.zst"
+    export_image(image, archive)
+    return image, archive
+
+
+def members(archive: Path) -> list[tarfile.TarInfo]:
+    with archive.open("rb") as raw:
+        stream = zstandard.ZstdDecompressor().stream_reader(raw)
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            return list(tar)
+
+
+def leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
+
+
+def test_round_trip_keeps_files_modes_and_hard_links(
+    tmp_path: Path, exported: tuple[Path, Path]
+) -> None:
+    image, archive = exported
+    target, cache = tmp_path / "dst" / "image", tmp_path / "verified"
+
+    report = import_image(archive, target, cache_dir=cache)
+
+    manifest = verify_image(target)
+    assert manifest == load_manifest(image)
+    assert report.image_id == manifest.image_id and report.files == len(manifest.files)
+    assert report.archive_bytes == archive.stat().st_size and report.mb_per_s > 0
+    a, b = (target / "shm" / "sem.x").stat(), (target / "shm" / "link_remap.7").stat()
+    assert a.st_ino == b.st_ino and a.st_mode & 0o777 == 0o640
+    assert (target / "shm" / "sub").stat().st_mode & 0o1777 == 0o1777
+    assert is_verified(target, manifest, cache)  # every hash was checked while unpacking
+    assert leftovers(target.parent) == []
+
+
+def test_manifest_is_the_first_member_and_links_are_hard_links(
+    exported: tuple[Path, Path],
+) -> None:
+    listed = members(exported[1])
+
+    assert listed[0].name == "manifest.json"
+    links = [m for m in listed if m.islnk()]
+    assert [(m.name, m.linkname) for m in links] == [("shm/sem.x", "shm/link_remap.7")]
+
+
+def test_export_refuses_an_image_that_no_longer_matches(tmp_path: Path) -> None:
+    image = tmp_path / "image"
+    publish_sample(image)
+    path = image / "criu" / "pages-1.img"
+    data = bytearray(path.read_bytes())
+    data[1234] ^= 0x01
+    path.write_bytes(bytes(data))
+    out = tmp_path / "out.tar.zst"
+
+    with pytest.raises(ArchiveError, match=r"criu/pages-1\.img does not match its sha256"):
+        export_image(image, out)
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_export_refuses_an_existing_archive_and_an_unexpected_file(
+    tmp_path: Path, exported: tuple[Path, Path]
+) -> None:
+    image, archive = exported
+    with pytest.raises(ArchiveError, match="already exists"):
+        export_image(image, archive)
+    (image / "criu" / "stray").write_bytes(b"x")
+    with pytest.raises(ArchiveError, match="unexpected file in image: criu/stray"):
+        export_image(image, tmp_path / "other.tar.zst")
+
+
+def test_flipped_byte_in_the_archive_fails_and_publishes_nothing(
+    tmp_path: Path, exported: tuple[Path, Path]
+) -> None:
+    _, archive = exported
+    data = bytearray(archive.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    archive.write_bytes(bytes(data))
+    target = tmp_path / "dst" / "image"
+
+    with pytest.raises(ArchiveError, match=r"image\.tar\.zst: .*(member|corrupt)") as info:
+        import_image(archive, target)
+    # Either zstd's checksum or a member's sha256 catches it, naming where it happened.
+    assert "criu/" in str(info.value) or "shm/" in str(info.value) or "logs/" in str(info.value)
+    assert not target.exists() and leftovers(target.parent) == []
+
+
+def test_every_flipped_byte_of_the_archive_is_caught(
+    tmp_path: Path, exported: tuple[Path, Path]
+) -> None:
+    # Header and tail bytes included: some flips there decompress to the very same content,
+    # which only the seal notices.
+    _, archive = exported
+    original = archive.read_bytes()
+    size = len(original)
+    positions = [*range(64), *range(size - 200, size), *range(64, size - 200, size // 50)]
+    target = tmp_path / "dst" / "image"
+    for position in positions:
+        data = bytearray(original)
+        data[position] ^= 0x10
+        archive.write_bytes(bytes(data))
+        with pytest.raises(ArchiveError, match=r"image\.tar\.zst: "):
+            import_image(archive, target)
+        assert not target.exists()
+    assert leftovers(target.parent) == []
+
+
+def test_unsealed_archive_is_refused(tmp_path: Path, exported: tuple[Path, Path]) -> None:
+    _, archive = exported
+    archive.write_bytes(archive.read_bytes()[:-SEAL_BYTES])  # what `tar | zstd` would give
+
+    with pytest.raises(ArchiveError, match="seal"):
+        import_image(archive, tmp_path / "image")
+    assert not (tmp_path / "image").exists()
+
+
+def test_truncated_archive_fails(tmp_path: Path, exported: tuple[Path, Path]) -> None:
+    _, archive = exported
+    archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    target = tmp_path / "dst" / "image"
+
+    with pytest.raises(ArchiveError, match="corrupt near member"):
+        import_image(archive, target)
+    assert not target.exists()
+
+
+def test_existing_target_is_refused_or_replaced_only_when_free(
+    tmp_path: Path, exported: tuple[Path, Path]
+) -> None:
+    _, archive = exported
+    target = tmp_path / "dst"
+    publish_sample(target, image_id="e" * 32)
+    with pytest.raises(ImageError, match="already exists"):
+        import_image(archive, target)
+    with hold_image(target), pytest.raises(ImageBusyError):
+        import_image(archive, target, force=True)
+    assert load_manifest(target).image_id == "e" * 32
+
+    import_image(archive, target, force=True)
+
+    assert load_manifest(target).image_id == "0" * 32
+    assert leftovers(tmp_path) == []
+
+
+# --- hostile archives ---------------------------------------------------------------------------
+
+
+def _info(
+    name: str, kind: bytes = tarfile.REGTYPE, size: int = 0, link: str = ""
+) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname, info.mode = kind, size, link, 0o600
+    return info
+
+
+def build(path: Path, source: Path, extra: list[tuple[tarfile.TarInfo, bytes]]) -> None:
+    """An archive with the genuine manifest and files of ``source``, then ``extra`` members."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        manifest = (source / "manifest.json").read_bytes()
+        tar.addfile(_info("manifest.json", size=len(manifest)), io.BytesIO(manifest))
+        for info, data in extra:
+            tar.addfile(info, io.BytesIO(data) if data else None)
+    path.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+
+
+HOSTILE = {
+    "absolute path": ([(_info("/tmp/snapctl-evil", size=4), b"evil")], "not a plain relative"),
+    "dot-dot": ([(_info("criu/../../evil", size=4), b"evil")], "not a plain relative"),
+    "leading dot-dot": ([(_info("../evil", size=4), b"evil")], "not a plain relative"),
+    "symlink outside": ([(_info("criu/link", tarfile.SYMTYPE, link="/etc"), b"")],
+                        "symbolic link"),
+    "hardlink outside": ([(_info("criu/core-1.img", tarfile.LNKTYPE, link="/etc/passwd"), b"")],
+                         "not an earlier file"),
+    "hardlink dot-dot": ([(_info("criu/core-1.img", tarfile.LNKTYPE, link="../../x"), b"")],
+                         "not an earlier file"),
+    "device node": ([(_info("criu/null", tarfile.CHRTYPE), b"")], "device node"),
+    "fifo": ([(_info("criu/pipe", tarfile.FIFOTYPE), b"")], "fifo"),
+    "duplicate member": ([(_info("logs/dump.log", size=9), b"dump log\n"),
+                          (_info("logs/dump.log", size=9), b"dump log\n")], "appears twice"),
+    "second manifest": ([(_info("manifest.json", size=2), b"{}")], "appears twice"),
+    "unlisted file": ([(_info("criu/extra", size=1), b"x")], "not in the manifest"),
+    "wrong size": ([(_info("logs/dump.log", size=4), b"dump")], "has 4 bytes"),
+    "wrong content": ([(_info("logs/dump.log", size=9), b"DUMP LOG\n")], "sha256"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_archive_is_refused_without_writing_outside(tmp_path: Path, case: str) -> None:
+    source = tmp_path / "src"
+    publish_sample(source)
+    extra, message = HOSTILE[case]
+    archive = tmp_path / "hostile.tar.zst"
+    build(archive, source, extra)
+    jail = tmp_path / "jail"
+    jail.mkdir()
+    target = jail / "sub" / "image"
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
+
+    with pytest.raises(ArchiveError, match=message):
+        import_image(archive, target)
+
+    assert not target.exists()
+    assert [p.name for p in (jail / "sub").iterdir()] == []  # staging removed
+    after = sorted(str(p) for p in tmp_path.rglob("*"))
+    assert set(after) == {*before, str(jail / "sub")}
+    assert not Path("/tmp/snapctl-evil").exists()
+    assert (Path("/etc/passwd").stat().st_nlink, os.path.islink("/etc")) == (1, False)
+
+
+def test_invalid_manifest_is_refused(tmp_path: Path) -> None:
+    archive = tmp_path / "a.tar.zst"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.addfile(_info("manifest.json", size=2), io.BytesIO(b"{}"))
+    archive.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+
+    with pytest.raises(ArchiveError, match=r"a\.tar\.zst: manifest is not valid"):
+        import_image(archive, tmp_path / "image")
+    assert not (tmp_path / "image").exists()
+
+
+def test_archive_without_the_manifest_first_is_refused(tmp_path: Path) -> None:
+    archive = tmp_path / "a.tar.zst"
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.addfile(_info("criu/x", size=1), io.BytesIO(b"x"))
+    archive.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+
+    with pytest.raises(ArchiveError, match=r"first member is 'criu/x', not manifest\.json"):
+        import_image(archive, tmp_path / "image")
+    assert not (tmp_path / "image").exists()
+
+
+def test_missing_member_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    publish_sample(source)
+    archive = tmp_path / "partial.tar.zst"
+    build(archive, source, [])  # the manifest only
+
+    with pytest.raises(ArchiveError, match="missing from the archive"):
+        import_image(archive, tmp_path / "image")
+    assert not (tmp_path / "image").exists()
