@@ -52,6 +52,18 @@ COMMANDS: dict[str, LazyCommand] = {
     "inspect": LazyCommand(
         "snapctl.cli.inspect:inspect", "Show an image's manifest (and verify it)."
     ),
+    "qualify": LazyCommand(
+        "snapctl.cli.qualify:qualify",
+        "Qualify a server: reference, donor, copies, fault and stale runs, with a report.",
+    ),
+    "fault": LazyCommand(
+        "snapctl.cli.qualify:fault",
+        "Restore a copy whose recovery fails, and check that it fails closed.",
+    ),
+    "stale": LazyCommand(
+        "snapctl.cli.qualify:stale",
+        "Restore copies given stale control files, and check that they fail closed.",
+    ),
 }
 
 # CRIU actions whose failure means "the capture failed" or "the activation failed".

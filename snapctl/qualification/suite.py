@@ -1,0 +1,209 @@
+"""A whole qualification: which runs, in which order, against which image, into one report.
+
+The order is fixed whatever order the runs are named in: the ordinary reference first (when a
+serving run needs it), then the donor (which publishes the image and is shut down), the
+CRIU restore fault, the two copies (restored after the donor is gone), the recovery fault,
+the stale-control runs and the CRIU dump fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from snapctl.activation.launch import LaunchOptions, redact_argv
+from snapctl.activation.native import NativeStep
+from snapctl.criu import CriuBinary
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.images import load_manifest
+from snapctl.qualification.faults import (
+    FaultMode,
+    run_criu_dump_fault,
+    run_criu_restore_fault,
+    run_fault,
+    run_stale,
+)
+from snapctl.qualification.reference import (
+    is_fixture,
+    model_file_digests,
+    server_command,
+    server_from_manifest,
+)
+from snapctl.qualification.report import Report, environment, now, write_report
+from snapctl.qualification.runs import RunContext, RunResult, run_copy, run_donor, run_reference
+from snapctl.supervision.process import become_subreaper
+from snapctl.supervision.state import StateDir
+
+Progress = Callable[[str], None]
+
+RUN_ORDER = (
+    "donor",
+    "criu-restore-fault",
+    "copy-1",
+    "copy-2",
+    "fault",
+    "stale",
+    "criu-dump-fault",
+)
+DEFAULT_RUNS = RUN_ORDER
+SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
+DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
+
+
+class QualificationError(SnapctlError):
+    """The qualification could not be set up (bad run names, no image, no server command)."""
+
+
+class QualificationFailed(SnapctlError):
+    """At least one check failed; the report says which and what differed."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
+
+
+@dataclass
+class Plan:
+    """What to qualify and how."""
+
+    options: LaunchOptions
+    criu: CriuBinary
+    native: NativeStep
+    state: StateDir = field(default_factory=StateDir)
+    runs: tuple[str, ...] = DEFAULT_RUNS
+    image: Path | None = None
+    report_dir: Path | None = None
+    fault_mode: FaultMode = "changed"
+
+
+def parse_runs(text: str) -> tuple[str, ...]:
+    """``donor,copy-1`` → the named runs in their fixed order; unknown names are refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(RUN_ORDER))
+    if unknown or not names:
+        raise QualificationError(
+            f"unknown run {unknown[0]!r}" if unknown else "no run named",
+            phase="plan",
+        )
+    return tuple(name for name in RUN_ORDER if name in names)
+
+
+@contextlib.contextmanager
+def api_key(options: LaunchOptions) -> Iterator[None]:
+    """Make sure the runs have an API key: generate one when none is configured."""
+    if options.api_key_env is None:
+        options.api_key_env = DEFAULT_API_KEY_ENV
+    variable = options.api_key_env
+    generated = not os.environ.get(variable)
+    if generated:
+        os.environ[variable] = secrets.token_urlsafe(24)
+    try:
+        yield
+    finally:
+        if generated:
+            os.environ.pop(variable, None)
+
+
+def _image_for(plan: Plan, work: Path) -> Path:
+    if "donor" in plan.runs:
+        return (plan.image or work / "image").absolute()
+    if plan.image is None:
+        raise QualificationError(
+            "without the donor run, --image must name an existing image", phase="plan"
+        )
+    load_manifest(plan.image)  # refuse early a path that is no published image
+    return plan.image.absolute()
+
+
+def qualify(plan: Plan, progress: Progress) -> Report:
+    """Run the plan's runs in order and return the report (written when ``report_dir``)."""
+    started = time.monotonic()
+    plan.state.ensure()
+    become_subreaper()
+    work = plan.state.root / "qualify" / uuid.uuid4().hex[:12]
+    work.mkdir(parents=True, mode=0o700)
+    try:
+        image = _image_for(plan, work)
+        artifacts = None if plan.report_dir is None else plan.report_dir.absolute() / "runs"
+        with api_key(plan.options):
+            ctx = RunContext(
+                options=plan.options, criu=plan.criu, native=plan.native, state=plan.state,
+                image=image, work=work, progress=progress, artifacts=artifacts,
+            )  # fmt: skip
+            argv, fixture = _server(plan, ctx)
+            results = _run_all(plan, ctx)
+        image_id = None
+        with contextlib.suppress(SnapctlError):
+            image_id = load_manifest(image).image_id
+        report = Report(
+            created=now(),
+            environment=environment(
+                plan.criu,
+                plan.native.name,
+                image if plan.image is not None else Path("(temporary, removed)"),
+                image_id,
+                redact_argv(argv),
+                fixture,
+            ),
+            runs=results,
+            wall_s=round(time.monotonic() - started, 3),
+        )
+        if plan.report_dir is not None:
+            write_report(report, plan.report_dir)
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _server(plan: Plan, ctx: RunContext) -> tuple[list[str], bool]:
+    """The server command for the reference (and the report), and whether it is the fixture."""
+    if plan.options.server_argv or "donor" in plan.runs:
+        argv, _ = server_command(plan.options, plan.state)
+    else:
+        argv, _ = server_from_manifest(load_manifest(ctx.image))
+    return argv, is_fixture(argv)
+
+
+def _run_all(plan: Plan, ctx: RunContext) -> list[RunResult]:
+    results: list[RunResult] = []
+    if SERVING_RUNS & set(plan.runs):
+        if plan.options.server_argv or "donor" in plan.runs:
+            argv, cwd = server_command(plan.options, plan.state)
+        else:
+            argv, cwd = server_from_manifest(load_manifest(ctx.image))
+        ctx.progress("computing the model file's parameter digests")
+        ctx.model_digests = model_file_digests(argv)
+        ctx.progress("reference: ordinary start")
+        results.append(run_reference(ctx, argv, cwd))
+    for name in plan.runs:
+        ctx.progress(f"{name}: starting")
+        if name == "donor":
+            results.append(run_donor(ctx))
+            if not results[-1].activation_ids:
+                break  # no image was published: nothing else can run
+        elif name.startswith("copy-"):
+            results.append(run_copy(ctx, name))
+        elif name == "fault":
+            results.append(run_fault(ctx, plan.fault_mode))
+        elif name == "stale":
+            results.extend(run_stale(ctx))
+        elif name == "criu-restore-fault":
+            results.append(run_criu_restore_fault(ctx))
+        elif name == "criu-dump-fault":
+            results.append(run_criu_dump_fault(ctx))
+    return results
+
+
+def require_passed(report: Report) -> None:
+    """Raise :class:`QualificationFailed` naming the first failed check, if any failed."""
+    failures = report.failures()
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise QualificationFailed(f"qualification failed: {failures[0]}{more}")
+    if not report.runs:
+        raise QualificationFailed("qualification ran nothing")
