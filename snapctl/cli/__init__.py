@@ -54,15 +54,15 @@ COMMANDS: dict[str, LazyCommand] = {
     ),
     "qualify": LazyCommand(
         "snapctl.cli.qualify:qualify",
-        "Qualify a server: reference, donor, copies, fault and stale runs, with a report.",
+        "Qualify donor and copies against an ordinary start.",
     ),
     "fault": LazyCommand(
         "snapctl.cli.qualify:fault",
-        "Restore a copy whose recovery fails, and check that it fails closed.",
+        "Check that a copy whose recovery fails fails closed.",
     ),
     "stale": LazyCommand(
         "snapctl.cli.qualify:stale",
-        "Restore copies given stale control files, and check that they fail closed.",
+        "Check that copies given stale control fail closed.",
     ),
 }
 

@@ -112,9 +112,11 @@ def render(report: Report, report_dir: Path | None) -> None:
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def qualify(image: Path | None, runs: str, fault_mode: str, server_cmd: tuple[str, ...],
             **common: Any) -> None:  # fmt: skip
-    """Qualify a server: reference, donor, copies, fault and stale runs, with a report.
+    """Qualify donor and copies against an ordinary start.
 
-    Without SERVER_CMD (after --) the bundled fixture is qualified with a model it builds.
+    Runs an ordinary reference start, the donor, two copies restored after it is gone, a
+    recovery fault, stale control and CRIU faults; checks each and reports. Without
+    SERVER_CMD (after --) the bundled fixture is qualified with a model it builds.
     """
     _run(runs, image=image, server_cmd=server_cmd, fault_mode=fault_mode, **common)
 
@@ -128,7 +130,11 @@ def qualify(image: Path | None, runs: str, fault_mode: str, server_cmd: tuple[st
               help="Changed weights (a byte flipped) or unreadable ones (/dev/null).")  # fmt: skip
 @_with_common
 def fault(image: Path, fault_mode: str, **common: Any) -> None:
-    """Restore a copy whose recovery fails, and check that it fails closed."""
+    """Check that a copy whose recovery fails fails closed.
+
+    Restores a copy from IMAGE whose weights are changed (or unreadable) for that activation
+    only, and expects error.json at recovery, no listener, the tree exiting, no leftovers.
+    """
     _run("fault", image=image, server_cmd=(), fault_mode=fault_mode, **common)
 
 
@@ -138,5 +144,10 @@ def fault(image: Path, fault_mode: str, **common: Any) -> None:
               help="The published image to restore.")  # fmt: skip
 @_with_common
 def stale(image: Path, **common: Any) -> None:
-    """Restore copies given stale control files, and check that they fail closed."""
+    """Check that copies given stale control fail closed.
+
+    Restores two copies from IMAGE: one finds an earlier release.json and status.json, the
+    other gets a release replayed from an earlier challenge; both must fail at the capture
+    barrier.
+    """
     _run("stale", image=image, server_cmd=(), **common)

@@ -47,9 +47,11 @@ from snapctl.qualification.runs import (
     RunContext,
     RunResult,
     Timings,
+    artifacts_dir,
     image_hashes,
     save_control,
     save_logs,
+    save_new_logs,
 )
 from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
 from snapctl.qualification.workload import Client
@@ -189,7 +191,7 @@ def _restore_failing(
         wall_s=time.monotonic() - started,
         cleanup=seen.audit,
         residue=res,
-        artifacts=None if ctx.artifacts is None else str(ctx.artifacts / run),
+        artifacts=artifacts_dir(ctx, run),
     )
 
 
@@ -258,7 +260,12 @@ def run_fault(ctx: RunContext, mode: FaultMode = "changed") -> RunResult:
     if weights_path is None:
         return RunResult(
             name="fault", kind="fault", wall_s=0.0,
-            checks=[checks.failed("run completed", "the server command names no --model file")],
+            checks=[
+                checks.failed(
+                    "run completed",
+                    "no local weights file found in the server command (--model PATH)",
+                )
+            ],
         )  # fmt: skip
     weights = str(weights_path)
     seen = FailClosedSeen()
@@ -411,6 +418,8 @@ def run_criu_dump_fault(ctx: RunContext) -> RunResult:
     """A dump that fails (CRIU_FAULT=1) publishes no image and leaves the donor cleanly stopped."""
     started = time.monotonic()
     baseline = take_baseline(ctx.state)
+    # The published image, when there is one, must not be touched by a failed capture.
+    before = image_hashes(ctx.image) if ctx.image.exists() else None
     target = ctx.work / "dump-fault-image"
     error: str | None = None
     with criu_fault(CRIU_DUMP_FAULT):
@@ -427,16 +436,21 @@ def run_criu_dump_fault(ctx: RunContext) -> RunResult:
             error = failure.message
     res = residue(ctx.state, baseline)
     staging = sorted(str(p) for p in target.parent.glob(f".{target.name}.*"))
+    found = [
+        checks.check_failed_with(error, "no image published", "dump"),
+        checks.check_not_published(target.exists(), staging, str(target)),
+        checks.check_cleanup(None, res),
+    ]
+    if before is not None:
+        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     return RunResult(
         name="criu-dump-fault",
         kind="criu-dump-fault",
-        checks=[
-            checks.check_failed_with(error, "no image published", "dump"),
-            checks.check_not_published(target.exists(), staging, str(target)),
-            checks.check_cleanup(None, res),
-        ],
+        activation_ids=save_new_logs(ctx, baseline, "criu-dump-fault"),
+        checks=found,
         wall_s=time.monotonic() - started,
         residue=res,
+        artifacts=artifacts_dir(ctx, "criu-dump-fault"),
     )
 
 
@@ -503,8 +517,10 @@ def run_criu_restore_fault(ctx: RunContext) -> RunResult:
     return RunResult(
         name="criu-restore-fault",
         kind="criu-restore-fault",
+        activation_ids=save_new_logs(ctx, baseline, "criu-restore-fault"),
         checks=found,
         timings=timings,
         wall_s=time.monotonic() - started,
         residue=res,
+        artifacts=artifacts_dir(ctx, "criu-restore-fault"),
     )

@@ -86,6 +86,10 @@ def server_command(options: LaunchOptions, state: StateDir) -> tuple[list[str], 
 def weights_file(argv: list[str]) -> Path | None:
     """The model weights file a server reads: ``--model`` itself, or its largest weights file."""
     model = flag_value(argv, "--model")
+    if model is None and "serve" in argv:
+        # ``vllm serve MODEL``: the first argument after ``serve``, when it is a local path.
+        following = argv[argv.index("serve") + 1 :]
+        model = next((arg for arg in following[:1] if not arg.startswith("-")), None)
     if model is None:
         return None
     path = Path(model)

@@ -31,7 +31,13 @@ from snapctl.protocol.models import ControlFile
 from snapctl.qualification import checks
 from snapctl.qualification.checks import Check
 from snapctl.qualification.reference import start_reference
-from snapctl.qualification.watch import Residue, link_remaps, residue, take_baseline
+from snapctl.qualification.watch import (
+    Baseline,
+    Residue,
+    link_remaps,
+    residue,
+    take_baseline,
+)
 from snapctl.qualification.workload import ServingObservation, observe_serving
 from snapctl.supervision.state import StateDir
 
@@ -126,6 +132,20 @@ def save_control(session: Session, target: Path | None) -> None:
     for path in sorted(session.dirs.control.iterdir()):
         if path.is_file() and not path.is_symlink():
             shutil.copy2(path, target / "control" / path.name)
+
+
+def save_new_logs(ctx: RunContext, baseline: Baseline, run: str) -> list[str]:
+    """Copy the logs of every activation a run started (found by their log directories, for
+    runs whose activation failed before the caller got a session); return their ids."""
+    ids = baseline.new_logs(ctx.state)
+    target = ctx.run_dir(run)
+    if target is not None:
+        for activation_id in ids:
+            with contextlib.suppress(OSError):
+                shutil.copytree(
+                    ctx.state.logs / activation_id, target / activation_id, dirs_exist_ok=True
+                )
+    return ids
 
 
 def save_logs(session: Session, target: Path | None) -> None:
@@ -223,11 +243,7 @@ def run_reference(ctx: RunContext, argv: list[str], cwd: Path) -> RunResult:
             progress=ctx.progress,
         )  # fmt: skip
     except SnapctlError as error:
-        return RunResult(
-            name="reference", kind="reference", wall_s=time.monotonic() - started,
-            checks=[checks.check_completed(error.message)],
-            residue=residue(ctx.state, baseline),
-        )  # fmt: skip
+        return _failed_start(ctx, "reference", "reference", error, baseline, started)
     assert session.publisher is not None
     published = "{}:{}".format(*session.publisher.address)
     served = _serve_and_stop(ctx, session, published, "reference")
@@ -243,11 +259,28 @@ def run_reference(ctx: RunContext, argv: list[str], cwd: Path) -> RunResult:
         cleanup=served.audit,
         residue=res,
         observation=served.observation,
-        artifacts=_artifacts(ctx, "reference"),
+        artifacts=artifacts_dir(ctx, "reference"),
     )
 
 
-def _artifacts(ctx: RunContext, run: str) -> str | None:
+def _failed_start(
+    ctx: RunContext, run: str, kind: RunKind, error: SnapctlError, baseline: Baseline,
+    started: float,
+) -> RunResult:  # fmt: skip
+    """The result of a serving run whose activation never started serving."""
+    res = residue(ctx.state, baseline)
+    return RunResult(
+        name=run,
+        kind=kind,
+        activation_ids=save_new_logs(ctx, baseline, run),
+        checks=[checks.check_completed(error.message), checks.check_cleanup(None, res)],
+        wall_s=time.monotonic() - started,
+        residue=res,
+        artifacts=artifacts_dir(ctx, run),
+    )
+
+
+def artifacts_dir(ctx: RunContext, run: str) -> str | None:
     return None if ctx.artifacts is None else str(ctx.artifacts / run)
 
 
@@ -276,11 +309,7 @@ def run_donor(ctx: RunContext) -> RunResult:
             progress=lambda step: ctx.progress(f"donor: {step}"),
         )  # fmt: skip
     except SnapctlError as error:
-        return RunResult(
-            name="donor", kind="donor", wall_s=time.monotonic() - started,
-            checks=[checks.check_completed(error.message)],
-            residue=residue(ctx.state, baseline),
-        )  # fmt: skip
+        return _failed_start(ctx, "donor", "donor", error, baseline, started)
     assert report.published is not None
     # What was published is the "before": the manifest's sha256 of every file.
     before = dict(load_manifest(ctx.image).files)
@@ -296,7 +325,7 @@ def run_donor(ctx: RunContext) -> RunResult:
         cleanup=served.audit,
         residue=res,
         observation=served.observation,
-        artifacts=_artifacts(ctx, "donor"),
+        artifacts=artifacts_dir(ctx, "donor"),
     )
 
 
@@ -312,11 +341,7 @@ def run_copy(ctx: RunContext, name: str) -> RunResult:
             progress=lambda step: ctx.progress(f"{name}: {step}"),
         )  # fmt: skip
     except SnapctlError as error:
-        return RunResult(
-            name=name, kind="copy", wall_s=time.monotonic() - started,
-            checks=[checks.check_completed(error.message)],
-            residue=residue(ctx.state, baseline),
-        )  # fmt: skip
+        return _failed_start(ctx, name, "copy", error, baseline, started)
     assert report.published is not None
     served = _serve_and_stop(ctx, session, report.published, name)
     res = residue(ctx.state, baseline, load_manifest(ctx.image).shm_files)
@@ -330,5 +355,5 @@ def run_copy(ctx: RunContext, name: str) -> RunResult:
         cleanup=served.audit,
         residue=res,
         observation=served.observation,
-        artifacts=_artifacts(ctx, name),
+        artifacts=artifacts_dir(ctx, name),
     )

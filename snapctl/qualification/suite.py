@@ -23,6 +23,7 @@ from snapctl.activation.native import NativeStep
 from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import load_manifest
+from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.qualification.faults import (
     FaultMode,
     run_criu_dump_fault,
@@ -184,7 +185,7 @@ def _run_all(plan: Plan, ctx: RunContext) -> list[RunResult]:
         ctx.progress(f"{name}: starting")
         if name == "donor":
             results.append(run_donor(ctx))
-            if not results[-1].activation_ids:
+            if not (ctx.image / MANIFEST_NAME).exists():
                 break  # no image was published: nothing else can run
         elif name.startswith("copy-"):
             results.append(run_copy(ctx, name))

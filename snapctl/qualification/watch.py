@@ -51,8 +51,13 @@ class Baseline:
     """The host before a run: what existed then is not the run's."""
 
     activations: frozenset[str]
+    logs: frozenset[str]
     shm: frozenset[str]
     descendants: frozenset[int]
+
+    def new_logs(self, state: StateDir) -> list[str]:
+        """Activation ids whose log directories appeared since (the run's activations)."""
+        return sorted(_listdir(state.logs) - self.logs)
 
 
 def _descendants() -> list[psutil.Process]:
@@ -74,6 +79,7 @@ def _listdir(path: Path) -> set[str]:
 def take_baseline(state: StateDir) -> Baseline:
     return Baseline(
         activations=frozenset(_listdir(state.activations)),
+        logs=frozenset(_listdir(state.logs)),
         shm=frozenset(_listdir(HOST_SHM)),
         descendants=frozenset(p.pid for p in _descendants()),
     )
