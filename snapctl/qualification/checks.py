@@ -250,13 +250,18 @@ def check_link_remaps(remaps: list[str]) -> Check:
 
 
 def check_error_phase(
-    report: ErrorReport | None, *, expect_phase: str, expect_text: str | None = None
+    report: ErrorReport | None,
+    *,
+    expect_phase: str,
+    expect_text: str | None = None,
+    capturer_saw: str | None = None,
 ) -> Check:
     """error.json exists and names the expected phase (a prefix: ``recover`` covers
     ``recovery: restore memory``) and, when given, words of the expected reason."""
     name = f"error.json at {expect_phase}"
     if report is None:
-        return failed(name, "no error.json was written")
+        seen = f" (the capturer saw: {_clip(capturer_saw, 200)})" if capturer_saw else ""
+        return failed(name, f"no error.json was written{seen}")
     summary = f"{report.phase}: {report.error_type}: {report.error}"
     if not report.phase.startswith(expect_phase):
         return failed(name, f"phase {report.phase!r}, expected {expect_phase!r} ({summary})")
@@ -285,6 +290,8 @@ def check_exited(exited: bool, exit_s: float | None, timeout_s: float) -> Check:
 def check_no_listener(seen: list[str], polls: int) -> Check:
     """No socket ever listened on the public port during the activation."""
     name = "no public listener"
+    if polls == 0:
+        return failed(name, "the activation's network namespace could not be watched")
     if seen:
         return failed(name, f"a listener was observed: {seen[0]}")
     return passed(name, f"{polls} polls of the netns's TCP tables saw no listener on the port")

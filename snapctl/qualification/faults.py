@@ -143,6 +143,12 @@ def _activate(ctx: RunContext, manifest: Manifest) -> Drive:
     return drive
 
 
+def expect_error(seen: FailClosedSeen, phase: str, text: str | None = None) -> checks.Check:
+    return checks.check_error_phase(
+        seen.error, expect_phase=phase, expect_text=text, capturer_saw=seen.handshake_error
+    )
+
+
 def _restore_failing(
     ctx: RunContext, run: str, kind: Literal["fault", "stale"], hook: Callable[[Session], None],
     seen: FailClosedSeen, judge: Callable[[], list[checks.Check]],
@@ -166,6 +172,8 @@ def _restore_failing(
         pass
     except SnapctlError as failure:
         error = failure.message
+    except OSError as failure:  # injecting the fault or watching failed: say so, go on
+        error = f"{type(failure).__name__}: {failure}"
     res = residue(ctx.state, baseline, manifest.shm_files)
     found = [checks.check_completed(error)]
     if seen.activation_id:
@@ -278,7 +286,7 @@ def run_fault(ctx: RunContext, mode: FaultMode = "changed") -> RunResult:
 
     def judge() -> list[checks.Check]:
         return [
-            checks.check_error_phase(seen.error, expect_phase=Phase.RECOVER.value),
+            expect_error(seen, Phase.RECOVER.value),
             checks.check_fault_confined(fault.host_before, _sha256(weights), fault.inside, weights),
         ]
 
@@ -368,10 +376,7 @@ def run_stale(ctx: RunContext) -> list[RunResult]:
         _observe_fail_closed(ctx, session, "stale-files", files_drive, files_seen)
 
     def files_judge() -> list[checks.Check]:
-        check = checks.check_error_phase(
-            files_seen.error, expect_phase=Phase.CAPTURE_BARRIER.value,
-            expect_text="stale activation control",
-        )  # fmt: skip
+        check = expect_error(files_seen, Phase.CAPTURE_BARRIER.value, "stale activation control")
         return [_noting(check, f"stale release.json and status.json {origin}")]
 
     results.append(
@@ -385,10 +390,9 @@ def run_stale(ctx: RunContext) -> list[RunResult]:
         _observe_fail_closed(ctx, session, "stale-replay", replay_drive, replay_seen)
 
     def replay_judge() -> list[checks.Check]:
-        check = checks.check_error_phase(
-            replay_seen.error, expect_phase=Phase.CAPTURE_BARRIER.value,
-            expect_text="release.json does not match challenge.json",
-        )  # fmt: skip
+        check = expect_error(
+            replay_seen, Phase.CAPTURE_BARRIER.value, "release.json does not match challenge.json"
+        )
         return [_noting(check, f"replayed nonce {challenge.nonce[:8]}… {origin}")]
 
     results.append(

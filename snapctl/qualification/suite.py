@@ -24,6 +24,7 @@ from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import load_manifest
 from snapctl.images.manifest import MANIFEST_NAME
+from snapctl.qualification import checks
 from snapctl.qualification.faults import (
     FaultMode,
     run_criu_dump_fault,
@@ -38,7 +39,14 @@ from snapctl.qualification.reference import (
     server_from_manifest,
 )
 from snapctl.qualification.report import Report, environment, now, write_report
-from snapctl.qualification.runs import RunContext, RunResult, run_copy, run_donor, run_reference
+from snapctl.qualification.runs import (
+    RunContext,
+    RunKind,
+    RunResult,
+    run_copy,
+    run_donor,
+    run_reference,
+)
 from snapctl.supervision.process import become_subreaper
 from snapctl.supervision.state import StateDir
 
@@ -136,8 +144,8 @@ def qualify(plan: Plan, progress: Progress) -> Report:
                 options=plan.options, criu=plan.criu, native=plan.native, state=plan.state,
                 image=image, work=work, progress=progress, artifacts=artifacts,
             )  # fmt: skip
-            argv, fixture = _server(plan, ctx)
-            results = _run_all(plan, ctx)
+            argv, cwd = _server(plan, image)
+            results = _run_all(plan, ctx, argv, cwd)
         image_id = None
         with contextlib.suppress(SnapctlError):
             image_id = load_manifest(image).image_id
@@ -149,7 +157,7 @@ def qualify(plan: Plan, progress: Progress) -> Report:
                 image if plan.image is not None else Path("(temporary, removed)"),
                 image_id,
                 redact_argv(argv),
-                fixture,
+                is_fixture(argv),
             ),
             runs=results,
             wall_s=round(time.monotonic() - started, 3),
@@ -161,43 +169,66 @@ def qualify(plan: Plan, progress: Progress) -> Report:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _server(plan: Plan, ctx: RunContext) -> tuple[list[str], bool]:
-    """The server command for the reference (and the report), and whether it is the fixture."""
+def _server(plan: Plan, image: Path) -> tuple[list[str], Path]:
+    """The server command (without the capture flag) and its cwd, for the reference."""
     if plan.options.server_argv or "donor" in plan.runs:
-        argv, _ = server_command(plan.options, plan.state)
-    else:
-        argv, _ = server_from_manifest(load_manifest(ctx.image))
-    return argv, is_fixture(argv)
+        return server_command(plan.options, plan.state)
+    manifest = load_manifest(image)
+    if SERVING_RUNS & set(plan.runs):
+        return server_from_manifest(manifest)
+    # Nothing is started from it: it is only named in the report.
+    return list(manifest.server_argv), Path(manifest.server_cwd)
 
 
-def _run_all(plan: Plan, ctx: RunContext) -> list[RunResult]:
+def _run_all(plan: Plan, ctx: RunContext, argv: list[str], cwd: Path) -> list[RunResult]:
     results: list[RunResult] = []
     if SERVING_RUNS & set(plan.runs):
-        if plan.options.server_argv or "donor" in plan.runs:
-            argv, cwd = server_command(plan.options, plan.state)
-        else:
-            argv, cwd = server_from_manifest(load_manifest(ctx.image))
         ctx.progress("computing the model file's parameter digests")
         ctx.model_digests = model_file_digests(argv)
         ctx.progress("reference: ordinary start")
         results.append(run_reference(ctx, argv, cwd))
     for name in plan.runs:
         ctx.progress(f"{name}: starting")
-        if name == "donor":
-            results.append(run_donor(ctx))
-            if not (ctx.image / MANIFEST_NAME).exists():
-                break  # no image was published: nothing else can run
-        elif name.startswith("copy-"):
-            results.append(run_copy(ctx, name))
-        elif name == "fault":
-            results.append(run_fault(ctx, plan.fault_mode))
-        elif name == "stale":
-            results.extend(run_stale(ctx))
-        elif name == "criu-restore-fault":
-            results.append(run_criu_restore_fault(ctx))
-        elif name == "criu-dump-fault":
-            results.append(run_criu_dump_fault(ctx))
+        started = time.monotonic()
+        try:
+            found = _one(name, plan, ctx)
+        except Exception as error:  # a run's own bug must not hide the others' evidence
+            detail = f"{type(error).__name__}: {error}"
+            found = [RunResult(
+                name=name, kind=_KINDS[name], checks=[checks.check_completed(detail)],
+                wall_s=time.monotonic() - started,
+            )]  # fmt: skip
+        results.extend(found)
+        if name == "donor" and not (ctx.image / MANIFEST_NAME).exists():
+            break  # no image was published: nothing else can run
     return results
+
+
+_KINDS: dict[str, RunKind] = {
+    "donor": "donor",
+    "criu-restore-fault": "criu-restore-fault",
+    "copy-1": "copy",
+    "copy-2": "copy",
+    "fault": "fault",
+    "stale": "stale",
+    "criu-dump-fault": "criu-dump-fault",
+}
+
+
+def _one(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
+    if name == "donor":
+        return [run_donor(ctx)]
+    if name.startswith("copy-"):
+        return [run_copy(ctx, name)]
+    if name == "fault":
+        return [run_fault(ctx, plan.fault_mode)]
+    if name == "stale":
+        return run_stale(ctx)
+    if name == "criu-restore-fault":
+        return [run_criu_restore_fault(ctx)]
+    if name == "criu-dump-fault":
+        return [run_criu_dump_fault(ctx)]
+    raise QualificationError(f"unknown run {name!r}", phase="plan")
 
 
 def require_passed(report: Report) -> None:

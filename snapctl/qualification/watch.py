@@ -144,8 +144,12 @@ class ListenerWatch:
         self.interval_s = interval_s
         self.polls = 0
         self.seen: list[str] = []
-        self._dir = os.open(f"/proc/{pid}/net", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._stop = threading.Event()
+        try:
+            self._dir = os.open(f"/proc/{pid}/net", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            self._stop.set()  # already gone: zero polls, which the check reports
+            return
         self._thread = threading.Thread(target=self._run, name=f"listeners-{pid}", daemon=True)
         self._thread.start()
 
@@ -161,6 +165,8 @@ class ListenerWatch:
 
     def poll_once(self) -> bool:
         """One look at both tables; False once the process (and so its tables) is gone."""
+        if self._stop.is_set():
+            return False
         try:
             tables = [self._read("tcp"), self._read("tcp6")]
         except OSError:

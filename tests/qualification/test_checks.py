@@ -216,6 +216,12 @@ def test_error_phase() -> None:
 
     missing = checks.check_error_phase(None, expect_phase="recover")
     assert missing.status == "failed" and missing.evidence == "no error.json was written"
+    timed_out = checks.check_error_phase(
+        None, expect_phase="recover", capturer_saw="status.json did not appear within 300 s"
+    )
+    assert timed_out.evidence == (
+        "no error.json was written (the capturer saw: status.json did not appear within 300 s)"
+    )
     wrong = checks.check_error_phase(make_error(phase="serve"), expect_phase="capture barrier")
     assert wrong.status == "failed" and wrong.evidence.startswith(
         "phase 'serve', expected 'capture barrier'"
@@ -240,6 +246,8 @@ def test_fail_closed_observations() -> None:
     assert checks.check_no_listener([], 12).status == "passed"
     listening = checks.check_no_listener(["00000000:8000"], 12)
     assert listening.status == "failed" and "00000000:8000" in listening.evidence
+    unwatched = checks.check_no_listener([], 0)
+    assert unwatched.status == "failed" and "could not be watched" in unwatched.evidence
 
 
 def test_fault_confined() -> None:
