@@ -62,20 +62,30 @@ def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
     return entries
 
 
-def _mount_sources(pid: int | str) -> set[str]:
+# Where an activation's processes see their own tmpfs (the sandbox's /dev/shm).
+ACTIVATION_SHM_POINT = "/dev/shm"
+
+
+def _mount_sources(pid: int | str, mount_point: str) -> set[str]:
+    """Sources of the mounts ``pid`` sees at ``mount_point``."""
     sources = set()
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         fields = line.split()
-        sources.add(fields[fields.index("-") + 2])
+        if fields[4].encode().decode("unicode_escape") == mount_point:
+            sources.add(fields[fields.index("-") + 2])
     return sources
 
 
-def processes_with_mount_source(source: str) -> list[int]:
-    """PIDs of processes in *other* mount namespaces that see a mount named ``source``.
+def processes_with_mount_source(source: str, mount_point: str = ACTIVATION_SHM_POINT) -> list[int]:
+    """PIDs of processes in *other* mount namespaces that see a mount named ``source`` at
+    ``mount_point``.
 
     An activation's tmpfs carries a unique source name and every process of the activation
-    sees it, whatever its PID namespace or parent: this finds even a tree whose root PID was
-    never learnt (a restore interrupted before its pidfile was read).
+    sees it at /dev/shm, whatever its PID namespace or parent: this finds even a tree whose
+    root PID was never learnt (a restore interrupted before its pidfile was read). Only that
+    mount point counts: any process that unshares a mount namespace (another activation's
+    sandbox before its init drops foreign mounts, or an unrelated tool) inherits a copy of
+    every host mount, this tmpfs included at its host path, and must not be taken for ours.
     """
     own_namespace = os.stat("/proc/self/ns/mnt").st_ino
     found = []
@@ -85,7 +95,7 @@ def processes_with_mount_source(source: str) -> list[int]:
         try:
             if os.stat(f"/proc/{entry.name}/ns/mnt").st_ino == own_namespace:
                 continue
-            if source in _mount_sources(entry.name):
+            if source in _mount_sources(entry.name, mount_point):
                 found.append(int(entry.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue  # exited while we looked, or a kernel thread without a namespace link

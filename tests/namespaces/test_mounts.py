@@ -1,0 +1,61 @@
+"""Finding an activation's processes by its tmpfs: only where the activation sees it.
+
+Any process that unshares a mount namespace inherits a copy of every host mount, so seeing an
+activation's tmpfs somewhere is no proof of membership; seeing it at /dev/shm is.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapctl.namespaces import mounts
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, unshare)")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    point = tmp_path / "shm"
+    point.mkdir()
+    source = f"snapctl-test-{uuid.uuid4().hex[:12]}"
+    mounts.mount_tmpfs(point, "size=1m", source=source)
+    yield point, source
+    mounts.umount(point, detach=True)
+
+
+def _wait_for_namespace(proc: subprocess.Popen[bytes]) -> None:
+    own = os.stat("/proc/self/ns/mnt").st_ino
+    deadline = time.monotonic() + 10
+    while os.stat(f"/proc/{proc.pid}/ns/mnt").st_ino == own:
+        assert time.monotonic() < deadline, "unshare did not enter a new mount namespace"
+        time.sleep(0.01)
+
+
+def test_a_process_that_only_inherited_the_mount_is_not_the_activations(
+    tmpfs: tuple[Path, str],
+) -> None:
+    point, source = tmpfs
+    bystander = subprocess.Popen(["unshare", "--mount", "sleep", "30"])
+    member = subprocess.Popen(
+        ["unshare", "--mount", "sh", "-c", f"mount --bind {point} /dev/shm && exec sleep 30"]
+    )
+    try:
+        _wait_for_namespace(bystander)
+        _wait_for_namespace(member)
+        deadline = time.monotonic() + 10
+        while member.pid not in (found := mounts.processes_with_mount_source(source)):
+            assert time.monotonic() < deadline, "the member never showed the tmpfs at /dev/shm"
+            time.sleep(0.01)
+        assert found == [member.pid]
+        assert bystander.pid in mounts.processes_with_mount_source(source, str(point))
+    finally:
+        for proc in (bystander, member):
+            proc.kill()
+            proc.wait()
