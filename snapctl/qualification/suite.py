@@ -63,6 +63,8 @@ RUN_ORDER = (
 )
 DEFAULT_RUNS = RUN_ORDER
 SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
+# Runs that restore the image (the donor's, or an existing one given with --image).
+IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "stale"})
 DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
 
 
@@ -119,7 +121,7 @@ def api_key(options: LaunchOptions) -> Iterator[None]:
 
 
 def _image_for(plan: Plan, work: Path) -> Path:
-    if "donor" in plan.runs:
+    if "donor" in plan.runs or not IMAGE_RUNS & set(plan.runs):
         return (plan.image or work / "image").absolute()
     if plan.image is None:
         raise QualificationError(
@@ -171,7 +173,7 @@ def qualify(plan: Plan, progress: Progress) -> Report:
 
 def _server(plan: Plan, image: Path) -> tuple[list[str], Path]:
     """The server command (without the capture flag) and its cwd, for the reference."""
-    if plan.options.server_argv or "donor" in plan.runs:
+    if plan.options.server_argv or "donor" in plan.runs or not IMAGE_RUNS & set(plan.runs):
         return server_command(plan.options, plan.state)
     manifest = load_manifest(image)
     if SERVING_RUNS & set(plan.runs):
