@@ -26,6 +26,11 @@ _report_option = click.option(
     help="Write report.json, report.md and each activation's control files and logs here.",
 )
 _common = [
+    click.option("--host", default="127.0.0.1", show_default=True,
+                 help="Address the server binds inside its network namespace."),
+    click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+                 help="Port the server binds inside its network namespace (the ordinary "
+                      "reference must listen there too)."),
     click.option("--api-key-env", metavar="VAR",
                  help="Variable holding the API key (default SNAPCTL_API_KEY; generated when "
                       "unset)."),
@@ -52,6 +57,8 @@ def _run(
     *,
     image: Path | None,
     server_cmd: tuple[str, ...],
+    host: str,
+    port: int,
     api_key_env: str | None,
     timeout_s: float,
     criu_path: str | None,
@@ -67,7 +74,11 @@ def _run(
 
     plan = Plan(
         options=LaunchOptions(
-            server_argv=list(server_cmd) or None, api_key_env=api_key_env, timeout_s=timeout_s
+            server_argv=list(server_cmd) or None,
+            host=host,
+            port=port,
+            api_key_env=api_key_env,
+            timeout_s=timeout_s,
         ),
         criu=find_criu(criu_path),
         native=native_step(native),

@@ -130,7 +130,8 @@ def start_reference(
     session = new_session(state, "reference", None)
     session.host, session.port = options.host, options.port
     env = dict(os.environ)
-    if options.api_key and is_fixture(argv):
+    if options.api_key and not options.server_argv:
+        # Exactly as start_donor gives the key to the bundled fixture.
         env["FIXTURE_API_KEY"] = options.api_key
     try:
         progress("launching the ordinary reference (no capture)")
