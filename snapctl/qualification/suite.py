@@ -25,13 +25,8 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import load_manifest
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.qualification import checks
-from snapctl.qualification.faults import (
-    FaultMode,
-    run_criu_dump_fault,
-    run_criu_restore_fault,
-    run_fault,
-    run_stale,
-)
+from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
+from snapctl.qualification.faults import FaultMode, run_fault, run_stale
 from snapctl.qualification.reference import (
     is_fixture,
     model_file_digests,
