@@ -47,6 +47,7 @@ from snapctl.qualification.runs import (
     Timings,
     artifacts_dir,
     image_hashes,
+    read_control,
     save_control,
     save_logs,
 )
@@ -114,7 +115,7 @@ def _observe_fail_closed(
         seen.listeners, seen.polls = watch.stop()
         target = ctx.run_dir(run)
         with contextlib.suppress(OSError):
-            save_control(session, target)
+            save_control(read_control(session), target)
         stopped = time.monotonic()
         _, seen.audit = session.stop()
         seen.shutdown_s = time.monotonic() - stopped

@@ -10,6 +10,7 @@ failure becomes a failed check, so the remaining runs still happen and the repor
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import time
 from collections.abc import Callable
@@ -124,14 +125,14 @@ def read_control(session: Session) -> dict[str, dict[str, object]]:
     return found
 
 
-def save_control(session: Session, target: Path | None) -> None:
-    """Copy the control directory's files (before the stop removes them)."""
-    if target is None or not session.dirs.control.is_dir():
+def save_control(control: dict[str, dict[str, object]], target: Path | None) -> None:
+    """Write the control files read by :func:`read_control` into ``target/control``."""
+    if target is None:
         return
     (target / "control").mkdir(parents=True, exist_ok=True)
-    for path in sorted(session.dirs.control.iterdir()):
-        if path.is_file() and not path.is_symlink():
-            shutil.copy2(path, target / "control" / path.name)
+    for name, payload in control.items():
+        text = json.dumps(payload, indent=2, sort_keys=True) + "\n"
+        (target / "control" / name).write_text(text)
 
 
 def save_new_logs(ctx: RunContext, baseline: Baseline, run: str) -> list[str]:
@@ -193,7 +194,7 @@ def _serve_and_stop(ctx: RunContext, session: Session, published: str, run: str)
     finally:
         control = read_control(session)
         with contextlib.suppress(OSError):
-            save_control(session, target)
+            save_control(control, target)
         started = time.monotonic()
         served.how, served.audit = session.stop()
         served.shutdown_s = time.monotonic() - started
