@@ -50,6 +50,7 @@ from snapctl.qualification.runs import (
     read_control,
     save_control,
     save_logs,
+    save_new_logs,
 )
 from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
 
@@ -184,7 +185,10 @@ def _restore_failing(
     return RunResult(
         name=run,
         kind=kind,
-        activation_ids=[seen.activation_id] if seen.activation_id else [],
+        # Without a hook call the copy failed before activation: keep its logs all the same.
+        activation_ids=[seen.activation_id]
+        if seen.activation_id
+        else save_new_logs(ctx, baseline, run),
         checks=found,
         timings=Timings(
             handshake_s=seen.handshake_s,
