@@ -222,8 +222,9 @@ def check_image_unchanged(
     )
 
 
-def check_cleanup(audit: CleanupAudit | None, residue: Residue) -> Check:
-    """Nothing of the run is left: processes, listeners, mounts, directories, /dev/shm files."""
+def check_cleanup(audit: CleanupAudit | None, residue: Residue, how: str | None = None) -> Check:
+    """Nothing of the run is left: processes, listeners, mounts, directories, /dev/shm files.
+    ``how`` (the stop's "terminated", "killed", "exited") is named in the evidence."""
     name = "nothing left behind"
     problems = []
     if audit is not None and not audit.clean:
@@ -233,8 +234,10 @@ def check_cleanup(audit: CleanupAudit | None, residue: Residue) -> Check:
     if problems:
         return failed(name, "; ".join(problems))
     scope = "stop audit and host scan" if audit is not None else "host scan"
+    stopped = f"{how}; " if how else ""
     return passed(
-        name, f"{scope}: no process, listener, mount, directory, link remap or /dev/shm file"
+        name,
+        f"{stopped}{scope}: no process, listener, mount, directory, link remap or /dev/shm file",
     )
 
 

@@ -77,6 +77,7 @@ class FailClosedSeen:
     error_to_exit_s: float | None = None
     listeners: list[str] = field(default_factory=list)
     polls: int = 0
+    how: str = ""
     audit: CleanupAudit | None = None
     shutdown_s: float | None = None
 
@@ -118,7 +119,7 @@ def _observe_fail_closed(
         with contextlib.suppress(OSError):
             save_control(read_control(session), target)
         stopped = time.monotonic()
-        _, seen.audit = session.stop()
+        seen.how, seen.audit = session.stop()
         seen.shutdown_s = time.monotonic() - stopped
         with contextlib.suppress(OSError):
             save_logs(session, target)
@@ -181,7 +182,7 @@ def _restore_failing(
         ]
     if before is not None:
         found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
-    found.append(checks.check_cleanup(seen.audit, res))
+    found.append(checks.check_cleanup(seen.audit, res, seen.how or None))
     return RunResult(
         name=run,
         kind=kind,

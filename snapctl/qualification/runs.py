@@ -230,7 +230,7 @@ def _serving_checks(
         found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     if compare:
         found.append(checks.check_link_remaps(served.remaps))
-    found.append(checks.check_cleanup(served.audit, res))
+    found.append(checks.check_cleanup(served.audit, res, served.how))
     return found
 
 

@@ -195,7 +195,8 @@ def test_image_unchanged() -> None:
     ],
 )  # fmt: skip
 def test_cleanup(audit: object, res: Residue, message: str) -> None:
-    assert checks.check_cleanup(make_audit(), Residue()).status == "passed"
+    clean = checks.check_cleanup(make_audit(), Residue(), "terminated")
+    assert clean.status == "passed" and clean.evidence.startswith("terminated; stop audit")
 
     check = checks.check_cleanup(audit, res)  # type: ignore[arg-type]
 
