@@ -48,8 +48,13 @@ def start_copy(
     publish: tuple[str, int] | None,
     state: StateDir,
     progress: Progress,
+    before_activation: Callable[[Session], None] | None = None,
 ) -> tuple[Session, ActivationReport]:
-    """Restore one copy and activate it; on failure stop and clean up, then raise."""
+    """Restore one copy and activate it; on failure stop and clean up, then raise.
+
+    ``before_activation`` runs between the restore and activation.json (qualification uses it
+    to inject a fault into this activation only); whatever it raises fails the copy.
+    """
     state.ensure()
     timings: dict[str, float] = {}
     image = image.absolute()
@@ -104,6 +109,8 @@ def start_copy(
         session.root = PinnedProcess(int(pidfile.read_text().strip()))
         session.remember_tree()
         native.after_restore(tree_pids(session.root.pid), options.timeout_s)
+        if before_activation is not None:
+            before_activation(session)
         progress("activating the copy")
         try:
             phases = activate_and_probe(session, manifest.capture_id, options, publish, timings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 import signal
 import socket
 import subprocess
@@ -14,6 +15,8 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.errors import SnapctlError
+from snapctl.images import load_manifest
 from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
@@ -31,14 +34,22 @@ class CleanupAudit(BaseModel):
     mounts: list[str]
     directories: list[str]
     listeners: list[str]
+    # Names the activation used in its private /dev/shm (link remaps included) that exist in
+    # the host's /dev/shm: a leak through the sandbox, or a leftover of a failed cleanup.
+    shm_files: list[str] = []
 
     @property
     def clean(self) -> bool:
-        return not (self.processes or self.mounts or self.directories or self.listeners)
+        return not (
+            self.processes or self.mounts or self.directories or self.listeners or self.shm_files
+        )
 
     def describe(self) -> str:
         parts = [f"{k}: {v}" for k, v in self.model_dump().items() if v]
         return "; ".join(parts) or "clean"
+
+
+HOST_SHM = Path("/dev/shm")
 
 
 def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
@@ -157,6 +168,7 @@ class Session:
             except subprocess.TimeoutExpired:
                 self.launcher.kill()
                 self.launcher.wait()
+        shm_names = self._shm_names()
         # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
         left = wait_gone(self.tree_pids, stop_timeout_s)
         left = sorted({*left, *end_stragglers(self.dirs, stop_timeout_s)})
@@ -171,5 +183,16 @@ class Session:
             listeners=[f"{published[0]}:{published[1]}"]
             if published and _port_open(published)
             else [],
+            shm_files=sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name)),
         )
         return how, audit
+
+    def _shm_names(self) -> set[str]:
+        """What this activation had in its /dev/shm, and what its image saved from there."""
+        names: set[str] = set()
+        with contextlib.suppress(OSError):
+            names.update(os.listdir(self.dirs.shm))
+        if self.image is not None:
+            with contextlib.suppress(SnapctlError):
+                names.update(load_manifest(self.image).shm_files)
+        return names

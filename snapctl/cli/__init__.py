@@ -57,6 +57,18 @@ COMMANDS: dict[str, LazyCommand] = {
     ),
     "image": LazyCommand("snapctl.cli.image:image", "Export, import or remove an image."),
     "images": LazyCommand("snapctl.cli.images:images", "List the images in an image root."),
+    "qualify": LazyCommand(
+        "snapctl.cli.qualify:qualify",
+        "Qualify donor and copies against an ordinary start.",
+    ),
+    "fault": LazyCommand(
+        "snapctl.cli.qualify:fault",
+        "Check that a copy whose recovery fails fails closed.",
+    ),
+    "stale": LazyCommand(
+        "snapctl.cli.qualify:stale",
+        "Check that copies given stale control fail closed.",
+    ),
 }
 
 # CRIU actions whose failure means "the capture failed" or "the activation failed".

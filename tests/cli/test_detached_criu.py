@@ -107,7 +107,7 @@ def test_gc_cleans_up_after_a_killed_snapctl_and_spares_live_ones(
     collected = json.loads(ok(snapctl(state, "gc", "--json")))
     assert [entry["names"] for entry in collected] == [["doomed"]]
     assert collected[0]["audit"] == {
-        "processes": [], "mounts": [], "directories": [], "listeners": []
+        "processes": [], "mounts": [], "directories": [], "listeners": [], "shm_files": []
     }  # fmt: skip
     assert not (state / "activations" / doomed["activation_id"]).exists()
     assert [row["name"] for row in json.loads(ok(snapctl(state, "ps", "--json")))] == ["live"]

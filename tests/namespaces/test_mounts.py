@@ -1,10 +1,15 @@
-"""Finding an activation's processes by its tmpfs: members are found, bystanders never."""
+"""Finding an activation's processes by its tmpfs: only where the activation sees it.
+
+Any process that unshares a mount namespace inherits a copy of every host mount, so seeing an
+activation's tmpfs somewhere is no proof of membership; seeing it at /dev/shm is.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,42 +18,47 @@ import pytest
 from snapctl.namespaces import mounts
 from tests.conftest import in_ci
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 and not in_ci(), reason="mounting needs root")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 and not in_ci(), reason="needs root (mount, unshare)"
+)
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    source = f"snapctl-test-{os.getpid()}-{time.monotonic_ns()}"
-    target = tmp_path / "shm"
-    target.mkdir()
-    mounts.mount_tmpfs(target, "size=1m", source=source)
-    try:
-        yield source, target
-    finally:
-        mounts.umount(target, detach=True)
+def tmpfs(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    point = tmp_path / "shm"
+    point.mkdir()
+    source = f"snapctl-test-{uuid.uuid4().hex[:12]}"
+    mounts.mount_tmpfs(point, "size=1m", source=source)
+    yield point, source
+    mounts.umount(point, detach=True)
 
 
-def start_in_new_mount_namespace(script: str) -> subprocess.Popen[bytes]:
-    process = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{script}; exec sleep 30"]
-    )
-    time.sleep(0.3)  # let it set up its mounts
-    return process
+def _wait_for_namespace(proc: subprocess.Popen[bytes]) -> None:
+    own = os.stat("/proc/self/ns/mnt").st_ino
+    deadline = time.monotonic() + 10
+    while os.stat(f"/proc/{proc.pid}/ns/mnt").st_ino == own:
+        assert time.monotonic() < deadline, "unshare did not enter a new mount namespace"
+        time.sleep(0.01)
 
 
-def test_member_is_found_and_bystander_with_a_copied_table_is_not(
-    tmpfs: tuple[str, Path],
+def test_a_process_that_only_inherited_the_mount_is_not_the_activations(
+    tmpfs: tuple[Path, str],
 ) -> None:
-    source, host_path = tmpfs
-    bystander = start_in_new_mount_namespace("true")  # sees the tmpfs at its host path only
-    member = start_in_new_mount_namespace(f"mount --bind {host_path} /dev/shm")
+    point, source = tmpfs
+    bystander = subprocess.Popen(["unshare", "--mount", "sleep", "30"])
+    member = subprocess.Popen(
+        ["unshare", "--mount", "sh", "-c", f"mount --bind {point} /dev/shm && exec sleep 30"]
+    )
     try:
-        assert mounts.processes_with_mount(source, "/dev/shm") == [member.pid]
-        assert mounts.processes_with_mount(source, str(host_path)) == sorted(
-            [bystander.pid, member.pid]
-        )
+        _wait_for_namespace(bystander)
+        _wait_for_namespace(member)
+        deadline = time.monotonic() + 10
+        while member.pid not in (found := mounts.processes_with_mount(source, "/dev/shm")):
+            assert time.monotonic() < deadline, "the member never showed the tmpfs at /dev/shm"
+            time.sleep(0.01)
+        assert found == [member.pid]
+        assert bystander.pid in mounts.processes_with_mount(source, str(point))
     finally:
-        for process in (bystander, member):
-            process.kill()
-            process.wait()
-    assert mounts.processes_with_mount(source, "/dev/shm") == []
+        for proc in (bystander, member):
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,164 @@
+"""``snapctl qualify``, ``snapctl fault`` and ``snapctl stale``: run qualification runs and
+render their report (a table, or one JSON record); exit non-zero when any check failed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from snapctl.cli.output import emit_json, json_option, note, stderr, stdout
+
+if TYPE_CHECKING:
+    from snapctl.qualification.report import Report
+
+_image_option = click.option(
+    "--image",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Image directory: published by the donor run (must not exist), or an existing image "
+    "when the donor is not among the runs (default: a temporary one).",
+)
+_report_option = click.option(
+    "--report",
+    "report_dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Write report.json, report.md and each activation's control files and logs here.",
+)
+_common = [
+    click.option("--host", default="127.0.0.1", show_default=True,
+                 help="Address the server binds inside its network namespace."),
+    click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+                 help="Port the server binds inside its network namespace (the ordinary "
+                      "reference must listen there too)."),
+    click.option("--api-key-env", metavar="VAR",
+                 help="Variable holding the API key (default SNAPCTL_API_KEY; generated when "
+                      "unset)."),
+    click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float,
+                 help="Wall-clock limit in seconds for each step."),
+    click.option("--criu", "criu_path", type=click.Path(dir_okay=False),
+                 help="CRIU binary (default: $SNAPCTL_CRIU, /opt/snapctl/criu, PATH)."),
+    click.option("--native", default="none", show_default=True,
+                 type=click.Choice(["none", "cuda-checkpoint"]),
+                 help="Device step around dump and restore."),
+    _report_option,
+    json_option,
+]  # fmt: skip
+
+
+def _with_common(function: Any) -> Any:
+    for decorator in reversed(_common):
+        function = decorator(function)
+    return function
+
+
+def _run(
+    runs: str,
+    *,
+    image: Path | None,
+    server_cmd: tuple[str, ...],
+    host: str,
+    port: int,
+    api_key_env: str | None,
+    timeout_s: float,
+    criu_path: str | None,
+    native: str,
+    report_dir: Path | None,
+    as_json: bool,
+    fault_mode: str = "changed",
+) -> None:
+    from snapctl.activation.launch import LaunchOptions
+    from snapctl.activation.native import native_step
+    from snapctl.criu import find_criu
+    from snapctl.qualification.suite import Plan, parse_runs, qualify, require_passed
+
+    plan = Plan(
+        options=LaunchOptions(
+            server_argv=list(server_cmd) or None,
+            host=host,
+            port=port,
+            api_key_env=api_key_env,
+            timeout_s=timeout_s,
+        ),
+        criu=find_criu(criu_path),
+        native=native_step(native),
+        runs=parse_runs(runs),
+        image=image,
+        report_dir=report_dir,
+        fault_mode="unreadable" if fault_mode == "unreadable" else "changed",
+    )
+    report = qualify(plan, lambda step: note(f"• {step}", quiet=as_json))
+    if as_json:
+        emit_json(report)
+    else:
+        render(report, report_dir)
+    require_passed(report)
+
+
+def render(report: Report, report_dir: Path | None) -> None:
+    from snapctl.qualification.report import render_table, render_timings
+
+    stdout().print(render_table(report))
+    stdout().print(render_timings(report))
+    env = report.environment
+    stderr().print(
+        f"snapctl {env.snapctl_version}, CRIU {env.criu_version}, kernel {env.kernel}, "
+        f"Python {env.python_version}, image {env.image_id or '-'}",
+        style="dim",
+    )
+    if report_dir is not None:
+        stderr().print(f"report: {report_dir / 'report.md'}", style="dim")
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@_image_option
+@click.option("--runs", default=",".join(("donor", "copy-1", "copy-2", "fault", "stale",
+              "criu-restore-fault", "criu-dump-fault")), show_default=True,
+              help="Runs to perform (always in the fixed order; the reference runs when a "
+                   "serving run is named).")  # fmt: skip
+@click.option("--fault", "fault_mode", default="changed", show_default=True,
+              type=click.Choice(["changed", "unreadable"]),
+              help="How the fault run breaks the weights for its activation.")  # fmt: skip
+@_with_common
+@click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
+def qualify(image: Path | None, runs: str, fault_mode: str, server_cmd: tuple[str, ...],
+            **common: Any) -> None:  # fmt: skip
+    """Qualify donor and copies against an ordinary start.
+
+    Runs an ordinary reference start, the donor, two copies restored after it is gone, a
+    recovery fault, stale control and CRIU faults; checks each and reports. Without
+    SERVER_CMD (after --) the bundled fixture is qualified with a model it builds.
+    """
+    _run(runs, image=image, server_cmd=server_cmd, fault_mode=fault_mode, **common)
+
+
+@click.command()
+@click.option("--image", required=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The published image to restore.")  # fmt: skip
+@click.option("--fault", "fault_mode", default="changed", show_default=True,
+              type=click.Choice(["changed", "unreadable"]),
+              help="Changed weights (a byte flipped) or unreadable ones (/dev/null).")  # fmt: skip
+@_with_common
+def fault(image: Path, fault_mode: str, **common: Any) -> None:
+    """Check that a copy whose recovery fails fails closed.
+
+    Restores a copy from IMAGE whose weights are changed (or unreadable) for that activation
+    only, and expects error.json at recovery, no listener, the tree exiting, no leftovers.
+    """
+    _run("fault", image=image, server_cmd=(), fault_mode=fault_mode, **common)
+
+
+@click.command()
+@click.option("--image", required=True,
+              type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="The published image to restore.")  # fmt: skip
+@_with_common
+def stale(image: Path, **common: Any) -> None:
+    """Check that copies given stale control fail closed.
+
+    Restores two copies from IMAGE: one finds an earlier release.json and status.json, the
+    other gets a release replayed from an earlier challenge; both must fail at the capture
+    barrier.
+    """
+    _run("stale", image=image, server_cmd=(), **common)

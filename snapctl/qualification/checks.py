@@ -1,0 +1,358 @@
+"""Every qualification check, as a pure function from observations to a :class:`Check`.
+
+A check never does I/O: runs observe, checks judge. Each returns ``passed``, ``failed`` or
+``skipped`` with one line of evidence; a failure names what differed (the request, the token
+position, the file, the phase), a pass says what was compared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.activation.session import CleanupAudit
+from snapctl.images.manifest import FileEntry
+from snapctl.protocol.models import ErrorReport
+from snapctl.qualification.watch import Residue
+from snapctl.qualification.workload import Completion, DigestRead, Group, ServingObservation
+
+LOGPROB_TOLERANCE = 1e-3
+
+Status = Literal["passed", "failed", "skipped"]
+
+
+class Check(BaseModel):
+    """One check's outcome and the evidence for it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str
+    status: Status
+    evidence: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "failed"
+
+
+def passed(name: str, evidence: str) -> Check:
+    return Check(name=name, status="passed", evidence=evidence)
+
+
+def failed(name: str, evidence: str) -> Check:
+    return Check(name=name, status="failed", evidence=evidence)
+
+
+def skipped(name: str, evidence: str) -> Check:
+    return Check(name=name, status="skipped", evidence=evidence)
+
+
+# -- serving --------------------------------------------------------------------------------------
+
+
+def completion_difference(
+    expected: Completion, got: Completion, tolerance: float = LOGPROB_TOLERANCE
+) -> str | None:
+    """How ``got`` differs from the reference completion, or None when it matches."""
+    label = expected.label
+    if got.error is not None:
+        return f"{label}: request failed: {got.error}"
+    if expected.token_ids is not None or got.token_ids is not None:
+        if expected.token_ids is None or got.token_ids is None:
+            return f"{label}: token ids returned by only one side"
+        for position, (want, have) in enumerate(
+            zip(expected.token_ids, got.token_ids, strict=False)
+        ):
+            if want != have:
+                return f"{label}: token {position} differs: expected id {want}, got {have}"
+        if len(expected.token_ids) != len(got.token_ids):
+            return f"{label}: {len(got.token_ids)} tokens, expected {len(expected.token_ids)}"
+    if got.text != expected.text:
+        return f"{label}: text differs: expected {expected.text!r}, got {got.text!r}"
+    if len(got.logprobs) != len(expected.logprobs):
+        return f"{label}: {len(got.logprobs)} logprobs, expected {len(expected.logprobs)}"
+    for position, (want_lp, have_lp) in enumerate(
+        zip(expected.logprobs, got.logprobs, strict=True)
+    ):
+        delta = abs(want_lp - have_lp)
+        if not delta <= tolerance:  # also catches NaN
+            return (
+                f"{label}: logprob of token {position} differs by {delta:.3g} "
+                f"(> {tolerance:g}): expected {want_lp:.6f}, got {have_lp:.6f}"
+            )
+    return None
+
+
+def check_outputs(
+    group: Group,
+    reference: ServingObservation,
+    observed: ServingObservation,
+    tolerance: float = LOGPROB_TOLERANCE,
+) -> Check:
+    """Every completion of ``group`` matches the ordinary reference: ids, text, logprobs."""
+    name = {"prompts": "prompts match reference", "concurrency": "concurrency matches reference"}[
+        group
+    ]
+    expected = [c for c in reference.completions.values() if c.group == group]
+    if not expected:
+        return failed(name, "the reference has no completions to compare")
+    broken = [c.label for c in expected if c.error is not None]
+    if broken:
+        return failed(name, f"reference request failed: {broken[0]}")
+    differences = []
+    max_delta = 0.0
+    tokens = 0
+    for want in expected:
+        got = observed.completions.get(want.label)
+        if got is None:
+            differences.append(f"{want.label}: not sent")
+            continue
+        difference = completion_difference(want, got, tolerance)
+        if difference is not None:
+            differences.append(difference)
+            continue
+        tokens += len(got.logprobs)
+        deltas = [abs(a - b) for a, b in zip(want.logprobs, got.logprobs, strict=True)]
+        max_delta = max([max_delta, *deltas])
+    if differences:
+        more = f" (and {len(differences) - 1} more)" if len(differences) > 1 else ""
+        return failed(name, differences[0] + more)
+    ids = "token ids, " if all(c.token_ids is not None for c in expected) else ""
+    return passed(
+        name,
+        f"{len(expected)} completions, {tokens} tokens: same {ids}text; "
+        f"max |Δ logprob| {max_delta:.2g} (≤ {tolerance:g})",
+    )
+
+
+def check_auth(auth: Mapping[str, int]) -> Check:
+    """A missing and a wrong API key get 401, the right one 200."""
+    name = "API key enforced"
+    want = {"missing": 401, "wrong": 401, "right": 200}
+    shown = ", ".join(f"{k} key → {auth.get(k, 0) or 'no answer'}" for k in want)
+    wrong = [k for k, status in want.items() if auth.get(k) != status]
+    if wrong:
+        first = wrong[0]
+        return failed(
+            name, f"{first} key got {auth.get(first, 0) or 'no answer'}, expected "
+            f"{want[first]} ({shown})",
+        )  # fmt: skip
+    return passed(name, shown)
+
+
+def check_digests_stable(reads: Iterable[DigestRead], baseline: Iterable[DigestRead]) -> Check:
+    """The named-parameter digests are identical in every read (this run's and the reference's)."""
+    name = "parameter digests stable"
+    every = [*baseline, *reads]
+    if not every:
+        return failed(name, "no digest read was made")
+    if all(read.status == 404 for read in every):
+        return skipped(name, "skipped (endpoint absent)")
+    for read in every:
+        if read.status != 200 or read.digests is None:
+            return failed(name, f"a digest read answered {read.status or 'nothing'}: {read.error}")
+    first = every[0].digests
+    assert first is not None
+    for index, read in enumerate(every[1:], start=1):
+        assert read.digests is not None
+        difference = _digest_difference(first, read.digests)
+        if difference:
+            return failed(name, f"read {index} differs from read 0: {difference}")
+    return passed(name, f"{len(every)} reads identical ({len(first)} tensors)")
+
+
+def check_digests_match_model(
+    reads: Iterable[DigestRead], model: Mapping[str, str] | None
+) -> Check:
+    """The digests the server reports equal the digests of the model file on disk."""
+    name = "parameter digests = model file"
+    reads = list(reads)
+    if reads and all(read.status == 404 for read in reads):
+        return skipped(name, "skipped (endpoint absent)")
+    if model is None:
+        return skipped(name, "skipped (the model file's digests are not known for this server)")
+    served = next((r.digests for r in reads if r.digests is not None), None)
+    if served is None:
+        return failed(name, "no digest read succeeded")
+    difference = _digest_difference(dict(model), served)
+    if difference:
+        return failed(name, f"served vs model file: {difference}")
+    return passed(name, f"{len(model)} tensors equal the model file's sha256")
+
+
+def _digest_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:
+    missing = sorted(set(expected) - set(got))
+    if missing:
+        return f"tensor {missing[0]} missing"
+    extra = sorted(set(got) - set(expected))
+    if extra:
+        return f"unexpected tensor {extra[0]}"
+    for tensor in sorted(expected):
+        if expected[tensor] != got[tensor]:
+            return f"tensor {tensor}: {got[tensor][:12]}… instead of {expected[tensor][:12]}…"
+    return None
+
+
+# -- image and cleanup ----------------------------------------------------------------------------
+
+
+def check_image_unchanged(
+    before: Mapping[str, FileEntry], after: Mapping[str, FileEntry] | None
+) -> Check:
+    """Every image file has the same size, sha256 and hard links after the run as before."""
+    name = "image unchanged"
+    if after is None:
+        return failed(name, "the image could not be hashed after the run")
+    missing = sorted(set(before) - set(after))
+    if missing:
+        return failed(name, f"{missing[0]} disappeared")
+    extra = sorted(set(after) - set(before))
+    if extra:
+        return failed(name, f"{extra[0]} appeared")
+    for file in sorted(before):
+        if before[file] != after[file]:
+            was, now = before[file], after[file]
+            what = "sha256" if was.sha256 != now.sha256 else "size or hard links"
+            return failed(name, f"{file}: {what} changed")
+    total = sum(entry.size for entry in before.values())
+    return passed(
+        name, f"{len(before)} files ({total / 1e6:.1f} MB) hash the same before and after"
+    )
+
+
+def check_cleanup(audit: CleanupAudit | None, residue: Residue, how: str | None = None) -> Check:
+    """Nothing of the run is left: processes, listeners, mounts, directories, /dev/shm files.
+    ``how`` (the stop's "terminated", "killed", "exited") is named in the evidence."""
+    name = "nothing left behind"
+    problems = []
+    if audit is not None and not audit.clean:
+        problems.append(f"stop audit: {audit.describe()}")
+    if not residue.clean:
+        problems.append(residue.describe())
+    if problems:
+        return failed(name, "; ".join(problems))
+    scope = "stop audit and host scan" if audit is not None else "host scan"
+    stopped = f"{how}; " if how else ""
+    return passed(
+        name,
+        f"{stopped}{scope}: no process, listener, mount, directory, link remap or /dev/shm file",
+    )
+
+
+def check_link_remaps(remaps: list[str]) -> Check:
+    """While serving, no ``link_remap.*`` file is left in the activation's /dev/shm."""
+    name = "no leftover link remap"
+    if remaps:
+        return failed(name, f"{len(remaps)} left in the activation's /dev/shm: {remaps[0]}")
+    return passed(name, "the activation's /dev/shm holds no link_remap.* file while serving")
+
+
+# -- fail closed ----------------------------------------------------------------------------------
+
+
+def check_error_phase(
+    report: ErrorReport | None,
+    *,
+    expect_phase: str,
+    expect_text: str | None = None,
+    capturer_saw: str | None = None,
+) -> Check:
+    """error.json exists and names the expected phase (a prefix: ``recover`` covers
+    ``recovery: restore memory``) and, when given, words of the expected reason."""
+    name = f"error.json at {expect_phase}"
+    if report is None:
+        seen = f" (the capturer saw: {_clip(capturer_saw, 200)})" if capturer_saw else ""
+        return failed(name, f"no error.json was written{seen}")
+    summary = f"{report.phase}: {report.error_type}: {report.error}"
+    if not report.phase.startswith(expect_phase):
+        return failed(name, f"phase {report.phase!r}, expected {expect_phase!r} ({summary})")
+    if expect_text is not None and expect_text not in report.error:
+        return failed(name, f"reason does not mention {expect_text!r}: {summary}")
+    return passed(name, _clip(summary))
+
+
+def check_never_validated(phases: list[str]) -> Check:
+    """The activation never reported ``validated``."""
+    name = "never validated"
+    if "validated" in phases:
+        return failed(name, f"status.json went through {phases}: the fault was not detected")
+    shown = " → ".join(phases) if phases else "no status.json"
+    return passed(name, f"status phases seen: {shown}")
+
+
+def check_exited(exited: bool, exit_s: float | None, timeout_s: float) -> Check:
+    """The tree exited on its own after error.json (before anyone signalled it)."""
+    name = "tree exited by itself"
+    if not exited or exit_s is None:
+        return failed(name, f"still running {timeout_s:g} s after error.json (it was killed)")
+    return passed(name, f"the root exited {exit_s * 1000:.0f} ms after error.json, unsignalled")
+
+
+def check_no_listener(seen: list[str], polls: int) -> Check:
+    """No socket ever listened on the public port during the activation."""
+    name = "no public listener"
+    if polls == 0:
+        return failed(name, "the activation's network namespace could not be watched")
+    if seen:
+        return failed(name, f"a listener was observed: {seen[0]}")
+    return passed(name, f"{polls} polls of the netns's TCP tables saw no listener on the port")
+
+
+def check_fault_confined(
+    host_before: str, host_after: str, inside: str | None, weights: str
+) -> Check:
+    """The changed weights were seen only inside that activation; the host file is unchanged."""
+    name = "fault confined to the activation"
+    if host_after != host_before:
+        return failed(name, f"the host's {weights} changed (sha256 {host_after[:12]}…)")
+    if inside is None:
+        return failed(name, f"could not read {weights} inside the copy")
+    if inside == host_before:
+        return failed(name, f"inside the copy {weights} still has the host's sha256: no fault")
+    return passed(name, f"inside sha256 {inside[:12]}…, host {host_before[:12]}… before and after")
+
+
+# -- CRIU-level faults ----------------------------------------------------------------------------
+
+
+def check_failed_with(error: str | None, expect_text: str, what: str) -> Check:
+    """The operation failed, and its error says ``expect_text``."""
+    name = f"{what} failed"
+    if error is None:
+        return failed(name, f"{what} succeeded despite the injected fault")
+    if expect_text not in error:
+        return failed(name, f"error does not say {expect_text!r}: {_clip(error)}")
+    return passed(name, _clip(error))
+
+
+def check_not_published(image_exists: bool, staging_left: list[str], image: str) -> Check:
+    """No image appeared at the target path and no staging directory was left beside it."""
+    name = "no image published"
+    if image_exists:
+        return failed(name, f"{image} exists after a failed dump")
+    if staging_left:
+        return failed(name, f"staging directory left beside it: {staging_left[0]}")
+    return passed(name, f"{image} absent, no staging directory left")
+
+
+def check_image_restores(error: str | None, evidence: str) -> Check:
+    """After the failed restore, the image still verifies and a fresh restore serves."""
+    name = "image still restores"
+    if error is not None:
+        return failed(name, _clip(error))
+    return passed(name, evidence)
+
+
+def check_completed(error: str | None) -> Check:
+    """The run itself completed (a run that raised records why here)."""
+    name = "run completed"
+    if error is not None:
+        return failed(name, _clip(error))
+    return passed(name, "every step ran")
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -1,0 +1,401 @@
+"""The runs whose activation must fail closed: a copy whose recovery fails (``fault``) and
+copies given stale control (``stale``).
+
+``fault`` and ``stale`` restore a real copy and take over between the restore and
+activation.json (``start_copy``'s ``before_activation``): they inject the fault into that
+activation only, drive the handshake, then watch the tree: error.json with the expected phase,
+no listener on the public port at any poll, the root exiting by itself, and nothing left after.
+Once everything is seen the hook raises :class:`_Concluded`, which makes ``start_copy`` run its
+own cleanup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from snapctl.activation.copy import start_copy
+from snapctl.activation.handshake import ActivationError, activate
+from snapctl.activation.session import CleanupAudit, Session
+from snapctl.errors import SnapctlError
+from snapctl.images import load_manifest
+from snapctl.images.manifest import Manifest
+from snapctl.namespaces.layout import SANDBOX_SHM_DIR
+from snapctl.protocol.models import (
+    Activation,
+    Challenge,
+    ControlFile,
+    ErrorReport,
+    Phase,
+    Release,
+    Status,
+)
+from snapctl.protocol.waiter import ControlDirWatcher
+from snapctl.qualification import checks
+from snapctl.qualification.reference import weights_file
+from snapctl.qualification.runs import (
+    RunContext,
+    RunResult,
+    Timings,
+    artifacts_dir,
+    image_hashes,
+    read_control,
+    save_control,
+    save_logs,
+    save_new_logs,
+)
+from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
+
+FaultMode = Literal["changed", "unreadable"]
+FAULT_FILE = ".snapctl-qualify-fault-weights"
+# How long a failed activation may take to exit by itself after error.json.
+EXIT_TIMEOUT_S = 30.0
+
+
+class _Concluded(Exception):
+    """Raised by the hook once it has observed the failed activation to its end."""
+
+
+@dataclass
+class FailClosedSeen:
+    """What a fail-closed activation showed, before it is judged."""
+
+    activation_id: str = ""
+    error: ErrorReport | None = None
+    handshake_error: str | None = None
+    phases: list[str] = field(default_factory=list)
+    handshake_s: float | None = None
+    exited: bool = False
+    error_to_exit_s: float | None = None
+    listeners: list[str] = field(default_factory=list)
+    polls: int = 0
+    how: str = ""
+    audit: CleanupAudit | None = None
+    shutdown_s: float | None = None
+
+
+Drive = Callable[[Session], list[str]]
+
+
+def _observe_fail_closed(
+    ctx: RunContext, session: Session, run: str, drive: Drive, seen: FailClosedSeen
+) -> None:
+    """Drive the handshake, watch the tree end by itself, save its files, stop, audit."""
+    assert session.root is not None
+    seen.activation_id = session.activation_id
+    watch = ListenerWatch(session.root.pid, session.port)
+    try:
+        started = time.monotonic()
+        try:
+            seen.phases = drive(session)
+        except SnapctlError as error:
+            seen.handshake_error = error.message
+        seen.handshake_s = time.monotonic() - started
+        with contextlib.suppress(SnapctlError):
+            seen.error = session.control.read(ControlFile.ERROR)
+        with contextlib.suppress(SnapctlError):
+            status = session.control.read(ControlFile.STATUS)
+            # A status.json naming another activation is one the stale run planted.
+            mine = status is not None and status.activation_id == session.activation_id
+            if status is not None and mine and status.phase not in seen.phases:
+                seen.phases.append(status.phase)
+        if "validated" not in seen.phases:
+            # Give it the time to exit on its own; a server that validated never would.
+            waited = time.monotonic()
+            seen.exited = session.root.wait(min(ctx.options.timeout_s, EXIT_TIMEOUT_S))
+            if seen.exited:
+                seen.error_to_exit_s = time.monotonic() - waited
+    finally:
+        seen.listeners, seen.polls = watch.stop()
+        target = ctx.run_dir(run)
+        with contextlib.suppress(OSError):
+            save_control(read_control(session), target)
+        stopped = time.monotonic()
+        seen.how, seen.audit = session.stop()
+        seen.shutdown_s = time.monotonic() - stopped
+        with contextlib.suppress(OSError):
+            save_logs(session, target)
+    raise _Concluded
+
+
+def _activate(ctx: RunContext, manifest: Manifest) -> Drive:
+    """The ordinary capturer handshake (it raises ActivationError on error.json)."""
+
+    def drive(session: Session) -> list[str]:
+        assert session.root is not None
+        return activate(
+            session.control, capture_id=manifest.capture_id,
+            activation_id=session.activation_id, kind="copy", host=session.host,
+            port=session.port, timeout_s=ctx.options.timeout_s, alive=session.root.alive,
+        ).phases  # fmt: skip
+
+    return drive
+
+
+def expect_error(seen: FailClosedSeen, phase: str, text: str | None = None) -> checks.Check:
+    return checks.check_error_phase(
+        seen.error, expect_phase=phase, expect_text=text, capturer_saw=seen.handshake_error
+    )
+
+
+def _restore_failing(
+    ctx: RunContext, run: str, kind: Literal["fault", "stale"], hook: Callable[[Session], None],
+    seen: FailClosedSeen, judge: Callable[[], list[checks.Check]],
+) -> RunResult:  # fmt: skip
+    """Restore a copy with ``hook`` taking over its activation; then judge what it saw
+    (``judge`` adds the run's own checks: the expected error.json and the like)."""
+    started = time.monotonic()
+    baseline = take_baseline(ctx.state)
+    before = image_hashes(ctx.image)
+    manifest = load_manifest(ctx.image)
+    error: str | None = None
+    try:
+        session, _ = start_copy(
+            ctx.image, ctx.options, criu=ctx.criu, native=ctx.native, publish=None,
+            state=ctx.state, progress=lambda step: ctx.progress(f"{run}: {step}"),
+            before_activation=hook,
+        )  # fmt: skip
+        session.stop()
+        error = "the copy activated and served despite the fault"
+    except _Concluded:
+        pass
+    except SnapctlError as failure:
+        error = failure.message
+    except OSError as failure:  # injecting the fault or watching failed: say so, go on
+        error = f"{type(failure).__name__}: {failure}"
+    res = residue(ctx.state, baseline, manifest.shm_files)
+    found = [checks.check_completed(error)]
+    if seen.activation_id:
+        found += [
+            *judge(),
+            checks.check_never_validated(seen.phases),
+            checks.check_no_listener(seen.listeners, seen.polls),
+            checks.check_exited(seen.exited, seen.error_to_exit_s, EXIT_TIMEOUT_S),
+        ]
+    if before is not None:
+        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
+    found.append(checks.check_cleanup(seen.audit, res, seen.how or None))
+    return RunResult(
+        name=run,
+        kind=kind,
+        # Without a hook call the copy failed before activation: keep its logs all the same.
+        activation_ids=[seen.activation_id]
+        if seen.activation_id
+        else save_new_logs(ctx, baseline, run),
+        checks=found,
+        timings=Timings(
+            handshake_s=seen.handshake_s,
+            error_to_exit_s=seen.error_to_exit_s,
+            shutdown_s=seen.shutdown_s,
+        ),
+        wall_s=time.monotonic() - started,
+        cleanup=seen.audit,
+        residue=res,
+        artifacts=artifacts_dir(ctx, run),
+    )
+
+
+# -- fault: recovery fails after memory wake ------------------------------------------------------
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _nsenter(pid: int, *argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", *argv],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+
+
+@dataclass
+class _WeightsFault:
+    host_before: str = ""
+    inside: str | None = None
+
+
+def inject_weights_fault(
+    session: Session, weights: str, mode: FaultMode, record: _WeightsFault
+) -> None:
+    """Make ``weights`` changed (one byte flipped) or unreadable in this activation's mount
+    namespace only, by a bind mount made from outside; the host's file is not touched."""
+    assert session.root is not None
+    pid = session.root.pid
+    record.host_before = _sha256(weights)
+    if mode == "changed":
+        # The copy sees its own /dev/shm (this host directory): stage the changed file there.
+        staged = session.dirs.shm / FAULT_FILE
+        shutil.copyfile(weights, staged)
+        with open(staged, "r+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, size - 10))
+            byte = handle.read(1)
+            handle.seek(max(0, size - 10))
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        source = f"{SANDBOX_SHM_DIR}/{FAULT_FILE}"
+    else:
+        source = "/dev/null"
+    try:
+        proc = _nsenter(pid, "mount", "--bind", source, weights)
+        if proc.returncode != 0:
+            raise SnapctlError(f"bind mount over {weights} failed: {proc.stderr.strip()}")
+    finally:
+        if mode == "changed":
+            # The mount keeps the inode; the copy's /dev/shm shows nothing of ours.
+            (session.dirs.shm / FAULT_FILE).unlink(missing_ok=True)
+    proc = _nsenter(pid, "sha256sum", weights)
+    if proc.returncode == 0 and proc.stdout.split():
+        record.inside = proc.stdout.split()[0]
+
+
+def run_fault(ctx: RunContext, mode: FaultMode = "changed") -> RunResult:
+    """Restore a copy whose weights are changed (or unreadable) for that activation only."""
+    manifest = load_manifest(ctx.image)
+    weights_path = weights_file(manifest.server_argv)
+    if weights_path is None:
+        return RunResult(
+            name="fault", kind="fault", wall_s=0.0,
+            checks=[
+                checks.failed(
+                    "run completed",
+                    "no local weights file found in the server command (--model PATH)",
+                )
+            ],
+        )  # fmt: skip
+    weights = str(weights_path)
+    seen = FailClosedSeen()
+    fault = _WeightsFault()
+    drive = _activate(ctx, manifest)
+
+    def hook(session: Session) -> None:
+        inject_weights_fault(session, weights, mode, fault)
+        _observe_fail_closed(ctx, session, "fault", drive, seen)
+
+    def judge() -> list[checks.Check]:
+        return [
+            expect_error(seen, Phase.RECOVER.value),
+            checks.check_fault_confined(fault.host_before, _sha256(weights), fault.inside, weights),
+        ]
+
+    return _restore_failing(ctx, "fault", "fault", hook, seen, judge)
+
+
+# -- stale: leftover control files, replayed release ----------------------------------------------
+
+
+def _earlier(ctx: RunContext, manifest: Manifest) -> tuple[Challenge, Status, str]:
+    """The previous activation's challenge and status (or a plausible earlier one)."""
+    previous = ctx.previous_control
+    with contextlib.suppress(Exception):
+        challenge = Challenge.model_validate(previous[ControlFile.CHALLENGE.value])
+        status = Status.model_validate(previous[ControlFile.STATUS.value])
+        if challenge.capture_id == manifest.capture_id:
+            return challenge, status, f"from the earlier activation {challenge.activation_id}"
+    activation_id = f"copy-earlier-{uuid.uuid4().hex[:12]}"
+    challenge = Challenge(
+        capture_id=manifest.capture_id, activation_id=activation_id, nonce=uuid.uuid4().hex
+    )
+    status = Status(capture_id=manifest.capture_id, activation_id=activation_id, phase="validated")
+    return challenge, status, "made up (no earlier activation in this qualification)"
+
+
+def _replay_drive(ctx: RunContext, manifest: Manifest, earlier: Challenge) -> Drive:
+    """Activate, then answer the fresh challenge with the earlier challenge's nonce."""
+
+    def drive(session: Session) -> list[str]:
+        assert session.root is not None
+        deadline = time.monotonic() + ctx.options.timeout_s
+        with ControlDirWatcher(session.control) as watcher:
+            session.control.write(
+                Activation(
+                    capture_id=manifest.capture_id,
+                    activation_id=session.activation_id,
+                    kind="copy",
+                    native_complete=True,
+                    host=session.host,
+                    port=session.port,
+                )
+            )
+            _, model = watcher.wait_for(
+                (ControlFile.CHALLENGE, ControlFile.ERROR), deadline - time.monotonic(),
+                alive=session.root.alive,
+            )  # fmt: skip
+            if isinstance(model, ErrorReport):
+                raise ActivationError(f"error.json before the challenge: {model.error}")
+            assert isinstance(model, Challenge)
+            # Only the nonce differs from the live challenge: only the nonce check can refuse.
+            session.control.write(
+                Release(
+                    capture_id=model.capture_id,
+                    activation_id=model.activation_id,
+                    nonce=earlier.nonce,
+                )
+            )
+            _, model = watcher.wait_for(
+                (ControlFile.ERROR, ControlFile.STATUS), deadline - time.monotonic(),
+                alive=session.root.alive,
+            )  # fmt: skip
+            if isinstance(model, ErrorReport):
+                raise ActivationError(f"server refused: {model.error}", report=model)
+            assert isinstance(model, Status)
+            return [model.phase]
+
+    return drive
+
+
+def _noting(check: checks.Check, note: str) -> checks.Check:
+    return check.model_copy(update={"evidence": f"{check.evidence} [{note}]"})
+
+
+def run_stale(ctx: RunContext) -> list[RunResult]:
+    """Two copies: one finds the previous activation's release.json and status.json in its
+    control directory, the other gets a release replayed from an earlier challenge."""
+    manifest = load_manifest(ctx.image)
+    challenge, status, origin = _earlier(ctx, manifest)
+    results: list[RunResult] = []
+
+    files_seen = FailClosedSeen()
+    files_drive = _activate(ctx, manifest)
+
+    def files_hook(session: Session) -> None:
+        session.control.write(Release.answering(challenge))
+        session.control.write(status)
+        _observe_fail_closed(ctx, session, "stale-files", files_drive, files_seen)
+
+    def files_judge() -> list[checks.Check]:
+        check = expect_error(files_seen, Phase.CAPTURE_BARRIER.value, "stale activation control")
+        return [_noting(check, f"stale release.json and status.json {origin}")]
+
+    results.append(
+        _restore_failing(ctx, "stale-files", "stale", files_hook, files_seen, files_judge)
+    )
+
+    replay_seen = FailClosedSeen()
+    replay_drive = _replay_drive(ctx, manifest, challenge)
+
+    def replay_hook(session: Session) -> None:
+        _observe_fail_closed(ctx, session, "stale-replay", replay_drive, replay_seen)
+
+    def replay_judge() -> list[checks.Check]:
+        check = expect_error(
+            replay_seen, Phase.CAPTURE_BARRIER.value, "release.json does not match challenge.json"
+        )
+        return [_noting(check, f"replayed nonce {challenge.nonce[:8]}… {origin}")]
+
+    results.append(
+        _restore_failing(ctx, "stale-replay", "stale", replay_hook, replay_seen, replay_judge)
+    )
+    return results

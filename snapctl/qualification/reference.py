@@ -1,0 +1,159 @@
+"""The ordinary reference start, and what qualification knows about the server command.
+
+The reference is the same server launched the same way (fresh namespaces, same host and port,
+same environment) but without ``--snapshot-config``: it loads and binds at once, with no
+capture and no activation. Its answers are what every donor and copy must reproduce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from snapctl.activation.donor import new_session
+from snapctl.activation.handshake import probe_http_ready
+from snapctl.activation.launch import (
+    LaunchError,
+    LaunchOptions,
+    fixture_command,
+    launch_in_sandbox,
+    log_tail,
+    repo_root,
+)
+from snapctl.activation.session import Session
+from snapctl.errors import SnapctlError
+from snapctl.images.manifest import Manifest
+from snapctl.supervision.state import StateDir
+
+Progress = Callable[[str], None]
+SNAPSHOT_FLAG = "--snapshot-config"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+def is_fixture(argv: list[str]) -> bool:
+    """Whether ``argv`` runs the bundled fixture server (``python -m fixtures serve``)."""
+    return (
+        any(argv[i] == "-m" and argv[i + 1] == "fixtures" for i in range(len(argv) - 1))
+        and "serve" in argv
+    )
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``--flag VALUE`` or ``--flag=VALUE`` (the last one wins), or None."""
+    value = None
+    for index, arg in enumerate(argv):
+        if arg == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def without_snapshot_config(argv: list[str]) -> list[str]:
+    result: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == SNAPSHOT_FLAG:
+            skip = True
+        elif not arg.startswith(SNAPSHOT_FLAG + "="):
+            result.append(arg)
+    return result
+
+
+def server_from_manifest(manifest: Manifest) -> tuple[list[str], Path]:
+    """The captured server's command (without the capture flag) and cwd, for a reference."""
+    argv = without_snapshot_config(manifest.server_argv)
+    if any("***" in arg for arg in argv):
+        raise SnapctlError(
+            "the image's server command has redacted secrets: give the server command after --"
+        )
+    return argv, Path(manifest.server_cwd)
+
+
+def server_command(options: LaunchOptions, state: StateDir) -> tuple[list[str], Path]:
+    """The server command for ``options`` without the capture flag (the fixture by default)."""
+    if options.server_argv:
+        return without_snapshot_config(list(options.server_argv)), Path.cwd()
+    return fixture_command(options, state)
+
+
+def weights_file(argv: list[str]) -> Path | None:
+    """The model weights file a server reads: ``--model`` itself, or its largest weights file."""
+    model = flag_value(argv, "--model")
+    if model is None and "serve" in argv:
+        # ``vllm serve MODEL``: the first argument after ``serve``, when it is a local path.
+        following = argv[argv.index("serve") + 1 :]
+        model = next((arg for arg in following[:1] if not arg.startswith("-")), None)
+    if model is None:
+        return None
+    path = Path(model)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        return None
+    candidates = [p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
+    return max(candidates, key=lambda p: p.stat().st_size, default=None)
+
+
+def model_file_digests(argv: list[str]) -> dict[str, str] | None:
+    """sha256 of every tensor of the fixture's model file, read from disk (None otherwise)."""
+    model = flag_value(argv, "--model")
+    if not is_fixture(argv) or model is None:
+        return None
+    proc = subprocess.run(
+        [argv[0], "-m", "fixtures", "reference-digests", "--model", model],
+        cwd=repo_root(), capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise SnapctlError(f"fixtures reference-digests failed: {proc.stderr.strip()[-300:]}")
+    payload = json.loads(proc.stdout)
+    return {str(name): str(digest) for name, digest in payload.items()}
+
+
+def start_reference(
+    argv: list[str],
+    cwd: Path,
+    options: LaunchOptions,
+    *,
+    state: StateDir,
+    publish: tuple[str, int],
+    progress: Progress,
+) -> tuple[Session, float]:
+    """Launch the ordinary server and wait for its first HTTP 200; return it and that time."""
+    state.ensure()
+    session = new_session(state, "reference", None)
+    session.host, session.port = options.host, options.port
+    env = dict(os.environ)
+    if options.api_key and not options.server_argv:
+        # Exactly as start_donor gives the key to the bundled fixture.
+        env["FIXTURE_API_KEY"] = options.api_key
+    try:
+        progress("launching the ordinary reference (no capture)")
+        started = time.monotonic()
+        session.launcher, session.root = launch_in_sandbox(argv, cwd, session.dirs, options, env)
+        session.attach_network(publish)
+        assert session.connector is not None
+        try:
+            probe_http_ready(
+                session.connector, options.host, options.port, api_key=options.api_key,
+                timeout_s=options.timeout_s, alive=session.root.alive,
+            )  # fmt: skip
+        except SnapctlError as error:
+            raise LaunchError(
+                f"the reference server never served: {error.message}",
+                phase="reference",
+                path=session.dirs.server_log,
+                log_tail=log_tail(session.dirs.server_log),
+            ) from error
+        ready_s = time.monotonic() - started
+        session.remember_tree()
+        return session, ready_s
+    except BaseException:
+        session.stop()
+        raise

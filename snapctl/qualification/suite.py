@@ -1,0 +1,238 @@
+"""A whole qualification: which runs, in which order, against which image, into one report.
+
+The order is fixed whatever order the runs are named in: the ordinary reference first (when a
+serving run needs it), then the donor (which publishes the image and is shut down), the
+CRIU restore fault, the two copies (restored after the donor is gone), the recovery fault,
+the stale-control runs and the CRIU dump fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from snapctl.activation.launch import LaunchOptions, redact_argv
+from snapctl.activation.native import NativeStep
+from snapctl.criu import CriuBinary
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.images import load_manifest
+from snapctl.images.manifest import MANIFEST_NAME
+from snapctl.qualification import checks
+from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
+from snapctl.qualification.faults import FaultMode, run_fault, run_stale
+from snapctl.qualification.reference import (
+    is_fixture,
+    model_file_digests,
+    server_command,
+    server_from_manifest,
+)
+from snapctl.qualification.report import Report, environment, now, write_report
+from snapctl.qualification.runs import (
+    RunContext,
+    RunKind,
+    RunResult,
+    run_copy,
+    run_donor,
+    run_reference,
+)
+from snapctl.supervision.process import become_subreaper
+from snapctl.supervision.state import StateDir
+
+Progress = Callable[[str], None]
+
+RUN_ORDER = (
+    "donor",
+    "criu-restore-fault",
+    "copy-1",
+    "copy-2",
+    "fault",
+    "stale",
+    "criu-dump-fault",
+)
+DEFAULT_RUNS = RUN_ORDER
+SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
+# Runs that restore the image (the donor's, or an existing one given with --image).
+IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "stale"})
+DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
+
+
+class QualificationError(SnapctlError):
+    """The qualification could not be set up (bad run names, no image, no server command)."""
+
+
+class QualificationFailed(SnapctlError):
+    """At least one check failed; the report says which and what differed."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
+
+
+@dataclass
+class Plan:
+    """What to qualify and how."""
+
+    options: LaunchOptions
+    criu: CriuBinary
+    native: NativeStep
+    state: StateDir = field(default_factory=StateDir)
+    runs: tuple[str, ...] = DEFAULT_RUNS
+    image: Path | None = None
+    report_dir: Path | None = None
+    fault_mode: FaultMode = "changed"
+
+
+def parse_runs(text: str) -> tuple[str, ...]:
+    """``donor,copy-1`` → the named runs in their fixed order; unknown names are refused."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(RUN_ORDER))
+    if unknown or not names:
+        raise QualificationError(
+            f"unknown run {unknown[0]!r}" if unknown else "no run named",
+            phase="plan",
+        )
+    return tuple(name for name in RUN_ORDER if name in names)
+
+
+@contextlib.contextmanager
+def api_key(options: LaunchOptions) -> Iterator[None]:
+    """Make sure the runs have an API key: generate one when none is configured."""
+    if options.api_key_env is None:
+        options.api_key_env = DEFAULT_API_KEY_ENV
+    variable = options.api_key_env
+    generated = not os.environ.get(variable)
+    if generated:
+        os.environ[variable] = secrets.token_urlsafe(24)
+    try:
+        yield
+    finally:
+        if generated:
+            os.environ.pop(variable, None)
+
+
+def _image_for(plan: Plan, work: Path) -> Path:
+    if "donor" in plan.runs or not IMAGE_RUNS & set(plan.runs):
+        return (plan.image or work / "image").absolute()
+    if plan.image is None:
+        raise QualificationError(
+            "without the donor run, --image must name an existing image", phase="plan"
+        )
+    load_manifest(plan.image)  # refuse early a path that is no published image
+    return plan.image.absolute()
+
+
+def qualify(plan: Plan, progress: Progress) -> Report:
+    """Run the plan's runs in order and return the report (written when ``report_dir``)."""
+    started = time.monotonic()
+    plan.state.ensure()
+    become_subreaper()
+    work = plan.state.root / "qualify" / uuid.uuid4().hex[:12]
+    work.mkdir(parents=True, mode=0o700)
+    try:
+        image = _image_for(plan, work)
+        artifacts = None if plan.report_dir is None else plan.report_dir.absolute() / "runs"
+        with api_key(plan.options):
+            ctx = RunContext(
+                options=plan.options, criu=plan.criu, native=plan.native, state=plan.state,
+                image=image, work=work, progress=progress, artifacts=artifacts,
+            )  # fmt: skip
+            argv, cwd = _server(plan, image)
+            results = _run_all(plan, ctx, argv, cwd)
+        image_id = None
+        with contextlib.suppress(SnapctlError):
+            image_id = load_manifest(image).image_id
+        report = Report(
+            created=now(),
+            environment=environment(
+                plan.criu,
+                plan.native.name,
+                image if plan.image is not None else Path("(temporary, removed)"),
+                image_id,
+                redact_argv(argv),
+                is_fixture(argv),
+            ),
+            runs=results,
+            wall_s=round(time.monotonic() - started, 3),
+        )
+        if plan.report_dir is not None:
+            write_report(report, plan.report_dir)
+        return report
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _server(plan: Plan, image: Path) -> tuple[list[str], Path]:
+    """The server command (without the capture flag) and its cwd, for the reference."""
+    if plan.options.server_argv or "donor" in plan.runs or not IMAGE_RUNS & set(plan.runs):
+        return server_command(plan.options, plan.state)
+    manifest = load_manifest(image)
+    if SERVING_RUNS & set(plan.runs):
+        return server_from_manifest(manifest)
+    # Nothing is started from it: it is only named in the report.
+    return list(manifest.server_argv), Path(manifest.server_cwd)
+
+
+def _run_all(plan: Plan, ctx: RunContext, argv: list[str], cwd: Path) -> list[RunResult]:
+    results: list[RunResult] = []
+    if SERVING_RUNS & set(plan.runs):
+        ctx.progress("computing the model file's parameter digests")
+        ctx.model_digests = model_file_digests(argv)
+        ctx.progress("reference: ordinary start")
+        results.append(run_reference(ctx, argv, cwd))
+    for name in plan.runs:
+        ctx.progress(f"{name}: starting")
+        started = time.monotonic()
+        try:
+            found = _one(name, plan, ctx)
+        except Exception as error:  # a run's own bug must not hide the others' evidence
+            detail = f"{type(error).__name__}: {error}"
+            found = [RunResult(
+                name=name, kind=_KINDS[name], checks=[checks.check_completed(detail)],
+                wall_s=time.monotonic() - started,
+            )]  # fmt: skip
+        results.extend(found)
+        if name == "donor" and not (ctx.image / MANIFEST_NAME).exists():
+            break  # no image was published: nothing else can run
+    return results
+
+
+_KINDS: dict[str, RunKind] = {
+    "donor": "donor",
+    "criu-restore-fault": "criu-restore-fault",
+    "copy-1": "copy",
+    "copy-2": "copy",
+    "fault": "fault",
+    "stale": "stale",
+    "criu-dump-fault": "criu-dump-fault",
+}
+
+
+def _one(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
+    if name == "donor":
+        return [run_donor(ctx)]
+    if name.startswith("copy-"):
+        return [run_copy(ctx, name)]
+    if name == "fault":
+        return [run_fault(ctx, plan.fault_mode)]
+    if name == "stale":
+        return run_stale(ctx)
+    if name == "criu-restore-fault":
+        return [run_criu_restore_fault(ctx)]
+    if name == "criu-dump-fault":
+        return [run_criu_dump_fault(ctx)]
+    raise QualificationError(f"unknown run {name!r}", phase="plan")
+
+
+def require_passed(report: Report) -> None:
+    """Raise :class:`QualificationFailed` naming the first failed check, if any failed."""
+    failures = report.failures()
+    if failures:
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise QualificationFailed(f"qualification failed: {failures[0]}{more}")
+    if not report.runs:
+        raise QualificationFailed("qualification ran nothing")

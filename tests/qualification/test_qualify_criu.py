@@ -1,0 +1,157 @@
+"""Qualification end to end with real CRIU and the bundled fixture.
+
+One test runs the whole ``snapctl qualify`` (reference, donor, copies, fault, stale, CRIU
+faults) and requires every check to pass. The others share one image (captured once for the
+module) and run ``snapctl fault`` and ``snapctl stale`` alone against it, plus a fault that is
+not injected, which the fail-closed checks must report as failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapctl.activation.donor import start_donor
+from snapctl.activation.launch import LaunchOptions
+from snapctl.activation.native import NoNativeStep
+from snapctl.activation.session import Session
+from snapctl.cli import main
+from snapctl.criu import find_criu
+from snapctl.errors import ExitStatus
+from snapctl.qualification import faults
+from snapctl.qualification.report import Report
+from snapctl.qualification.suite import RUN_ORDER
+from snapctl.qualification.watch import HOST_SHM
+from snapctl.supervision.state import StateDir
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
+
+
+def _report(out: str) -> Report:
+    return Report.model_validate_json(out.strip().splitlines()[-1])
+
+
+def _statuses(report: Report) -> dict[tuple[str, str], str]:
+    return {(run.name, check.name): check.status for run in report.runs for check in run.checks}
+
+
+def test_qualify_on_the_fixture_passes_every_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("SNAPCTL_API_KEY", raising=False)
+    shm_before = set(os.listdir(HOST_SHM))
+
+    status = main(["qualify", "--report", str(tmp_path / "report"), "--json"])
+
+    report = _report(capsys.readouterr().out)
+    failures = report.failures()
+    assert status == ExitStatus.OK, failures
+    assert report.passed and failures == []
+    names = [run.name for run in report.runs]
+    expected = ["reference", *RUN_ORDER]
+    expected[expected.index("stale")] = "stale-files"
+    expected.insert(expected.index("stale-files") + 1, "stale-replay")
+    assert names == expected
+    assert report.counts()["skipped"] == 0  # the fixture has every endpoint and a model file
+    statuses = _statuses(report)
+    for run in ("donor", "copy-1", "copy-2"):
+        for check in ("prompts match reference", "concurrency matches reference",
+                      "API key enforced", "parameter digests = model file", "image unchanged",
+                      "nothing left behind"):  # fmt: skip
+            assert statuses[(run, check)] == "passed"
+    assert statuses[("fault", "error.json at recover")] == "passed"
+    assert statuses[("stale-replay", "error.json at capture barrier")] == "passed"
+    donor = report.runs[1]
+    assert donor.timings.dump_frozen_s and donor.timings.launch_to_capture_ready_s
+    assert report.runs[3].timings.restore_s and report.environment.criu_version
+    # The report directory holds both files and every activation's control files and logs.
+    saved = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert saved["runs"][0]["name"] == "reference"
+    assert "PASSED" in (tmp_path / "report" / "report.md").read_text()
+    copy_dir = tmp_path / "report" / "runs" / "copy-1"
+    assert (copy_dir / "control" / "release.json").exists()
+    assert (copy_dir / "logs" / "server.log").stat().st_size > 0
+    assert (tmp_path / "report" / "runs" / "fault" / "control" / "error.json").exists()
+    # Nothing of any run is left: no activation directory, no temporary image, no shm file.
+    state = StateDir(tmp_path / "state")
+    assert list(state.activations.iterdir()) == []
+    assert not (state.root / "qualify").exists() or list((state.root / "qualify").iterdir()) == []
+    remaps = {name for name in os.listdir(HOST_SHM) if name.startswith("link_remap.")}
+    assert remaps <= shm_before
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One captured image (donor stopped), and SNAPCTL_STATE_DIR pointing at its state."""
+    root = tmp_path_factory.mktemp("qualify-image")
+    state = StateDir(root / "state")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SNAPCTL_STATE_DIR", str(state.root))
+        donor: Session | None = None
+        try:
+            donor, _, _ = start_donor(
+                LaunchOptions(timeout_s=120), image=root / "image", force=False,
+                criu=find_criu(), native=NoNativeStep(), publish=None, state=state,
+                progress=lambda step: None,
+            )  # fmt: skip
+        finally:
+            if donor is not None:
+                _, audit = donor.stop()
+                assert audit.clean, audit.describe()
+        yield root / "image"
+
+
+@pytest.mark.parametrize("mode", ["changed", "unreadable"])
+def test_fault_command_fails_closed(
+    image: Path, mode: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(["fault", "--image", str(image), "--fault", mode, "--json"])
+
+    report = _report(capsys.readouterr().out)
+    assert status == ExitStatus.OK, report.failures()
+    (run,) = report.runs
+    checks = {check.name: check for check in run.checks}
+    assert checks["error.json at recover"].evidence.startswith("recovery: restore memory")
+    assert checks["tree exited by itself"].status == "passed"
+    assert checks["no public listener"].status == "passed"
+    assert checks["fault confined to the activation"].status == "passed"
+    assert run.cleanup is not None and run.cleanup.clean
+
+
+def test_stale_command_fails_closed(image: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["stale", "--image", str(image), "--json"])
+
+    report = _report(capsys.readouterr().out)
+    assert status == ExitStatus.OK, report.failures()
+    assert [run.name for run in report.runs] == ["stale-files", "stale-replay"]
+    files, replay = ({c.name: c for c in run.checks} for run in report.runs)
+    assert "stale activation control" in files["error.json at capture barrier"].evidence
+    assert "made up" in files["error.json at capture barrier"].evidence
+    assert "release.json does not match" in replay["error.json at capture barrier"].evidence
+
+
+def test_a_fault_that_is_not_injected_fails_the_fail_closed_checks(
+    image: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_fault(session: Session, weights: str, mode: str, record: object) -> None:
+        record.host_before = faults._sha256(weights)  # type: ignore[attr-defined]
+        record.inside = record.host_before  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(faults, "inject_weights_fault", no_fault)
+
+    status = main(["fault", "--image", str(image), "--json"])
+
+    report = _report(capsys.readouterr().out)
+    assert status == ExitStatus.VERIFY_FAILED
+    checks = {check.name: check for check in report.runs[0].checks}
+    assert checks["error.json at recover"].evidence == "no error.json was written"
+    assert checks["never validated"].status == "failed"
+    assert "the fault was not detected" in checks["never validated"].evidence
+    assert checks["fault confined to the activation"].evidence.endswith("no fault")
+    assert checks["tree exited by itself"].status == "failed"
+    assert checks["nothing left behind"].status == "passed"  # stopped and cleaned up anyway

@@ -1,0 +1,124 @@
+"""The report (model, report.json round trip, report.md, the table) and the suite's plan
+helpers: run names and order, the generated API key, the exit status of a failed check."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from snapctl.activation.launch import LaunchOptions
+from snapctl.cli import exit_status_for
+from snapctl.criu import CriuBinary
+from snapctl.errors import ExitStatus
+from snapctl.qualification import checks
+from snapctl.qualification.report import (
+    Report,
+    environment,
+    render_table,
+    render_timings,
+    write_report,
+)
+from snapctl.qualification.runs import RunResult, Timings
+from snapctl.qualification.suite import (
+    RUN_ORDER,
+    QualificationError,
+    QualificationFailed,
+    api_key,
+    parse_runs,
+    require_passed,
+)
+from tests.qualification.factories import make_audit, make_observation
+
+CRIU = CriuBinary(path=Path("/opt/snapctl/criu/bin/criu"), version="4.2.1", source="prefix")
+
+
+def make_report(*failing: str) -> Report:
+    """A report of a donor and a copy; the named checks of copy-1 fail."""
+    runs = []
+    for name, kind in (("donor", "donor"), ("copy-1", "copy")):
+        found = [
+            checks.passed("run completed", "every step ran"),
+            checks.skipped("parameter digests = model file", "skipped (endpoint absent)"),
+        ]
+        found += [
+            checks.failed(check, f"{check} differs | here") for check in failing if name == "copy-1"
+        ]
+        run = RunResult(
+            name=name, kind=kind, activation_ids=[f"{kind}-abc"], checks=found,
+            timings=Timings(restore_s=0.25, shutdown_s=0.1), wall_s=1.5,
+            cleanup=make_audit(), observation=make_observation(),
+        )  # fmt: skip
+        runs.append(run)
+    env = environment(CRIU, "none", Path("/img"), "f" * 32, ["python", "-m", "fixtures"], True)
+    return Report(created="2026-01-01T00:00:00+00:00", environment=env, runs=runs, wall_s=3.0)
+
+
+def test_report_json_round_trips_and_markdown_names_failures(tmp_path: Path) -> None:
+    report = make_report("prompts match reference")
+
+    json_path, md_path = write_report(report, tmp_path / "out")
+
+    assert Report.model_validate_json(json_path.read_text()) == report
+    text = md_path.read_text()
+    assert "**FAILED**: 2 checks passed, 1 failed, 2 skipped" in text
+    row = "| copy-1 | prompts match reference | **failed** | prompts match reference differs \\|"
+    assert row in text
+    assert "| criu_version | `4.2.1` |" in text and "| restore | 250.0 ms | 250.0 ms |" in text
+    assert "- copy-1: prompts match reference: prompts match reference differs" in text
+    assert not report.passed and make_report().passed
+
+
+def test_table_shows_each_check_with_its_evidence_verbatim() -> None:
+    report = make_report("image unchanged")
+    report.runs[1].checks.append(checks.passed("no public listener", "[note] kept as text"))
+    console = Console(file=io.StringIO(), width=200)
+
+    console.print(render_table(report))
+    console.print(render_timings(report))
+
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "qualification FAILED: 3 passed, 1 failed, 2 skipped" in out
+    assert "image unchanged differs" in out and "[note] kept as text" in out
+    assert "restore 250.0 ms · shutdown 100.0 ms · run 1.50 s" in out
+
+
+def test_require_passed_names_the_first_failure_and_maps_to_verify_failed() -> None:
+    require_passed(make_report())
+
+    with pytest.raises(QualificationFailed) as info:
+        require_passed(make_report("auth", "image unchanged"))
+
+    assert str(info.value) == (
+        "qualification failed: copy-1: auth: auth differs | here (and 1 more)"
+    )
+    assert exit_status_for(info.value) is ExitStatus.VERIFY_FAILED
+
+
+def test_run_names_keep_the_fixed_order() -> None:
+    assert parse_runs("stale,copy-2,donor") == ("donor", "copy-2", "stale")
+    assert parse_runs(",".join(reversed(RUN_ORDER))) == RUN_ORDER
+    with pytest.raises(QualificationError, match="unknown run 'copy-3'"):
+        parse_runs("donor,copy-3")
+    with pytest.raises(QualificationError, match="no run named"):
+        parse_runs(" , ")
+
+
+def test_api_key_is_generated_only_when_none_is_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("SNAPCTL_API_KEY", raising=False)
+    options = LaunchOptions()
+    with api_key(options):
+        generated = options.api_key
+        assert options.api_key_env == "SNAPCTL_API_KEY" and generated and len(generated) >= 24
+    assert "SNAPCTL_API_KEY" not in os.environ
+
+    monkeypatch.setenv("MY_KEY", "given")
+    options = LaunchOptions(api_key_env="MY_KEY")
+    with api_key(options):
+        assert options.api_key == "given"
+    assert os.environ["MY_KEY"] == "given"
