@@ -8,14 +8,28 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from snapctl.activation.supervise import collect_orphans, stop_recorded
+from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, get
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """The state dir of the CLI runs; whatever a failed test left running is stopped after."""
+    path = tmp_path / "state"
+    yield path
+    records = StateDir(path)
+    for record in records.load_records():
+        stop_recorded(record, records)
+    collect_orphans(records)
 
 
 def snapctl(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -31,8 +45,10 @@ def ok(result: subprocess.CompletedProcess[str]) -> str:
     return result.stdout
 
 
-def test_count_detach_copies_stop_one_at_a_time(tmp_path: Path, criu_binary: object) -> None:
-    state, image = tmp_path / "state", tmp_path / "image"
+def test_count_detach_copies_stop_one_at_a_time(
+    tmp_path: Path, state: Path, criu_binary: object
+) -> None:
+    image = tmp_path / "image"
     key = ("--api-key-env", API_KEY_ENV)
     donor = json.loads(ok(snapctl(state, "donor", "--image", str(image), "--name", "d", *key,
                                   "--detach", "--json")))  # fmt: skip
@@ -64,9 +80,9 @@ def test_count_detach_copies_stop_one_at_a_time(tmp_path: Path, criu_binary: obj
     assert not alive, "the supervisor exits once its copies are stopped"
 
 
-def test_count_failure_stops_every_copy(tmp_path: Path, criu_binary: object) -> None:
+def test_count_failure_stops_every_copy(tmp_path: Path, state: Path, criu_binary: object) -> None:
     """A copy that cannot serve (no API key for the probe) fails the whole --count, cleanly."""
-    state, image = tmp_path / "state", tmp_path / "image"
+    image = tmp_path / "image"
     ok(snapctl(state, "donor", "--image", str(image), "--name", "d",
                "--api-key-env", API_KEY_ENV, "--detach", "--json"))  # fmt: skip
     ok(snapctl(state, "stop", "d"))
@@ -78,9 +94,9 @@ def test_count_failure_stops_every_copy(tmp_path: Path, criu_binary: object) -> 
 
 
 def test_gc_cleans_up_after_a_killed_snapctl_and_spares_live_ones(
-    tmp_path: Path, criu_binary: object
+    tmp_path: Path, state: Path, criu_binary: object
 ) -> None:
-    state, image = tmp_path / "state", tmp_path / "image"
+    image = tmp_path / "image"
     key = ("--api-key-env", API_KEY_ENV)
     ok(snapctl(state, "donor", "--image", str(image), "--name", "d", *key, "--detach", "--json"))
     ok(snapctl(state, "stop", "d"))
