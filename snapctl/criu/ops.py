@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import select
 import shlex
+import signal
+import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
+
 from snapctl.criu.locate import CriuBinary
-from snapctl.criu.run import CriuResult, run_criu
+from snapctl.criu.run import CriuError, CriuResult, log_tail, run_criu, spawn_criu
 
 # Options shared by dump and restore: the tree's loopback TCP connection (a TCPStore-like
 # peer) and Unix sockets, glibc named semaphores (link remaps), file locks; no iptables
@@ -70,10 +77,92 @@ def restore_tree(
     external_dirs: Mapping[str, Path],
     timeout_s: float,
     env: Mapping[str, str] | None = None,
+    lazy: bool = False,
 ) -> CriuResult:
-    """``criu restore`` detached into new namespaces; the image directory is only read."""
+    """``criu restore`` detached into new namespaces; the image directory is only read.
+
+    With ``lazy``, private anonymous memory is left to the lazy-pages daemon already listening
+    in ``work_dir`` (see :func:`start_lazy_pages_daemon`): the tree runs as soon as CRIU returns.
+    """
     args = ["--work-dir", str(work_dir), "--restore-detached", "--root", "/"]
     args += ["--pidfile", str(pidfile), *TREE_OPTIONS]
+    if lazy:
+        args.append("--lazy-pages")
     for key, directory in external_dirs.items():
         args += ["--external", f"mnt[{key}]:{directory}"]
     return run_criu(criu, "restore", images_dir, log_path, args, timeout_s=timeout_s, env=env)
+
+
+class LazyPagesDaemon:
+    """A ``criu lazy-pages`` process, our own child, serving one restore's page faults and then
+    pushing the remaining pages; it exits 0 once every page was copied into the tree."""
+
+    def __init__(self, process: subprocess.Popen[bytes], log_path: Path) -> None:
+        self.process = process
+        self.log_path = log_path
+        self.pid = process.pid
+        self.start_time = psutil.Process(process.pid).create_time()
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        """The exit status (negative: killed by that signal), or None at the deadline."""
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL and reap: once its tree is gone the daemon holds nothing worth a grace."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def describe_exit(self, status: int) -> str:
+        if status < 0:
+            return f"killed by {signal.Signals(-status).name}"
+        return f"exited with status {status}"
+
+
+def start_lazy_pages_daemon(
+    criu: CriuBinary,
+    images_dir: Path,
+    work_dir: Path,
+    log_path: Path,
+    *,
+    timeout_s: float,
+) -> LazyPagesDaemon:
+    """Start ``criu lazy-pages`` for one restore and return once it listens.
+
+    The daemon and ``criu restore --lazy-pages`` meet at ``lazy-pages.socket`` in their shared
+    work dir (CRIU binds the relative name after ``chdir`` to ``-W``), so every restore needs
+    its own work dir: two daemons on one work dir both report success while one of them took
+    the other's socket. ``--status-fd`` tells us when the socket is bound; the daemon runs in
+    the foreground as our child so that its exit status is ours to read.
+    """
+    read_fd, write_fd = os.pipe()
+    try:
+        args = ["--work-dir", str(work_dir), "--status-fd", str(write_fd)]
+        process = spawn_criu(criu, "lazy-pages", images_dir, log_path, args, pass_fds=[write_fd])
+    finally:
+        os.close(write_fd)
+    daemon = LazyPagesDaemon(process, log_path)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CriuError("lazy-pages", None, log_path, log_tail(log_path))
+            if select.select([read_fd], [], [], left)[0]:
+                break
+        if os.read(read_fd, 1) != b"\0":
+            # The pipe closed without the ready byte: the daemon failed to start.
+            status = daemon.wait(timeout_s)
+            raise CriuError("lazy-pages", status, log_path, log_tail(log_path))
+    except BaseException:
+        daemon.kill()
+        raise
+    finally:
+        os.close(read_fd)
+    return daemon

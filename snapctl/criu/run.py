@@ -53,6 +53,52 @@ def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join([*(e for e in errors if e not in tail), *tail])
 
 
+def criu_argv(
+    criu: CriuBinary, action: str, images_dir: Path, log_path: Path, args: Sequence[str]
+) -> tuple[str, ...]:
+    """The full argv of ``criu ACTION``, also written to ``<log>.argv`` beside the log."""
+    argv = (
+        str(criu.path),
+        action,
+        "--images-dir",
+        str(images_dir),
+        "--log-file",
+        str(log_path),
+        *COMMON_OPTIONS,
+        *args,
+    )
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The exact argv beside the log makes every run reproducible by hand.
+    log_path.with_suffix(".argv").write_text(shlex.join(argv) + "\n")
+    return argv
+
+
+def spawn_criu(
+    criu: CriuBinary,
+    action: str,
+    images_dir: Path,
+    log_path: Path,
+    args: Sequence[str] = (),
+    *,
+    pass_fds: Sequence[int] = (),
+) -> subprocess.Popen[bytes]:
+    """Start a long-running ``criu ACTION`` (a service such as ``lazy-pages``) as our child.
+
+    Its own stdout/stderr (rarely more than a line) go to ``<log>.out``; it gets a session of
+    its own so a terminal's Ctrl-C reaches snapctl, which stops it in order, and not CRIU.
+    """
+    argv = criu_argv(criu, action, images_dir, log_path, args)
+    with log_path.with_suffix(".out").open("ab") as out:
+        return subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=tuple(pass_fds),
+            start_new_session=True,
+        )
+
+
 def run_criu(
     criu: CriuBinary,
     action: str,
@@ -67,19 +113,7 @@ def run_criu(
     """Run ``criu ACTION`` to completion; raise :class:`CriuError` unless it succeeds."""
     if not (timeout_s > 0 and timeout_s < float("inf")):
         raise ValueError("timeout_s must be positive and finite")
-    argv = (
-        str(criu.path),
-        action,
-        "--images-dir",
-        str(images_dir),
-        "--log-file",
-        str(log_path),
-        *COMMON_OPTIONS,
-        *args,
-    )
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    # The exact argv beside the log makes every run reproducible by hand.
-    log_path.with_suffix(".argv").write_text(shlex.join(argv) + "\n")
+    argv = criu_argv(criu, action, images_dir, log_path, args)
     started = time.monotonic()
     # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt here waits for
     # CRIU to finish: killed half-way, it leaves a frozen tree or an unknown restored one.
