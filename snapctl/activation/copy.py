@@ -14,12 +14,14 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.activation.donor import ActivationReport, activate_and_probe, new_session
 from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
+from snapctl.activation.lazy import LazyTransfer
 from snapctl.activation.native import NativeStep, tree_pids
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, read_restore_stats
-from snapctl.criu.ops import restore_tree
+from snapctl.criu.ops import restore_tree, start_lazy_pages_daemon
 from snapctl.errors import SnapctlError
-from snapctl.images import stage_shm_copy, verify_image
+from snapctl.images import ImageError, Manifest, stage_shm_copy, verify_image
+from snapctl.images.lock import hold_image
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, become_subreaper
 from snapctl.supervision.state import StateDir
 
@@ -49,65 +51,57 @@ def start_copy(
     state: StateDir,
     progress: Progress,
     before_activation: Callable[[Session], None] | None = None,
+    lazy: bool = False,
 ) -> tuple[Session, ActivationReport]:
     """Restore one copy and activate it; on failure stop and clean up, then raise.
 
     ``before_activation`` runs between the restore and activation.json (qualification uses it
     to inject a fault into this activation only); whatever it raises fails the copy.
+
+    With ``lazy`` the copy serves while its memory still arrives (``session.lazy`` watches the
+    transfer; the report's ``pages_complete`` says whether it had finished by then). The image
+    is held shared from before its verification until the copy no longer reads it.
     """
     state.ensure()
     timings: dict[str, float] = {}
     image = image.absolute()
-    progress("verifying the image")
-    started = time.monotonic()
-    manifest = verify_image(image, cache_dir=state.verified)
-    timings["verify"] = time.monotonic() - started
-    progress("checking this host against the image's identity")
-    started = time.monotonic()
-    waived = check_identity(
-        manifest, image, criu_version=criu.version, options=options, state=state
-    )
-    timings["identity"] = time.monotonic() - started
-    if waived:
-        progress("waived: " + "; ".join(f"{d.field}: {d.detail}" for d in waived))
-    if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
-        raise RestoreError(
-            f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
-            phase="verify",
+    # Shared: another copy may read it too, but no rm/replace while we depend on it.
+    try:
+        hold = hold_image(image)
+    except (FileNotFoundError, NotADirectoryError) as error:
+        message = f"{image} is not a published image ({error.strerror})"
+        raise ImageError(message, path=image) from error
+    try:
+        progress("verifying the image")
+        started = time.monotonic()
+        manifest = verify_image(image, cache_dir=state.verified)
+        timings["verify"] = time.monotonic() - started
+        progress("checking this host against the image's identity")
+        started = time.monotonic()
+        waived = check_identity(
+            manifest, image, criu_version=criu.version, options=options, state=state
         )
-    # Restored trees are reparented to the nearest subreaper: let that be us.
-    become_subreaper()
-    session = new_session(state, "copy", options.name)
+        timings["identity"] = time.monotonic() - started
+        if waived:
+            progress("waived: " + "; ".join(f"{d.field}: {d.detail}" for d in waived))
+        if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
+            raise RestoreError(
+                f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
+                phase="verify",
+            )
+        # Restored trees are reparented to the nearest subreaper: let that be us.
+        become_subreaper()
+        session = new_session(state, "copy", options.name)
+    except BaseException:
+        hold.release()
+        raise
     session.image = image
+    session.image_hold = hold
     session.host, session.port = options.host, options.port
     pidfile = session.dirs.work / "root.pid"
     try:
-        progress("staging the copy's directories")
-        started = time.monotonic()
-        stage_shm_copy(image / "shm", session.dirs.shm)
-        timings["stage"] = time.monotonic() - started
-        progress("restoring with CRIU")
-        started = time.monotonic()
-        try:
-            restore_tree(
-                criu,
-                image / "criu",
-                session.dirs.work,
-                session.dirs.logs / "restore.log",
-                pidfile,
-                external_dirs={k: session.dirs.host_dir_for(k) for k in manifest.external_mounts},
-                timeout_s=options.timeout_s,
-            )
-        except SnapctlError as error:
-            raise RestoreError(
-                f"criu restore failed: {error}",
-                phase="restore",
-                path=session.dirs.logs / "restore.log",
-                log_tail=getattr(error, "tail", None),
-            ) from error
-        timings["restore"] = time.monotonic() - started
-        session.root = PinnedProcess(int(pidfile.read_text().strip()))
-        session.remember_tree()
+        _restore(session, image, manifest, criu, options, timings, progress, lazy=lazy)
+        assert session.root is not None
         native.after_restore(tree_pids(session.root.pid), options.timeout_s)
         if before_activation is not None:
             before_activation(session)
@@ -118,27 +112,9 @@ def start_copy(
             if error.log_tail is None:
                 error.log_tail = log_tail(session.dirs.server_log)
             raise
-        stats = read_restore_stats(session.dirs.work)
-        report = ActivationReport(
-            name=session.name,
-            kind="copy",
-            image=str(image),
-            image_id=manifest.image_id,
-            activation_id=session.activation_id,
-            root_pid=session.root.pid,
-            pids=tree_pids(session.root.pid),
-            host=options.host,
-            port=options.port,
-            published=None
-            if session.publisher is None
-            else "{}:{}".format(*session.publisher.address),
-            logs=str(session.dirs.logs),
-            timings_s={k: round(v, 6) for k, v in timings.items()},
-            image_bytes=manifest.total_bytes,
-            restore_stats=stats.model_dump(),
-            handshake_phases=phases,
-        )
-        return session, report
+        if session.failure is not None:
+            raise RestoreError(session.failure, phase="lazy-pages")
+        return session, _report(session, image, manifest, options, timings, phases)
     except BaseException as error:
         if session.root is None and pidfile.exists():
             # Interrupted after CRIU restored the tree but before we pinned it.
@@ -146,9 +122,126 @@ def start_copy(
                 session.root = PinnedProcess(int(pidfile.read_text().strip()))
         _, audit = session.stop()
         if isinstance(error, SnapctlError):
+            if session.failure is not None and session.failure not in error.message:
+                # The daemon's death is the cause; what the activation saw is its symptom.
+                error.message = f"{session.failure}: {error.message}"
             error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
             error.args = (error.message,)
         raise
+
+
+def _restore(
+    session: Session,
+    image: Path,
+    manifest: Manifest,
+    criu: CriuBinary,
+    options: LaunchOptions,
+    timings: dict[str, float],
+    progress: Progress,
+    *,
+    lazy: bool,
+) -> None:
+    """Stage the copy's directories and restore its tree (pinned as ``session.root``).
+
+    Lazy: start the copy's own lazy-pages daemon on its own work dir first, restore with
+    ``--lazy-pages``, and leave the daemon to ``session.lazy``. Plain: every page is in place
+    when CRIU returns, so the image is let go at once.
+    """
+    pidfile = session.dirs.work / "root.pid"
+    progress("staging the copy's directories")
+    started = time.monotonic()
+    stage_shm_copy(image / "shm", session.dirs.shm)
+    timings["stage"] = time.monotonic() - started
+    daemon = None
+    if lazy:
+        progress("starting the lazy-pages daemon")
+        started = time.monotonic()
+        try:
+            daemon = start_lazy_pages_daemon(
+                criu, image / "criu", session.dirs.work, session.dirs.logs / "lazy-pages.log",
+                timeout_s=options.timeout_s,
+            )  # fmt: skip
+        except SnapctlError as error:
+            raise RestoreError(
+                f"criu lazy-pages failed to start: {error}",
+                phase="restore",
+                path=session.dirs.logs / "lazy-pages.log",
+                log_tail=getattr(error, "tail", None),
+            ) from error
+        timings["lazy_pages_start"] = time.monotonic() - started
+    progress("restoring with CRIU")
+    started = time.monotonic()
+    if daemon is not None:
+        # Watch from now on: a daemon that dies during the restore fails it too.
+        session.lazy = LazyTransfer(
+            daemon,
+            restore_started=started,
+            on_failure=session.kill_unsafe,
+            on_done=session.pages_done,
+        )
+    try:
+        restore_tree(
+            criu,
+            image / "criu",
+            session.dirs.work,
+            session.dirs.logs / "restore.log",
+            pidfile,
+            external_dirs={k: session.dirs.host_dir_for(k) for k in manifest.external_mounts},
+            timeout_s=options.timeout_s,
+            lazy=lazy,
+        )
+    except SnapctlError as error:
+        raise RestoreError(
+            f"criu restore failed: {error}",
+            phase="restore",
+            path=session.dirs.logs / "restore.log",
+            log_tail=getattr(error, "tail", None),
+        ) from error
+    timings["restore"] = time.monotonic() - started
+    session.root = PinnedProcess(int(pidfile.read_text().strip()))
+    session.remember_tree()
+    if session.lazy is None:
+        session.release_image()
+    elif session.lazy.status.state == "failed":
+        # It died before we could pin the tree, so its watcher had nothing to kill yet.
+        session.kill_unsafe(session.lazy.status.failure or "lazy-pages daemon failed")
+
+
+def _report(
+    session: Session,
+    image: Path,
+    manifest: Manifest,
+    options: LaunchOptions,
+    timings: dict[str, float],
+    phases: list[str],
+) -> ActivationReport:
+    assert session.root is not None
+    stats = read_restore_stats(session.dirs.work)
+    pages = session.pages
+    published = None
+    if session.publisher is not None:
+        published = "{}:{}".format(*session.publisher.address)
+    return ActivationReport(
+        name=session.name,
+        kind="copy",
+        image=str(image),
+        image_id=manifest.image_id,
+        activation_id=session.activation_id,
+        root_pid=session.root.pid,
+        pids=tree_pids(session.root.pid),
+        host=options.host,
+        port=options.port,
+        published=published,
+        logs=str(session.dirs.logs),
+        timings_s={k: round(v, 6) for k, v in timings.items()},
+        image_bytes=manifest.total_bytes,
+        restore_stats=stats.model_dump(),
+        handshake_phases=phases,
+        lazy=pages is not None,
+        pages_complete=None if pages is None else pages.state == "complete",
+        pages_complete_s=None if pages is None else pages.complete_s,
+        pages_complete_at=None if pages is None else pages.complete_at,
+    )
 
 
 def start_copies(
@@ -161,8 +254,10 @@ def start_copies(
     publish_base: tuple[str, int] | None,
     state: StateDir,
     progress_for: Callable[[str], Progress],
+    lazy: bool = False,
 ) -> list[tuple[Session, ActivationReport] | SnapctlError]:
-    """Restore ``count`` copies at once, each with its own name, directories and port.
+    """Restore ``count`` copies at once, each with its own name, directories and port (and,
+    with ``lazy``, its own lazy-pages daemon and work dir).
 
     ``progress_for(label)`` gives the progress callback of the copy labelled ``label``.
     """
@@ -178,7 +273,7 @@ def start_copies(
         try:
             return start_copy(
                 image, copy_options, criu=criu, native=native, publish=publish, state=state,
-                progress=progress_for(f"copy {index + 1}"),
+                progress=progress_for(f"copy {index + 1}"), lazy=lazy,
             )  # fmt: skip
         except SnapctlError as error:
             return error

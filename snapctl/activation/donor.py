@@ -66,6 +66,13 @@ class ActivationReport(BaseModel):
     dump_stats: DumpStats | None = None
     restore_stats: dict[str, int] | None = None
     handshake_phases: list[str] = []
+    # A lazy copy serves before its memory is all in place (see snapctl.activation.lazy).
+    # pages_complete: None when not lazy; False while the lazy-pages daemon still transfers;
+    # True once it exited 0, pages_complete_s after the restore started (at pages_complete_at).
+    lazy: bool = False
+    pages_complete: bool | None = None
+    pages_complete_s: float | None = None
+    pages_complete_at: str | None = None
 
 
 @dataclass

@@ -9,14 +9,17 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.activation.lazy import LazyTransfer, PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest
+from snapctl.images.lock import ImageHold
 from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
@@ -52,18 +55,40 @@ class CleanupAudit(BaseModel):
 HOST_SHM = Path("/dev/shm")
 
 
-def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
-    """SIGKILL every process that still sees this activation's tmpfs; return the survivors.
+def lazy_pages_daemons(work_dir: Path) -> list[int]:
+    """PIDs of ``criu lazy-pages`` processes serving the restore in ``work_dir``.
 
-    After a normal stop there are none (PID 1 of the namespace took them along); they appear
-    when a start was interrupted before the tree's root was pinned, e.g. while CRIU restored.
-    Membership is re-checked after pinning, so a reused PID is never signalled.
+    A lazy copy's daemon runs in the host's namespaces, so it does not see the activation's
+    tmpfs; its ``--work-dir`` (one per activation) names it instead.
     """
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        argv = process.info["cmdline"] or []
+        if "lazy-pages" in argv and "--work-dir" in argv:
+            index = argv.index("--work-dir") + 1
+            if index < len(argv) and argv[index] == str(work_dir):
+                found.append(process.pid)
+    return sorted(found)
+
+
+def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
+    """SIGKILL every process that still sees this activation's tmpfs, and its lazy-pages daemon
+    if one is left; return the survivors.
+
+    After a normal stop there are none (PID 1 of the namespace took them along, and the
+    session stopped its daemon); they appear when a start was interrupted before the tree's root
+    was pinned, e.g. while CRIU restored, or when snapctl itself was killed. Membership is
+    re-checked after pinning, so a reused PID is never signalled.
+    """
+
+    def members() -> list[int]:
+        return sorted({*dirs.processes(), *lazy_pages_daemons(dirs.work)})
+
     pinned: list[PinnedProcess] = []
-    for pid in dirs.processes():
+    for pid in members():
         with contextlib.suppress(ProcessGoneError):
             process = PinnedProcess(pid)
-            if pid in dirs.processes():
+            if pid in members():
                 process.signal(signal.SIGKILL)
                 pinned.append(process)
             else:
@@ -71,7 +96,7 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     for process in pinned:
         process.wait(timeout_s)
         process.close()
-    return dirs.processes()
+    return members()
 
 
 def _port_open(address: tuple[str, int]) -> bool:
@@ -98,6 +123,14 @@ class Session:
     host: str | None = None
     port: int = 8000
     stopped: bool = False
+    # A shared hold on the image while the copy still reads it: through the restore, and for a
+    # lazy copy until its pages are complete.
+    image_hold: ImageHold | None = None
+    lazy: LazyTransfer | None = None
+    # Why the activation was stopped behind the user's back (a lazy-pages daemon that died).
+    failure: str | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _record_saved: bool = field(default=False, repr=False)
 
     @property
     def control(self) -> ControlDir:
@@ -115,6 +148,30 @@ class Session:
             pids = [self.root.pid, *(child.pid for child in children)]
             self.tree_pids = sorted(set(self.tree_pids) | set(pids))
 
+    @property
+    def pages(self) -> PagesStatus | None:
+        """The lazy page transfer's status; None for a donor or a plain copy."""
+        return None if self.lazy is None else self.lazy.status
+
+    def release_image(self) -> None:
+        with self._lock:
+            if self.image_hold is not None:
+                self.image_hold.release()
+                self.image_hold = None
+
+    def kill_unsafe(self, reason: str) -> None:
+        """SIGKILL the tree now: it can no longer be trusted to run (see ``activation.lazy``)."""
+        with self._lock:
+            self.failure = self.failure or reason
+            if self.root is not None:
+                self.root.signal(signal.SIGKILL)
+
+    def pages_done(self, status: PagesStatus) -> None:
+        """The lazy transfer ended: let go of the image and record the outcome."""
+        self.release_image()
+        if status.state == "complete":
+            self._save_record_if_kept()
+
     def attach_network(self, publish: tuple[str, int] | None) -> None:
         assert self.root is not None
         self.connector = NetnsConnector(self.root.pid)
@@ -124,8 +181,19 @@ class Session:
             )
 
     def save_record(self) -> None:
+        with self._lock:
+            self._record_saved = True
+            self._write_record()
+
+    def _save_record_if_kept(self) -> None:
+        with self._lock:
+            if self._record_saved and not self.stopped:
+                self._write_record()
+
+    def _write_record(self) -> None:
         assert self.root is not None
         me = psutil.Process()
+        pages = self.pages
         published = None
         if self.publisher is not None:
             published = "{}:{}".format(*self.publisher.address)
@@ -145,6 +213,12 @@ class Session:
                 port=self.port,
                 published=published,
                 created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                lazy=self.lazy is not None,
+                lazy_pages_pid=None if self.lazy is None else self.lazy.daemon.pid,
+                lazy_pages_start_time=None if self.lazy is None else self.lazy.daemon.start_time,
+                pages_complete=None if pages is None else pages.state == "complete",
+                pages_complete_s=None if pages is None else pages.complete_s,
+                pages_complete_at=None if pages is None else pages.complete_at,
             )
         )
 
@@ -161,7 +235,14 @@ class Session:
         if self.root is not None:
             self.remember_tree()
             how = self.root.stop(stop_timeout_s)
-            self.root.close()
+            with self._lock:
+                self.root.close()
+        leftover_daemon: list[int] = []
+        if self.lazy is not None:
+            # Only after the tree: a daemon stopped first would leave it running on zero pages.
+            self.lazy.stop()
+            leftover_daemon = [self.lazy.daemon.pid] if self.lazy.daemon.poll() is None else []
+        self.release_image()
         if self.launcher is not None:
             try:
                 self.launcher.wait(timeout=stop_timeout_s)
@@ -170,12 +251,17 @@ class Session:
                 self.launcher.wait()
         shm_names = self._shm_names()
         # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
-        left = wait_gone(self.tree_pids, stop_timeout_s)
+        left = wait_gone(self.tree_pids, stop_timeout_s) + leftover_daemon
         left = sorted({*left, *end_stragglers(self.dirs, stop_timeout_s)})
         if not left and self.dirs.root.exists():
             self.dirs.remove()
-        self.state.drop_record(self.name)
-        self.stopped = True
+        with self._lock:
+            self.stopped = True
+            self.state.drop_record(self.name)
+        if self.failure is not None:
+            # The logs outlive the activation: say there why it was stopped.
+            with contextlib.suppress(OSError):
+                (self.dirs.logs / "failure.txt").write_text(self.failure + "\n")
         audit = CleanupAudit(
             processes=left,
             mounts=mounts.mounts_under(self.dirs.root) if self.dirs.root.exists() else [],

@@ -33,8 +33,8 @@ def run_all_until_stopped(
 ) -> list[tuple[str, CleanupAudit]]:
     """Serve until every tree exited, or SIGINT/SIGTERM arrives; then stop and audit each.
 
-    A tree that exits (or is stopped with ``snapctl stop``) is cleaned up at once, while the
-    others keep serving.
+    A tree that exits (or is stopped with ``snapctl stop``, or was killed as unsafe, see
+    ``Session.failure``) is cleaned up at once, while the others keep serving.
     """
     stop = threading.Event()
     results: dict[int, tuple[str, CleanupAudit]] = {}
@@ -99,6 +99,21 @@ def detach(start: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any] | None:
     return supervised, report
 
 
+def end_lazy_pages_daemon(record: ActivationRecord, timeout_s: float) -> list[int]:
+    """SIGKILL a lazy copy's daemon from its record (pinned by start time, after its tree);
+    return its PID if it survived."""
+    if record.lazy_pages_pid is None:
+        return []
+    with (
+        contextlib.suppress(ProcessGoneError),
+        PinnedProcess(record.lazy_pages_pid, record.lazy_pages_start_time) as daemon,
+    ):
+        daemon.signal(signal.SIGKILL)
+        if not daemon.wait(timeout_s):
+            return [daemon.pid]
+    return []
+
+
 def stop_recorded(
     record: ActivationRecord, state: StateDir, stop_timeout_s: float = 10.0
 ) -> tuple[str, CleanupAudit]:
@@ -127,10 +142,13 @@ def stop_recorded(
         if not others and not supervisor.wait(stop_timeout_s):
             supervisor.stop(stop_timeout_s)  # it supervised only this one and is stuck
         supervisor.close()
+    # Normally the supervisor stopped it; not if the supervisor itself was gone.
+    left = end_lazy_pages_daemon(record, stop_timeout_s)
     dirs = ActivationDirs(
         root=state.activations / record.activation_id, logs=state.logs / record.activation_id
     )
-    left = end_stragglers(dirs, stop_timeout_s) if dirs.root.exists() else []
+    if dirs.root.exists():
+        left += end_stragglers(dirs, stop_timeout_s)
     if dirs.root.exists() and not left:
         dirs.remove()
     state.drop_record(record.name)

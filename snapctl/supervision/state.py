@@ -36,6 +36,15 @@ class ActivationRecord(BaseModel):
     port: int
     published: str | None
     created: str
+    # A lazy copy: its lazy-pages daemon (stopped with the copy), and whether every page has
+    # arrived (None: not lazy; False: still transferring; True since pages_complete_at, which
+    # was pages_complete_s after the restore started).
+    lazy: bool = False
+    lazy_pages_pid: int | None = None
+    lazy_pages_start_time: float | None = None
+    pages_complete: bool | None = None
+    pages_complete_s: float | None = None
+    pages_complete_at: str | None = None
 
 
 class StateDir:

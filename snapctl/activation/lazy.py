@@ -1,0 +1,111 @@
+"""A lazy copy's background page transfer: watching its ``criu lazy-pages`` daemon until every
+page is copied, and failing the copy closed when the daemon dies first.
+
+A lazily restored tree runs before its memory is in place: the daemon serves page faults and
+pushes the rest in the background. If the daemon ends before it has copied every page, the
+tree's next touch of a missing page crashes it or, worse, reads a zero-filled page and goes on
+with wrong data. So the copy is complete only when the daemon exits 0, and any other end of the
+daemon stops the copy at once (SIGKILL to its PID 1, no grace that would run on bad memory).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.criu.ops import LazyPagesDaemon
+
+PagesState = Literal["transferring", "complete", "failed", "stopped"]
+
+
+class PagesStatus(BaseModel):
+    """Where a lazy copy's page transfer stands (``complete_s``: from the restore's start)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    state: PagesState
+    complete_s: float | None = None
+    complete_at: str | None = None
+    failure: str | None = None
+
+
+class LazyTransfer:
+    """Watches one lazy-pages daemon from a thread; reports its end through two callbacks.
+
+    ``on_failure(reason)`` runs first thing when the daemon ends in any way but exit 0 (and was
+    not stopped by us); ``on_done(status)`` runs after every end, failure included.
+    """
+
+    def __init__(
+        self,
+        daemon: LazyPagesDaemon,
+        *,
+        restore_started: float,
+        on_failure: Callable[[str], None],
+        on_done: Callable[[PagesStatus], None],
+    ) -> None:
+        self.daemon = daemon
+        self._restore_started = restore_started
+        self._on_failure = on_failure
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._status = PagesStatus(state="transferring")
+        self._finished = threading.Event()
+        self._thread = threading.Thread(
+            target=self._watch, name=f"lazy-pages-{daemon.pid}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def status(self) -> PagesStatus:
+        with self._lock:
+            return self._status
+
+    def _watch(self) -> None:
+        status = self.daemon.wait()
+        assert status is not None
+        with self._lock:
+            if self._stopping:
+                result = PagesStatus(state="stopped")
+            elif status == 0:
+                result = PagesStatus(
+                    state="complete",
+                    complete_s=round(time.monotonic() - self._restore_started, 6),
+                    complete_at=datetime.datetime.now(datetime.UTC).isoformat(
+                        timespec="milliseconds"
+                    ),
+                )
+            else:
+                reason = (
+                    f"lazy-pages daemon {self.daemon.describe_exit(status)} before every page "
+                    f"was copied; the copy was stopped (log: {self.daemon.log_path})"
+                )
+                result = PagesStatus(state="failed", failure=reason)
+            self._status = result
+        try:
+            if result.state == "failed":
+                assert result.failure is not None
+                self._on_failure(result.failure)
+            self._on_done(result)
+        finally:
+            self._finished.set()
+
+    def wait(self, timeout_s: float) -> PagesStatus:
+        """Wait until the transfer ended (or the deadline); return the status then."""
+        self._finished.wait(timeout_s)
+        return self.status
+
+    def stop(self) -> PagesStatus:
+        """Stop the daemon (the tree must already be stopping) and wait for the watcher."""
+        with self._lock:
+            self._stopping = self._status.state == "transferring"
+        self.daemon.kill()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        return self.status
