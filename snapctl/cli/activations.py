@@ -28,16 +28,25 @@ def ps(as_json: bool) -> None:
         return
     from rich.table import Table
 
-    table = Table("name", "kind", "root pid", "port", "published", "running", "image")
+    table = Table("name", "kind", "root pid", "port", "published", "running", "pages", "image")
     for row in rows:
         running = "yes" if row["running"] else "no"
         if row["running"] and not row["supervised"]:
             running = "yes, unsupervised (snapctl gc)"
         table.add_row(
             row["name"], row["kind"], str(row["root_pid"]), str(row["port"]),
-            row["published"] or "-", running, row["image"] or "-",
+            row["published"] or "-", running, _pages(row), row["image"] or "-",
         )  # fmt: skip
     stdout().print(table)
+
+
+def _pages(row: dict[str, object]) -> str:
+    """A lazy copy's memory: "transferring", or complete and how long after its restore."""
+    if row["pages_complete"] is None:
+        return "-"
+    if not row["pages_complete"]:
+        return "transferring"
+    return f"complete ({row['pages_complete_s']:.2f} s)"
 
 
 def _same_process(pid: int, start_time: float) -> bool:

@@ -34,10 +34,16 @@ from snapctl.cli.serving import Progress, serve
     "kernel, criu_version, cpu_vendor, cpu_flags, host_id, python_version, argv, env, "
     "identity. File contents cannot be waived.",
 )
+@click.option(
+    "--lazy",
+    is_flag=True,
+    help="Serve at once and let memory arrive on demand and in the background (CRIU lazy "
+    "pages); the image stays held until every page is in (see ps).",
+)
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], server_cmd: tuple[str, ...],
-         common: CommonOptions) -> None:  # fmt: skip
+def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool,
+         server_cmd: tuple[str, ...], common: CommonOptions) -> None:  # fmt: skip
     """Restore a copy of an image and serve it.
 
     Before CRIU runs, this host is checked against the image's identity (kernel, CRIU, CPU,
@@ -65,35 +71,36 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], server_cmd: t
     native = native_step(common.native)
 
     if count > 1:
-        serve_many(image, options, count, criu, native, common)
+        serve_many(image, options, count, criu, native, common, lazy=lazy)
         return
 
     def start(progress: Progress) -> tuple[Any, Any]:
         return start_copy(
             image, options, criu=criu, native=native, publish=common.publish,
-            state=StateDir(), progress=progress,
+            state=StateDir(), progress=progress, lazy=lazy,
         )  # fmt: skip
 
     serve(start, as_json=common.as_json, detach=common.detach)
 
 
 def serve_many(
-    image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions
-) -> None:
+    image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
+    *, lazy: bool = False,
+) -> None:  # fmt: skip
     """``--count N``: restore N copies at once, report each and the total, then supervise."""
     from snapctl.activation.supervise import detach, run_all_until_stopped
     from snapctl.cli.output import Steps, emit_json
     from snapctl.cli.serving import render_copies, start_interruptible, wait_and_stop
 
     if common.detach:
-        child = detach(lambda: start_many(image, options, count, criu, native, common, None))
+        child = detach(lambda: start_many(image, options, count, criu, native, common, None, lazy))
         assert child is not None
         sessions, _ = child
         run_all_until_stopped(sessions)
         return
     with Steps(quiet=common.as_json) as steps:
         sessions, report = start_interruptible(
-            lambda: start_many(image, options, count, criu, native, common, steps)
+            lambda: start_many(image, options, count, criu, native, common, steps, lazy)
         )
     if common.as_json:
         emit_json(report)
@@ -104,7 +111,7 @@ def serve_many(
 
 def start_many(
     image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
-    steps: Any,
+    steps: Any, lazy: bool = False,
 ) -> tuple[list[Any], Any]:  # fmt: skip
     """Start the copies; all or nothing: if one fails, the others are stopped too."""
     import time
@@ -118,6 +125,7 @@ def start_many(
         image, options, count, criu=criu, native=native, publish_base=common.publish,
         state=StateDir(),
         progress_for=(lambda label: lambda step: None) if steps is None else steps.lane,
+        lazy=lazy,
     )  # fmt: skip
     total_s = time.monotonic() - started
     sessions = [result[0] for result in results if isinstance(result, tuple)]

@@ -23,6 +23,9 @@ def render_report(report: Any) -> None:
     table.add_row("logs", report.logs)
     for phase, seconds in report.timings_s.items():
         table.add_row(f"time {phase}", f"{seconds * 1000:.1f} ms")
+    if report.lazy:
+        pages = "complete" if report.pages_complete else "transferring in the background"
+        table.add_row("pages (lazy)", pages)
     if report.dump_stats is not None:
         stats = report.dump_stats
         table.add_row("criu frozen", f"{stats.frozen_time_us / 1000:.1f} ms")
@@ -73,12 +76,40 @@ def wait_and_stop(sessions: list[Any], *, as_json: bool) -> None:
 
     if not as_json:
         stderr().print("serving; press Ctrl-C to stop", style="dim")
+        for session in sessions:
+            note_pages_complete(session)
     results = run_all_until_stopped(sessions)
     if not as_json:
         for session, (how, audit) in zip(sessions, results, strict=True):
-            style = "green" if audit.clean else "bold red"
+            style = "green" if audit.clean and not session.failure else "bold red"
             stderr().print(f"{session.name}: stopped ({how}); cleanup: {audit.describe()}",
                            style=style, markup=False)  # fmt: skip
+    raise_if_failed(sessions)
+
+
+def note_pages_complete(session: Any) -> None:
+    """For a lazy copy in the foreground: say on stderr when its last page arrived."""
+    import threading
+
+    if session.lazy is None:
+        return
+
+    def wait() -> None:
+        status = session.lazy.wait(float("inf"))
+        if status.state == "complete":
+            stderr().print(f"{session.name}: pages complete {status.complete_s:.3f} s after "
+                           "its restore", style="dim", markup=False)  # fmt: skip
+
+    threading.Thread(target=wait, name="pages-note", daemon=True).start()
+
+
+def raise_if_failed(sessions: list[Any]) -> None:
+    """An activation stopped as unsafe (a lazy copy whose daemon died) fails the command."""
+    from snapctl.errors import SnapctlError
+
+    for session in sessions:
+        if session.failure is not None:
+            raise SnapctlError(f"{session.name}: {session.failure}", phase="lazy-pages")
 
 
 def start_interruptible(start: Callable[[], Any]) -> Any:
