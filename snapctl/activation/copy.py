@@ -191,6 +191,10 @@ def _restore(
             lazy=lazy,
         )
     except SnapctlError as error:
+        if session.lazy is not None:
+            # Its daemon ends with the failed restore: a consequence, not the cause.
+            session.lazy.stop()
+            session.failure = None
         raise RestoreError(
             f"criu restore failed: {error}",
             phase="restore",
@@ -238,6 +242,7 @@ def _report(
         restore_stats=stats.model_dump(),
         handshake_phases=phases,
         lazy=pages is not None,
+        lazy_pages_pid=None if session.lazy is None else session.lazy.daemon.pid,
         pages_complete=None if pages is None else pages.state == "complete",
         pages_complete_s=None if pages is None else pages.complete_s,
         pages_complete_at=None if pages is None else pages.complete_at,

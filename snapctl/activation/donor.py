@@ -70,6 +70,7 @@ class ActivationReport(BaseModel):
     # pages_complete: None when not lazy; False while the lazy-pages daemon still transfers;
     # True once it exited 0, pages_complete_s after the restore started (at pages_complete_at).
     lazy: bool = False
+    lazy_pages_pid: int | None = None
     pages_complete: bool | None = None
     pages_complete_s: float | None = None
     pages_complete_at: str | None = None

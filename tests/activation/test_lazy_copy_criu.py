@@ -1,0 +1,293 @@
+"""Lazy copies with real CRIU: serving before the memory is in, completion, and failing closed.
+
+One donor image (with retained memory whose digest must survive) is shared by the module. To
+act "during the background transfer", tests pause the copy's lazy-pages daemon with SIGSTOP as
+soon as the copy serves. The daemon must serve the activation's page faults, so it cannot be
+paused earlier: with 1 GiB retained the transfer ends about 1 s after the restore and the copy
+serves after about 0.2 s, and a copy whose transfer still finished first is replaced (up to
+three tries) rather than tested on a completed transfer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from snapctl.activation.copy import RestoreError, start_copies, start_copy
+from snapctl.activation.donor import start_donor
+from snapctl.activation.launch import LaunchOptions, repo_root
+from snapctl.activation.native import NoNativeStep
+from snapctl.activation.session import Session
+from snapctl.activation.supervise import run_until_stopped
+from snapctl.criu import CriuBinary
+from snapctl.images.lock import ImageBusyError, hold_image
+from snapctl.supervision.state import StateDir
+from tests.conftest import _real_criu
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+PROMPT = "The capital of"
+RETAINED_MB = 1024
+ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Donor:
+    image: Path
+    state: StateDir
+    completion: tuple[list[float], str]
+    retained_sha256: str
+
+
+def get(published: str, path: str) -> dict[str, object]:
+    with urllib.request.urlopen(f"http://{published}{path}", timeout=60) as response:
+        assert response.status == 200
+        result: dict[str, object] = json.loads(response.read())
+        return result
+
+
+def complete(published: str) -> tuple[list[float], str]:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://{published}/v1", api_key="unused", max_retries=0)
+    result = client.completions.create(
+        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0,
+        logprobs=1,
+    )  # fmt: skip
+    choice = result.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs
+    return [round(x, 4) for x in choice.logprobs.token_logprobs if x is not None], choice.text
+
+
+def options() -> LaunchOptions:
+    return LaunchOptions(timeout_s=120, fixture_retained_mb=RETAINED_MB)
+
+
+@pytest.fixture(scope="module")
+def donor(tmp_path_factory: pytest.TempPathFactory) -> Donor:
+    criu, problem = _real_criu()
+    if criu is None:
+        pytest.skip(problem)
+    root = tmp_path_factory.mktemp("lazy")
+    state, image = StateDir(root / "state"), root / "image"
+    session, report, _ = start_donor(
+        options(), image=image, force=False, criu=criu, native=NoNativeStep(),
+        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
+    )  # fmt: skip
+    try:
+        assert report.published
+        digest = get(report.published, "/v1/debug/retained-digest")
+        assert digest["mb"] == RETAINED_MB
+        result = Donor(image, state, complete(report.published), str(digest["sha256"]))
+    finally:
+        stop_clean(session)
+    return result
+
+
+@pytest.fixture
+def running() -> Iterator[list[Session]]:
+    sessions: list[Session] = []
+    yield sessions
+    for session in sessions:
+        if not session.stopped:
+            session.stop(2.0)
+
+
+def stop_clean(session: Session, stop_timeout_s: float = 10.0) -> None:
+    how, audit = session.stop(stop_timeout_s)
+    assert audit.clean, audit.describe()
+    assert how in ("terminated", "killed", "exited")
+
+
+def lazy_copy(donor: Donor, criu: CriuBinary, running: list[Session]) -> Session:
+    session, report = start_copy(
+        donor.image, options(), criu=criu, native=NoNativeStep(), publish=("127.0.0.1", 0),
+        state=donor.state, progress=lambda step: None, lazy=True,
+    )  # fmt: skip
+    running.append(session)
+    assert report.lazy and report.pages_complete is not None and report.published
+    assert session.lazy is not None
+    return session
+
+
+def published(session: Session) -> str:
+    assert session.publisher is not None
+    return "{}:{}".format(*session.publisher.address)
+
+
+def paused_lazy_copy(donor: Donor, criu: CriuBinary, running: list[Session]) -> tuple[Session, int]:
+    """A lazy copy whose daemon is SIGSTOPped while the transfer still runs."""
+    for _ in range(ATTEMPTS):
+        session = lazy_copy(donor, criu, running)
+        assert session.lazy is not None
+        os.kill(session.lazy.daemon.pid, signal.SIGSTOP)
+        if session.lazy.status.state == "transferring":
+            return session, session.lazy.daemon.pid
+        os.kill(session.lazy.daemon.pid, signal.SIGCONT)
+        stop_clean(session)
+    pytest.fail(f"the transfer finished before the copy served, {ATTEMPTS} times")
+
+
+def record_of(session: Session) -> dict[str, object]:
+    (record,) = [r for r in session.state.load_records() if r.name == session.name]
+    return record.model_dump()
+
+
+def test_lazy_copy_serves_and_its_memory_equals_the_donors(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    session = lazy_copy(donor, criu_binary, running)
+    assert complete(published(session)) == donor.completion
+    assert session.lazy is not None
+    status = session.lazy.wait(120)
+    assert status.state == "complete" and status.complete_s is not None and status.complete_at
+    assert session.lazy.daemon.poll() == 0
+    record = record_of(session)
+    assert record["lazy"] and record["pages_complete"] is True
+    assert record["pages_complete_s"] == status.complete_s
+    assert get(published(session), "/v1/debug/retained-digest")["sha256"] == donor.retained_sha256
+    assert complete(published(session)) == donor.completion
+    # The image is free again once every page arrived, while the copy still serves.
+    hold_image(donor.image, exclusive=True).release()
+    stop_clean(session)
+
+
+def test_image_hold_blocks_an_exclusive_hold_until_pages_complete(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    session, daemon = paused_lazy_copy(donor, criu_binary, running)
+    with pytest.raises(ImageBusyError, match="in use"):
+        hold_image(donor.image, exclusive=True)
+    assert record_of(session)["pages_complete"] is False
+    os.kill(daemon, signal.SIGCONT)
+    assert session.lazy is not None and session.lazy.wait(120).state == "complete"
+    hold_image(donor.image, exclusive=True).release()
+    assert get(published(session), "/v1/debug/retained-digest")["sha256"] == donor.retained_sha256
+    stop_clean(session)
+
+
+def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    session, daemon = paused_lazy_copy(donor, criu_binary, running)
+    assert session.root is not None
+    tree = [session.root.pid, *(p.pid for p in psutil.Process(session.root.pid).children(True))]
+    os.kill(daemon, signal.SIGKILL)
+    # The supervision loop returns once the watcher has killed the tree, then cleans up.
+    how, audit = run_until_stopped(session)
+    assert how == "exited" and audit.clean, audit.describe()
+    assert session.failure is not None and "killed by SIGKILL" in session.failure
+    assert session.lazy is not None and session.lazy.status.state == "failed"
+    assert "before every page was copied" in (Path(session.dirs.logs) / "failure.txt").read_text()
+    assert not any(psutil.pid_exists(pid) for pid in [*tree, daemon])
+    assert session.state.load_records() == []
+    hold_image(donor.image, exclusive=True).release()
+
+
+def test_stop_during_the_background_transfer_is_clean(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    session, daemon = paused_lazy_copy(donor, criu_binary, running)
+    # The paused daemon cannot serve the faults of a graceful shutdown: expect the SIGKILL.
+    stop_clean(session, stop_timeout_s=1.0)
+    assert session.lazy is not None and session.lazy.status.state == "stopped"
+    assert session.failure is None
+    assert not psutil.pid_exists(daemon)
+    assert not session.dirs.root.exists()
+    hold_image(donor.image, exclusive=True).release()
+
+
+def test_failed_lazy_restore_leaves_nothing(
+    donor: Donor, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRIU_FAULT", "4")  # opening a link remap fails on restore
+    with pytest.raises(RestoreError, match="criu restore failed") as info:
+        start_copy(
+            donor.image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
+            state=donor.state, progress=lambda step: None, lazy=True,
+        )  # fmt: skip
+    assert "cleanup: clean" in str(info.value) and "lazy-pages daemon" not in str(info.value)
+    assert list(donor.state.activations.iterdir()) == []
+    assert not [p for p in psutil.process_iter(["cmdline"]) if is_our_daemon(p, donor.image)]
+    hold_image(donor.image, exclusive=True).release()
+
+
+def is_our_daemon(process: psutil.Process, image: Path) -> bool:
+    cmdline = process.info["cmdline"] or []
+    return "lazy-pages" in cmdline and str(image / "criu") in cmdline
+
+
+def test_two_concurrent_lazy_copies_each_complete(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    results = start_copies(
+        donor.image, options(), 2, criu=criu_binary, native=NoNativeStep(),
+        publish_base=("127.0.0.1", 0), state=donor.state, progress=lambda step: None, lazy=True,
+    )  # fmt: skip
+    sessions = [r[0] for r in results if isinstance(r, tuple)]
+    running.extend(sessions)
+    assert len(sessions) == 2, [str(r) for r in results if not isinstance(r, tuple)]
+    daemons = {s.lazy.daemon.pid for s in sessions if s.lazy is not None}
+    assert len(daemons) == 2 and sessions[0].dirs.work != sessions[1].dirs.work
+    for session in sessions:
+        assert complete(published(session)) == donor.completion
+    for session in sessions:
+        assert session.lazy is not None and session.lazy.wait(120).state == "complete"
+        digest = get(published(session), "/v1/debug/retained-digest")["sha256"]
+        assert digest == donor.retained_sha256
+    for session in sessions:
+        stop_clean(session)
+
+
+def snapctl(state: StateDir, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state.root), "PYTHONPATH": str(repo_root())}
+    return subprocess.run(
+        [sys.executable, "-m", "snapctl", *args], env=env, capture_output=True, text=True,
+        timeout=120, check=check,
+    )  # fmt: skip
+
+
+def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
+    donor: Donor, criu_binary: CriuBinary
+) -> None:
+    for _ in range(ATTEMPTS):
+        started = snapctl(
+            donor.state, "copy", "--image", str(donor.image), "--lazy", "--detach", "--json",
+            "--name", "lazy-cli", "--publish", "0",
+        )  # fmt: skip
+        report = json.loads(started.stdout)
+        assert report["lazy"] is True and report["pages_complete"] is not None
+        daemon = report["lazy_pages_pid"]
+        os.kill(daemon, signal.SIGSTOP)
+        (row,) = json.loads(snapctl(donor.state, "ps", "--json").stdout)
+        assert row["name"] == "lazy-cli" and row["lazy"] and row["running"]
+        assert row["lazy_pages_pid"] == daemon
+        if row["pages_complete"] is False:
+            break
+        os.kill(daemon, signal.SIGCONT)
+        snapctl(donor.state, "stop", "lazy-cli")
+    else:
+        pytest.fail(f"the transfer finished before the copy served, {ATTEMPTS} times")
+    with pytest.raises(ImageBusyError):
+        hold_image(donor.image, exclusive=True)
+    stopped = snapctl(donor.state, "stop", "lazy-cli", "--timeout", "1", "--json")
+    assert json.loads(stopped.stdout)["audit"] == {
+        "processes": [],
+        "mounts": [],
+        "directories": [],
+        "listeners": [],
+    }
+    assert not psutil.pid_exists(daemon)
+    assert json.loads(snapctl(donor.state, "ps", "--json").stdout) == []
+    assert not (donor.state.activations / report["activation_id"]).exists()
+    hold_image(donor.image, exclusive=True).release()
