@@ -1,0 +1,133 @@
+"""start_lazy_pages_daemon and LazyTransfer against a fake ``criu lazy-pages``: readiness through
+--status-fd, a daemon that fails or stalls before it listens, and the watcher's three outcomes."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from snapctl.activation.lazy import LazyTransfer, PagesStatus
+from snapctl.criu import CriuBinary, CriuError
+from snapctl.criu.ops import LazyPagesDaemon, start_lazy_pages_daemon
+
+# A fake criu: records its argv, then as FAKE_MODE says: "ready" writes the status byte to the
+# --status-fd descriptor and exits FAKE_EXIT after FAKE_SLEEP seconds; "fail" exits 1 at once;
+# "hang" never becomes ready.
+FAKE_CRIU = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_DIR/argv"
+prev=
+for arg in "$@"; do
+    [ "$prev" = --status-fd ] && fd=$arg
+    [ "$prev" = --log-file ] && log=$arg
+    prev=$arg
+done
+echo "(00.000001) Version: 4.2.1" > "$log"
+case "$FAKE_MODE" in
+    ready) printf '\\0' >&"$fd"; exec {fd}>&-; sleep "$FAKE_SLEEP"; exit "$FAKE_EXIT" ;;
+    fail) echo "(00.000050) Error (criu/uffd.c:1): no pstree" >> "$log"; exit 1 ;;
+    hang) exec sleep 30 ;;
+esac
+"""
+
+
+@pytest.fixture
+def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CriuBinary:
+    path = tmp_path / "criu"
+    path.write_text(FAKE_CRIU)
+    path.chmod(0o755)
+    monkeypatch.setenv("FAKE_DIR", str(tmp_path))
+    monkeypatch.setenv("FAKE_SLEEP", "30")
+    monkeypatch.setenv("FAKE_EXIT", "0")
+    return CriuBinary(path=path, version="4.2.1", source="option")
+
+
+def start(fake: CriuBinary, tmp_path: Path, timeout_s: float = 10) -> LazyPagesDaemon:
+    return start_lazy_pages_daemon(
+        fake, tmp_path / "img", tmp_path / "work", tmp_path / "logs" / "lazy-pages.log",
+        timeout_s=timeout_s,
+    )  # fmt: skip
+
+
+def test_ready_daemon_runs_on_its_own_work_dir(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    daemon = start(fake, tmp_path)
+    try:
+        assert daemon.poll() is None
+        argv = (tmp_path / "argv").read_text().splitlines()
+        assert argv[0] == "lazy-pages" and argv[argv.index("--work-dir") + 1] == str(
+            tmp_path / "work"
+        )
+        assert (tmp_path / "logs" / "lazy-pages.argv").exists()
+    finally:
+        daemon.kill()
+    assert daemon.poll() == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(("mode", "match"), [("fail", "exited with status 1"), ("hang", "timed")])
+def test_daemon_that_never_listens_is_an_error_and_is_gone(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, match: str
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", mode)
+    with pytest.raises(CriuError, match=match) as info:
+        start(fake, tmp_path, timeout_s=1.0)
+    assert info.value.action == "lazy-pages"
+    if mode == "fail":
+        assert "no pstree" in info.value.tail
+
+
+def watch(daemon: LazyPagesDaemon) -> tuple[LazyTransfer, list[str], list[PagesStatus]]:
+    failures: list[str] = []
+    done: list[PagesStatus] = []
+    transfer = LazyTransfer(
+        daemon, restore_started=time.monotonic(), on_failure=failures.append,
+        on_done=done.append,
+    )  # fmt: skip
+    return transfer, failures, done
+
+
+def test_exit_0_is_complete(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    monkeypatch.setenv("FAKE_SLEEP", "0.2")
+    transfer, failures, done = watch(start(fake, tmp_path))
+    status = transfer.wait(10)
+    assert status.state == "complete" and status.complete_s is not None and status.complete_at
+    assert status.complete_s >= 0.2
+    assert failures == [] and done == [status]
+
+
+@pytest.mark.parametrize(("how", "says"), [("kill", "killed by SIGKILL"), ("exit", "status 3")])
+def test_any_other_end_is_a_failure_reported_first(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str, says: str
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    if how == "exit":
+        monkeypatch.setenv("FAKE_SLEEP", "0")
+        monkeypatch.setenv("FAKE_EXIT", "3")
+    daemon = start(fake, tmp_path)
+    transfer, failures, done = watch(daemon)
+    if how == "kill":
+        daemon.process.send_signal(signal.SIGKILL)
+    status = transfer.wait(10)
+    assert status.state == "failed" and status.failure is not None and says in status.failure
+    assert failures == [status.failure] and done == [status]
+
+
+def test_stop_is_not_a_failure(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    daemon = start(fake, tmp_path)
+    transfer, failures, done = watch(daemon)
+    assert transfer.status.state == "transferring"
+    status = transfer.stop()
+    assert status.state == "stopped" and failures == [] and done == [status]
+    assert daemon.poll() is not None
+    assert not [t for t in threading.enumerate() if t.name == f"lazy-pages-{daemon.pid}"]
