@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -125,15 +126,33 @@ def published(session: Session) -> str:
     return "{}:{}".format(*session.publisher.address)
 
 
+def pause(pid: int, image: Path) -> bool:
+    """SIGSTOP the lazy-pages daemon ``pid`` (of ``image``); False if it already finished."""
+    try:
+        daemon = psutil.Process(pid)
+        # The PID of a daemon that finished could already name another process.
+        if "lazy-pages" not in daemon.cmdline() or str(image / "criu") not in daemon.cmdline():
+            return False
+        daemon.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while daemon.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
+            assert time.monotonic() < deadline, "SIGSTOP was not delivered"
+            time.sleep(0.005)
+        # A zombie exited before the signal: its transfer is over.
+        return daemon.status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
+
+
 def paused_lazy_copy(donor: Donor, criu: CriuBinary, running: list[Session]) -> tuple[Session, int]:
     """A lazy copy whose daemon is SIGSTOPped while the transfer still runs."""
     for _ in range(ATTEMPTS):
         session = lazy_copy(donor, criu, running)
         assert session.lazy is not None
-        os.kill(session.lazy.daemon.pid, signal.SIGSTOP)
-        if session.lazy.status.state == "transferring":
-            return session, session.lazy.daemon.pid
-        os.kill(session.lazy.daemon.pid, signal.SIGCONT)
+        pid = session.lazy.daemon.pid
+        if pause(pid, donor.image):
+            assert session.lazy.status.state == "transferring"
+            return session, pid
         stop_clean(session)
     pytest.fail(f"the transfer finished before the copy served, {ATTEMPTS} times")
 
@@ -257,36 +276,40 @@ def snapctl(state: StateDir, *args: str, check: bool = True) -> subprocess.Compl
     )  # fmt: skip
 
 
+@pytest.fixture
+def detached(donor: Donor) -> Iterator[str]:
+    """The name of a detached copy, stopped after the test whatever happened."""
+    yield "lazy-cli"
+    if snapctl(donor.state, "ps", "--json").stdout.strip() != "[]":
+        snapctl(donor.state, "stop", "lazy-cli", "--timeout", "1", check=False)
+
+
 def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
-    donor: Donor, criu_binary: CriuBinary
+    donor: Donor, criu_binary: CriuBinary, detached: str
 ) -> None:
     for _ in range(ATTEMPTS):
         started = snapctl(
             donor.state, "copy", "--image", str(donor.image), "--lazy", "--detach", "--json",
-            "--name", "lazy-cli", "--publish", "0",
+            "--name", detached, "--publish", "0",
         )  # fmt: skip
         report = json.loads(started.stdout)
         assert report["lazy"] is True and report["pages_complete"] is not None
         daemon = report["lazy_pages_pid"]
-        os.kill(daemon, signal.SIGSTOP)
+        paused = pause(daemon, donor.image)
         (row,) = json.loads(snapctl(donor.state, "ps", "--json").stdout)
-        assert row["name"] == "lazy-cli" and row["lazy"] and row["running"]
+        assert row["name"] == detached and row["lazy"] and row["running"]
         assert row["lazy_pages_pid"] == daemon
-        if row["pages_complete"] is False:
+        if paused:
+            assert row["pages_complete"] is False
             break
-        os.kill(daemon, signal.SIGCONT)
-        snapctl(donor.state, "stop", "lazy-cli")
+        snapctl(donor.state, "stop", detached)
     else:
         pytest.fail(f"the transfer finished before the copy served, {ATTEMPTS} times")
     with pytest.raises(ImageBusyError):
         hold_image(donor.image, exclusive=True)
-    stopped = snapctl(donor.state, "stop", "lazy-cli", "--timeout", "1", "--json")
-    assert json.loads(stopped.stdout)["audit"] == {
-        "processes": [],
-        "mounts": [],
-        "directories": [],
-        "listeners": [],
-    }
+    stopped = snapctl(donor.state, "stop", detached, "--timeout", "1", "--json")
+    audit = json.loads(stopped.stdout)["audit"]
+    assert audit == {"processes": [], "mounts": [], "directories": [], "listeners": []}
     assert not psutil.pid_exists(daemon)
     assert json.loads(snapctl(donor.state, "ps", "--json").stdout) == []
     assert not (donor.state.activations / report["activation_id"]).exists()
