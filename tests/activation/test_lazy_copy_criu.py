@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,11 +32,11 @@ from snapctl.activation.supervise import run_until_stopped
 from snapctl.criu import CriuBinary
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import complete, get, leftovers
 from tests.conftest import _real_criu
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
-PROMPT = "The capital of"
 RETAINED_MB = 1024
 ATTEMPTS = 3
 
@@ -50,24 +49,10 @@ class Donor:
     retained_sha256: str
 
 
-def get(published: str, path: str) -> dict[str, object]:
-    with urllib.request.urlopen(f"http://{published}{path}", timeout=60) as response:
-        assert response.status == 200
-        result: dict[str, object] = json.loads(response.read())
-        return result
-
-
-def complete(published: str) -> tuple[list[float], str]:
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"http://{published}/v1", api_key="unused", max_retries=0)
-    result = client.completions.create(
-        model=client.models.list().data[0].id, prompt=PROMPT, max_tokens=8, temperature=0,
-        logprobs=1,
-    )  # fmt: skip
-    choice = result.choices[0]
-    assert choice.logprobs is not None and choice.logprobs.token_logprobs
-    return [round(x, 4) for x in choice.logprobs.token_logprobs if x is not None], choice.text
+def digest(published: str) -> object:
+    status, body = get(published, "/v1/debug/retained-digest")
+    assert status == 200, body
+    return body["sha256"]
 
 
 def options() -> LaunchOptions:
@@ -87,9 +72,9 @@ def donor(tmp_path_factory: pytest.TempPathFactory) -> Donor:
     )  # fmt: skip
     try:
         assert report.published
-        digest = get(report.published, "/v1/debug/retained-digest")
-        assert digest["mb"] == RETAINED_MB
-        result = Donor(image, state, complete(report.published), str(digest["sha256"]))
+        status, retained = get(report.published, "/v1/debug/retained-digest")
+        assert status == 200 and retained["mb"] == RETAINED_MB
+        result = Donor(image, state, complete(report.published), str(retained["sha256"]))
     finally:
         stop_clean(session)
     return result
@@ -174,7 +159,7 @@ def test_lazy_copy_serves_and_its_memory_equals_the_donors(
     record = record_of(session)
     assert record["lazy"] and record["pages_complete"] is True
     assert record["pages_complete_s"] == status.complete_s
-    assert get(published(session), "/v1/debug/retained-digest")["sha256"] == donor.retained_sha256
+    assert digest(published(session)) == donor.retained_sha256
     assert complete(published(session)) == donor.completion
     # The image is free again once every page arrived, while the copy still serves.
     hold_image(donor.image, exclusive=True).release()
@@ -191,7 +176,7 @@ def test_image_hold_blocks_an_exclusive_hold_until_pages_complete(
     os.kill(daemon, signal.SIGCONT)
     assert session.lazy is not None and session.lazy.wait(120).state == "complete"
     hold_image(donor.image, exclusive=True).release()
-    assert get(published(session), "/v1/debug/retained-digest")["sha256"] == donor.retained_sha256
+    assert digest(published(session)) == donor.retained_sha256
     stop_clean(session)
 
 
@@ -210,6 +195,7 @@ def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
     assert "before every page was copied" in (Path(session.dirs.logs) / "failure.txt").read_text()
     assert not any(psutil.pid_exists(pid) for pid in [*tree, daemon])
     assert session.state.load_records() == []
+    assert leftovers(donor.state, [session.activation_id]) == []
     hold_image(donor.image, exclusive=True).release()
 
 
@@ -222,7 +208,7 @@ def test_stop_during_the_background_transfer_is_clean(
     assert session.lazy is not None and session.lazy.status.state == "stopped"
     assert session.failure is None
     assert not psutil.pid_exists(daemon)
-    assert not session.dirs.root.exists()
+    assert leftovers(donor.state, [session.activation_id]) == []
     hold_image(donor.image, exclusive=True).release()
 
 
@@ -251,7 +237,8 @@ def test_two_concurrent_lazy_copies_each_complete(
 ) -> None:
     results = start_copies(
         donor.image, options(), 2, criu=criu_binary, native=NoNativeStep(),
-        publish_base=("127.0.0.1", 0), state=donor.state, progress=lambda step: None, lazy=True,
+        publish_base=("127.0.0.1", 0), state=donor.state,
+        progress_for=lambda label: lambda step: None, lazy=True,
     )  # fmt: skip
     sessions = [r[0] for r in results if isinstance(r, tuple)]
     running.extend(sessions)
@@ -262,8 +249,7 @@ def test_two_concurrent_lazy_copies_each_complete(
         assert complete(published(session)) == donor.completion
     for session in sessions:
         assert session.lazy is not None and session.lazy.wait(120).state == "complete"
-        digest = get(published(session), "/v1/debug/retained-digest")["sha256"]
-        assert digest == donor.retained_sha256
+        assert digest(published(session)) == donor.retained_sha256
     for session in sessions:
         stop_clean(session)
 
@@ -312,5 +298,5 @@ def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
     assert audit == {"processes": [], "mounts": [], "directories": [], "listeners": []}
     assert not psutil.pid_exists(daemon)
     assert json.loads(snapctl(donor.state, "ps", "--json").stdout) == []
-    assert not (donor.state.activations / report["activation_id"]).exists()
+    assert leftovers(donor.state, [report["activation_id"]]) == []
     hold_image(donor.image, exclusive=True).release()
