@@ -96,8 +96,8 @@ class LazyTransfer:
         finally:
             self._finished.set()
 
-    def wait(self, timeout_s: float) -> PagesStatus:
-        """Wait until the transfer ended (or the deadline); return the status then."""
+    def wait(self, timeout_s: float | None = None) -> PagesStatus:
+        """Wait until the transfer ended (or ``timeout_s``, if given); return the status then."""
         self._finished.wait(timeout_s)
         return self.status
 

@@ -95,7 +95,7 @@ def note_pages_complete(session: Any) -> None:
         return
 
     def wait() -> None:
-        status = session.lazy.wait(float("inf"))
+        status = session.lazy.wait()
         if status.state == "complete":
             stderr().print(f"{session.name}: pages complete {status.complete_s:.3f} s after "
                            "its restore", style="dim", markup=False)  # fmt: skip
