@@ -81,12 +81,14 @@ def test_daemon_that_never_listens_is_an_error_and_is_gone(
         assert "no pstree" in info.value.tail
 
 
-def watch(daemon: LazyPagesDaemon) -> tuple[LazyTransfer, list[str], list[PagesStatus]]:
+def watch(
+    daemon: LazyPagesDaemon, started: float | None = None
+) -> tuple[LazyTransfer, list[str], list[PagesStatus]]:
     failures: list[str] = []
     done: list[PagesStatus] = []
     transfer = LazyTransfer(
-        daemon, restore_started=time.monotonic(), on_failure=failures.append,
-        on_done=done.append,
+        daemon, restore_started=time.monotonic() if started is None else started,
+        on_failure=failures.append, on_done=done.append,
     )  # fmt: skip
     return transfer, failures, done
 
@@ -96,7 +98,8 @@ def test_exit_0_is_complete(
 ) -> None:
     monkeypatch.setenv("FAKE_MODE", "ready")
     monkeypatch.setenv("FAKE_SLEEP", "0.2")
-    transfer, failures, done = watch(start(fake, tmp_path))
+    started = time.monotonic()  # before the daemon starts its 0.2 s
+    transfer, failures, done = watch(start(fake, tmp_path), started)
     status = transfer.wait(10)
     assert status.state == "complete" and status.complete_s is not None and status.complete_at
     assert status.complete_s >= 0.2
