@@ -295,7 +295,7 @@ def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
         hold_image(donor.image, exclusive=True)
     stopped = snapctl(donor.state, "stop", detached, "--timeout", "1", "--json")
     audit = json.loads(stopped.stdout)["audit"]
-    assert audit == {"processes": [], "mounts": [], "directories": [], "listeners": []}
+    assert audit["processes"] == [] and not any(audit.values()), audit
     assert not psutil.pid_exists(daemon)
     assert json.loads(snapctl(donor.state, "ps", "--json").stdout) == []
     assert leftovers(donor.state, [report["activation_id"]]) == []
