@@ -1,0 +1,68 @@
+"""``python -m bench``: parse, run the plan (or load a saved run), print or write the docs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from bench.results import Results
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Measure how fast a snapctl copy serves, against a cold start and bare "
+        "CRIU (needs root and CRIU >= 4.2).",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="64 MB only, 2 repetitions (a few minutes at most)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON record")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help=f"write benchmarks.md, benchmarks.json and benchmarks.png into {DOCS}",
+    )
+    parser.add_argument(
+        "--from-json", type=Path, help="render a saved run (benchmarks.json) instead of measuring"
+    )
+    parser.add_argument("--work-dir", type=Path, help="parent of the scratch directory (/tmp)")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    return parser
+
+
+def say(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.from_json:
+        results = Results.model_validate_json(args.from_json.read_bytes())
+    else:
+        if os.geteuid() != 0:
+            say("error: needs root (CRIU restores into new namespaces)")
+            return 2
+        from bench.run import Runner, full, quick, workdir
+
+        with workdir(args.work_dir, args.keep) as work:
+            say(f"scratch directory {work}")
+            results = Runner(quick() if args.quick else full(), work, say).run()
+    if args.write_docs:
+        from bench.docs import write
+
+        for path in write(results, DOCS):
+            say(f"wrote {path}")
+    if args.json:
+        sys.stdout.write(results.model_dump_json() + "\n")
+    elif not args.write_docs:
+        from bench.docs import render
+
+        sys.stdout.write(render(results, None))
+    failed = [t.name for t in results.targets if not t.met]
+    say(f"{len(results.targets) - len(failed)}/{len(results.targets)} targets met")
+    return 0

@@ -1,0 +1,176 @@
+"""The ways to get a serving fixture, each timed from "go" to its first correct completion.
+
+A contender is one object with a ``name`` and ``run(image, reference) -> Sample``. Adding one
+(say snapctl's lazy restore: ``SnapctlCopy(lazy=True)`` once ``start_copy`` takes ``lazy``) is
+one more class or instance in :func:`default_contenders`; the runner, the JSON and the docs
+pick it up by name.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench import bare
+from bench.workload import (
+    Answer,
+    ColdServer,
+    first_correct,
+    host_connect,
+    in_netns,
+    launch_options,
+)
+from snapctl.activation.copy import start_copy
+from snapctl.activation.native import NoNativeStep
+from snapctl.criu import CriuBinary, read_restore_stats
+from snapctl.supervision.state import StateDir
+
+
+@dataclass(frozen=True)
+class Image:
+    """A published snapctl image of the fixture with ``size_mb`` of retained memory."""
+
+    size_mb: int
+    path: Path
+    criu_bytes: int
+
+
+@dataclass
+class Sample:
+    """One run of one contender. Times in seconds from the contender's own "go"."""
+
+    ready_s: float  # first correct completion
+    validated_s: float | None = None  # status.json said validated (restores only)
+    phases: dict[str, float] = field(default_factory=dict)  # where validated_s went
+    criu_restore_s: float | None = None  # CRIU's own restore_time from stats-restore
+    handshake_s: float | None = None  # activation written -> validated
+
+
+@dataclass
+class Context:
+    """What every contender needs: the state dir, CRIU, a scratch dir, a bounded wait."""
+
+    state: StateDir
+    criu: CriuBinary
+    scratch: Path
+    timeout_s: float = 300.0
+
+
+class Contender(Protocol):
+    name: str
+
+    def run(self, ctx: Context, image: Image, reference: Answer | None) -> Sample: ...
+
+
+class ColdStart:
+    """``python -m fixtures serve`` without ``--snapshot-config``: load, fill, bind, serve."""
+
+    name = "cold start"
+
+    def run(self, ctx: Context, image: Image, reference: Answer | None) -> Sample:
+        log = ctx.scratch / f"cold-{uuid.uuid4().hex[:8]}.log"
+        started = time.monotonic()
+        server = ColdServer(ctx.state, image.size_mb, log)
+        try:
+            first_correct(host_connect(server.port), reference, ctx.timeout_s, server.alive)
+            return Sample(ready_s=time.monotonic() - started)
+        finally:
+            server.stop()
+            log.unlink(missing_ok=True)
+
+
+class BareCriu:
+    """Raw ``criu restore`` of the same image plus the minimal handshake (see :mod:`bare`)."""
+
+    name = "bare CRIU"
+
+    def run(self, ctx: Context, image: Image, reference: Answer | None) -> Sample:
+        started = time.monotonic()
+        copy = bare.restore(ctx.criu.path, image.path, ctx.scratch / f"bare-{uuid.uuid4().hex}")
+        try:
+            validated = time.monotonic() - started
+            in_netns(
+                copy.pid,
+                lambda: first_correct(
+                    host_connect(bare.INNER_PORT, bare.INNER_HOST), reference, ctx.timeout_s
+                ),
+            )
+            ready = time.monotonic() - started
+            stats = read_restore_stats(copy.root / "work")
+            return Sample(
+                ready_s=ready,
+                validated_s=validated,
+                phases=dict(copy.timings),
+                criu_restore_s=stats.restore_time_us / 1e6,
+                handshake_s=copy.timings["handshake"],
+            )
+        finally:
+            copy.stop()
+
+
+class SnapctlCopy:
+    """``start_copy`` (what ``snapctl copy`` runs), published on a host port."""
+
+    def __init__(self, **copy_kwargs: Any) -> None:
+        # Extra keyword arguments for start_copy (say lazy=True) make a variant.
+        self.copy_kwargs = copy_kwargs
+        flags = "".join(f" {k}={v}" for k, v in sorted(copy_kwargs.items()))
+        self.name = f"snapctl copy{flags}"
+
+    def run(self, ctx: Context, image: Image, reference: Answer | None) -> Sample:
+        marks: list[tuple[str, float]] = []
+        started = time.monotonic()
+        session, report = start_copy(
+            image.path, launch_options(image.size_mb, ctx.timeout_s), criu=ctx.criu,
+            native=NoNativeStep(), publish=("127.0.0.1", 0), state=ctx.state,
+            progress=lambda step: marks.append((step, time.monotonic())), **self.copy_kwargs,
+        )  # fmt: skip
+        try:
+            assert report.published is not None
+            port = int(report.published.rsplit(":", 1)[1])
+            first_correct(host_connect(port), reference, ctx.timeout_s)
+            ready = time.monotonic() - started
+        finally:
+            _, audit = session.stop()
+        if not audit.clean:
+            raise RuntimeError(f"snapctl copy left things behind: {audit.describe()}")
+        timings = report.timings_s
+        phases = copy_phases(started, marks, timings)
+        stats = report.restore_stats or {}
+        return Sample(
+            ready_s=ready,
+            validated_s=sum(phases.values()),
+            phases=phases,
+            criu_restore_s=stats.get("restore_time_us", 0) / 1e6 or None,
+            handshake_s=timings["handshake"],
+        )
+
+
+def copy_phases(
+    started: float, marks: list[tuple[str, float]], timings: dict[str, float]
+) -> dict[str, float]:
+    """start_copy's wall time up to validated, split into its phases.
+
+    ``timings_s`` times verify, stage, restore and handshake; the progress marks place them
+    on one clock, so the untimed work between them (directories and tmpfs, pinning and
+    inspecting the restored tree) shows up too instead of vanishing from the sum.
+    """
+    at = {step: when for step, when in marks}
+    staging = at["staging the copy's directories"]
+    restoring = at["restoring with CRIU"]
+    activating = at["activating the copy"]
+    return {
+        "verify": timings["verify"],
+        "setup": staging - started - timings["verify"],
+        "stage": restoring - staging,
+        "criu": timings["restore"],
+        "after restore": activating - restoring - timings["restore"],
+        "handshake": timings["handshake"],
+    }
+
+
+def default_contenders() -> list[Contender]:
+    return [ColdStart(), BareCriu(), SnapctlCopy()]

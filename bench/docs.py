@@ -1,0 +1,273 @@
+"""docs/benchmarks.md and its plot, generated from one run's :class:`Results` (never edited by
+hand: ``python -m bench --write-docs`` rewrites both, ``--from-json`` re-renders a saved run)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from bench.results import Figure, Results
+
+PLOT_NAME = "benchmarks.png"
+READY_CONTENDERS = ("cold start", "bare CRIU")
+
+METHOD = """\
+## Method
+
+Everything is measured side by side in one run of `python -m bench` on one machine. Each
+repetition runs every contender once, and the contenders' order rotates from one repetition to
+the next, so load from the other work on this shared machine falls on all of them alike. Tables
+give the median, the spread as [min-max], and the number of samples; targets compare medians
+measured in the same run, as ratios, never against figures from another run.
+
+The workload is the bundled fixture server (`python -m fixtures serve`, a 4 MiB model, 8 MiB
+of KV cache) with `--retained-mb N` of initialized engine memory, the part of a server's state
+that a restore brings back and a cold start must rebuild. For each size the benchmark captures
+one image with snapctl (`start_donor`, not timed) and obtains the correct answer from one
+untimed cold start. Every timed start ends with the *first correct completion*: a greedy
+completion (8 tokens) whose text and token ids equal that reference; a wrong answer fails the
+run. Before the timed repetitions each restore contender runs once untimed (page cache, snapctl's
+verification cache, imports), which is the steady state of a host that serves copies.
+
+Contenders:
+
+- **cold start**: `python -m fixtures serve` without `--snapshot-config` on a free host port,
+  timed from `Popen` to the first correct completion (interpreter start, imports, model load,
+  filling the retained memory, warm-up, bind).
+- **bare CRIU**: the least a capturer must do, without snapctl (`bench/bare.py`): create the
+  copy's directories, mount a tmpfs and copy the saved `/dev/shm` into it (hard links kept),
+  run `criu restore -d` with raw argv through the same binary (`find_criu`) and the same tree
+  options and external mounts, at CRIU's default log level; then write `activation.json` and
+  `release.json` directly (no fsync, no pydantic) and poll every 1 ms for `challenge.json` and
+  `status.json` = validated; the completion is sent from a thread inside the copy's network
+  namespace.
+- **snapctl copy**: `start_copy` (what `snapctl copy` runs): image verification (cached by
+  file identity after the first, full hash), fresh activation directories, shm staging,
+  `criu restore` with `-v4` logs, pinning the restored tree, the v1 handshake through
+  `ControlDir`, the HTTP probe, then a host port published through the copy's namespace; the
+  completion goes through that published port.
+
+Restore-to-validated is measured from the contender's "go" to `status.json` = validated.
+snapctl's phases come from `report.timings_s`, placed on one clock by its progress callbacks,
+so work between the timed phases is counted too (`setup`, `after restore`).
+
+Donor pause is CRIU's own `frozen_time` (from `stats-dump`) for `start_donor` and for a bare
+`criu dump --leave-running` of a tree launched the same way (snapctl's sandbox, waited to
+capture-ready). Throughput is the size of the image's `criu/` directory divided by the wall time
+of the `criu restore` process, next to reading the same files from page cache into one reused
+buffer, and into freshly mapped memory (which every restored page needs). CLI start is the wall
+time of the console script. Concurrency runs `start_copies` with 1, 2 and 4 copies of one image.
+"""
+
+
+def _num(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+    if unit == "ms":
+        return f"{value:.1f} ms"
+    if unit == "MB/s":
+        return f"{value:,.0f} MB/s"
+    return f"{value:.2f}x"
+
+
+def cell(figure: Figure | None) -> str:
+    if figure is None:
+        return "-"
+    unit = figure.unit
+    if len(figure.samples) == 1:
+        return f"{_num(figure.median, unit)} (n=1)"
+    low, high = _num(figure.low, unit), _num(figure.high, unit)
+    return f"{_num(figure.median, unit)} [{low} - {high}] (n={len(figure.samples)})"
+
+
+def _table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> list[str]:
+    header = list(header)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _contenders(results: Results, metric: str) -> list[str]:
+    seen: list[str] = []
+    for figure in results.figures:
+        if figure.metric == metric and figure.contender not in seen:
+            seen.append(figure.contender)
+    return seen
+
+
+def _sizes(results: Results, metric: str) -> list[int]:
+    return sorted({f.size_mb for f in results.figures if f.metric == metric and f.size_mb})
+
+
+def _by_size(results: Results, metric: str, contenders: list[str] | None = None) -> list[str]:
+    contenders = contenders or _contenders(results, metric)
+    rows = [
+        [f"{size} MB", *(cell(results.find(metric, c, size)) for c in contenders)]
+        for size in _sizes(results, metric)
+    ]
+    return _table(["retained", *contenders], rows)
+
+
+def _ratio(results: Results, metric: str, top: str, bottom: str, size: int) -> str:
+    a, b = results.find(metric, top, size), results.find(metric, bottom, size)
+    return "-" if a is None or b is None else f"{a.median / b.median:.2f}x"
+
+
+def render(results: Results, plot: str | None) -> str:
+    m, s = results.machine, results.settings
+    snap = next((c for c in s.contenders if c.startswith("snapctl")), "snapctl copy")
+    out = [
+        "# Benchmarks: how fast a copy serves",
+        "",
+        "Generated by `python -m bench --write-docs` (figures, tables and plot; do not edit by "
+        "hand). Raw samples: [benchmarks.json](benchmarks.json). Re-render without measuring: "
+        "`python -m bench --from-json docs/benchmarks.json --write-docs`.",
+        "",
+    ]
+    if s.quick:
+        out += ["**Quick run** (`--quick`): small sizes, few repetitions; indicative only.", ""]
+    out += ["## Targets", ""]
+    out += _table(
+        ["target", "measured", "goal", "met"],
+        (
+            [t.name, _num(t.measured, t.unit), f"{t.comparison} {_num(t.limit, t.unit)}",
+             "yes" if t.met else "**no**"]
+            for t in results.targets
+        ),
+    )  # fmt: skip
+    out += [METHOD, "## Machine", ""]
+    out += _table(
+        ["", ""],
+        [
+            ["CPU", f"{m.cpu}, {m.cores} cores"],
+            ["memory", f"{m.memory_gib} GiB"],
+            ["kernel", m.kernel],
+            ["Python", m.python],
+            ["CRIU", m.criu],
+            ["load average at start", ", ".join(f"{x:.2f}" for x in m.load_average)],
+            ["date", m.date],
+            [
+                "run",
+                f"{results.wall_s:.0f} s; {s.reps} reps per size, donor {s.donor_reps}, "
+                f"CLI {s.cli_reps}",
+            ],
+        ],
+    )
+    out += ["## 1. Time to first correct completion", ""]
+    if plot:
+        out += [f"![time to first correct completion vs retained memory]({plot})", ""]
+    out += _by_size(results, "ready_s")
+    speedups = [
+        [f"{size} MB", _ratio(results, "ready_s", "cold start", snap, size)]
+        for size in _sizes(results, "ready_s")
+    ]
+    out += ["Cold start / snapctl copy (how many times sooner a copy answers):", ""]
+    out += _table(["retained", "speed-up"], speedups)
+
+    out += ["## 2. snapctl overhead: restore to validated", ""]
+    out += _by_size(results, "validated_s")
+    out += _table(
+        ["retained", f"{snap} / bare CRIU"],
+        (
+            [f"{size} MB", _ratio(results, "validated_s", snap, "bare CRIU", size)]
+            for size in _sizes(results, "validated_s")
+        ),
+    )
+    out += ["Where the time goes (medians of each phase):", ""]
+    for contender in (snap, "bare CRIU"):
+        phases = [
+            f.metric.split(":", 1)[1]
+            for f in results.figures
+            if f.metric.startswith("phase:") and f.contender == contender
+        ]
+        phases = list(dict.fromkeys(phases))
+        if not phases:
+            continue
+        out += [f"**{contender}**", ""]
+        out += _table(
+            ["retained", *phases, "CRIU's own restore_time"],
+            (
+                [f"{size} MB",
+                 *(cell(results.find(f"phase:{p}", contender, size)) for p in phases),
+                 cell(results.find("criu_restore_time_s", contender, size))]
+                for size in _sizes(results, "validated_s")
+            ),
+        )  # fmt: skip
+    out += ["## 3. Donor pause (CRIU frozen time)", ""]
+    out += _by_size(results, "frozen_s")
+    out += ["Whole dump (wall time of the `criu dump` process):", ""]
+    out += _by_size(results, "dump_s")
+    out += ["## 4. Image throughput", ""]
+    out += _by_size(results, "restore_MBps")
+    out += ["The same image files read from page cache:", ""]
+    out += _by_size(results, "read_MBps")
+    out += ["## 5. Handshake latency (activation written -> validated)", ""]
+    out += _by_size(results, "handshake_ms")
+    out += ["## 6. CLI start", ""]
+    out += _table(
+        ["command", "wall time"],
+        ([c, cell(results.find("cli_start_s", c))] for c in _contenders(results, "cli_start_s")),
+    )
+    out += ["## 7. Concurrent copies from one image", ""]
+    rows = []
+    for contender in _contenders(results, "concurrent_total_s"):
+        size = s.concurrency_mb
+        rows.append(
+            [contender, cell(results.find("concurrent_total_s", contender, size)),
+             cell(results.find("concurrent_per_copy_s", contender, size))]
+        )  # fmt: skip
+    out += [f"{s.concurrency_mb} MB retained; per copy: the sum of its `timings_s`.", ""]
+    out += _table(["copies", "all ready", "per copy"], rows)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def plot(results: Results, path: Path) -> bool:
+    """Time to ready vs retained memory per contender; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    figure, axes = plt.subplots(figsize=(7, 4.2), dpi=120)
+    sizes = _sizes(results, "ready_s")
+    for contender in _contenders(results, "ready_s"):
+        figs = [results.find("ready_s", contender, size) for size in sizes]
+        points = [(size, f) for size, f in zip(sizes, figs, strict=True) if f is not None]
+        xs = [size for size, _ in points]
+        ys = [f.median for _, f in points]
+        errors = [[f.median - f.low for _, f in points], [f.high - f.median for _, f in points]]
+        axes.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=contender)
+    for contender in _contenders(results, "validated_s"):
+        figs = [results.find("validated_s", contender, size) for size in sizes]
+        medians = [(size, f.median) for size, f in zip(sizes, figs, strict=True) if f is not None]
+        axes.plot(
+            [size for size, _ in medians], [value for _, value in medians],
+            linestyle=":", marker=".", label=f"{contender}: validated",
+        )  # fmt: skip
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xticks(sizes, [f"{size} MB" for size in sizes])
+    axes.set_xlabel("retained memory (image size)")
+    axes.set_ylabel("seconds to first correct completion")
+    axes.set_title("Time to serve: cold start vs restored copies (median, min-max)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def write(results: Results, docs: Path) -> list[Path]:
+    """Write benchmarks.md, benchmarks.json and (with matplotlib) the plot into ``docs``."""
+    docs.mkdir(parents=True, exist_ok=True)
+    written = [docs / "benchmarks.json"]
+    written[0].write_text(results.model_dump_json(indent=1) + "\n")
+    has_plot = plot(results, docs / PLOT_NAME)
+    if has_plot:
+        written.append(docs / PLOT_NAME)
+    (docs / "benchmarks.md").write_text(render(results, PLOT_NAME if has_plot else None))
+    written.append(docs / "benchmarks.md")
+    return written

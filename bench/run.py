@@ -1,0 +1,466 @@
+"""The measurement plan: side by side, interleaved repetitions (the contenders' order rotates
+every repetition, so a burst of load from a neighbour hits each of them alike), all samples
+kept, targets judged as ratios of medians measured in this one run."""
+
+from __future__ import annotations
+
+import datetime
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from bench import bare
+from bench.contenders import ColdStart, Contender, Context, Image, Sample, default_contenders
+from bench.results import Figure, Machine, Results, Settings, Target, Unit, judge
+from bench.workload import Answer, ColdServer, ensure_model, first_correct, host_connect
+from bench.workload import launch_options as fixture_options
+from snapctl.activation.copy import start_copies
+from snapctl.activation.donor import new_session, start_donor
+from snapctl.activation.launch import (
+    fixture_command,
+    launch_in_sandbox,
+    repo_root,
+    snapshot_config_arg,
+    wait_capture_ready,
+)
+from snapctl.activation.native import NoNativeStep
+from snapctl.criu import find_criu, read_dump_stats
+from snapctl.supervision.process import become_subreaper
+from snapctl.supervision.state import StateDir
+
+T = TypeVar("T")
+Say = Callable[[str], None]
+READ_CHUNK = 8 << 20
+MIB = 1 << 20
+
+
+@dataclass
+class Plan:
+    """What to measure; :func:`full`, :func:`quick` and :func:`tiny` are the presets."""
+
+    sizes_mb: list[int]
+    reps: int
+    donor_sizes_mb: list[int]
+    donor_reps: int
+    concurrency_mb: int
+    concurrency: list[int]
+    cli_reps: int
+    quick: bool = False
+    contenders: list[Contender] = field(default_factory=default_contenders)
+
+
+def full() -> Plan:
+    return Plan(
+        sizes_mb=[64, 512, 2048], reps=5, donor_sizes_mb=[64, 512, 2048], donor_reps=3,
+        concurrency_mb=512, concurrency=[1, 2, 4], cli_reps=10,
+    )  # fmt: skip
+
+
+def quick() -> Plan:
+    return Plan(
+        sizes_mb=[64], reps=2, donor_sizes_mb=[64], donor_reps=1, concurrency_mb=64,
+        concurrency=[1, 2, 4], cli_reps=3, quick=True,
+    )  # fmt: skip
+
+
+def tiny() -> Plan:
+    """The smoke test's plan: every measurement once, at a size that restores in a blink."""
+    return Plan(
+        sizes_mb=[8], reps=1, donor_sizes_mb=[8], donor_reps=1, concurrency_mb=8,
+        concurrency=[1, 2], cli_reps=1, quick=True,
+    )  # fmt: skip
+
+
+def rotated(items: Sequence[T], rep: int) -> list[T]:
+    shift = rep % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+class Recorder:
+    """Collects samples into figures keyed by (metric, contender, size)."""
+
+    def __init__(self) -> None:
+        self._samples: dict[tuple[str, str, int | None], list[float]] = {}
+        self._units: dict[str, Unit] = {}
+
+    def add(
+        self, metric: str, contender: str, size_mb: int | None, value: float, unit: Unit
+    ) -> None:
+        self._samples.setdefault((metric, contender, size_mb), []).append(round(value, 6))
+        self._units[metric] = unit
+
+    def median(self, metric: str, contender: str, size_mb: int | None = None) -> float:
+        return statistics.median(self._samples[(metric, contender, size_mb)])
+
+    def has(self, metric: str, contender: str, size_mb: int | None = None) -> bool:
+        return (metric, contender, size_mb) in self._samples
+
+    def figures(self) -> list[Figure]:
+        return [
+            Figure(metric=m, contender=c, size_mb=s, unit=self._units[m], samples=v)
+            for (m, c, s), v in self._samples.items()
+        ]
+
+
+def machine(criu_version: str) -> Machine:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
+    return Machine(
+        cpu=cpu,
+        cores=os.cpu_count() or 0,
+        memory_gib=round(mem_kib / (1 << 20), 1),
+        kernel=platform.release(),
+        python=platform.python_version(),
+        criu=criu_version,
+        load_average=os.getloadavg(),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    )
+
+
+def _image_files(image: Path) -> list[Path]:
+    return sorted(p for p in (image / "criu").rglob("*") if p.is_file())
+
+
+def read_rates(image: Path) -> tuple[float, float]:
+    """MB/s reading the image's CRIU files from page cache into one reused buffer, and into
+    freshly mapped anonymous memory (what a restore must do: every page is new to the tree)."""
+    files = _image_files(image)
+    total = sum(p.stat().st_size for p in files)
+    buffer = bytearray(READ_CHUNK)
+    started = time.monotonic()
+    for path in files:
+        with path.open("rb", buffering=0) as handle:
+            while handle.readinto(buffer):
+                pass
+    cached = total / MIB / (time.monotonic() - started)
+    started = time.monotonic()
+    for path in files:
+        size = path.stat().st_size
+        if not size:
+            continue
+        with path.open("rb", buffering=0) as handle, mmap.mmap(-1, size) as fresh:
+            view = memoryview(fresh)
+            offset = 0
+            while offset < size and (got := handle.readinto(view[offset : offset + READ_CHUNK])):
+                offset += got
+            view.release()
+    fresh_rate = total / MIB / (time.monotonic() - started)
+    return cached, fresh_rate
+
+
+def cli_commands() -> dict[str, list[str]]:
+    """The CLI as a user runs it (the console script beside this Python, else ``-m``)."""
+    script = Path(sys.executable).parent / "snapctl"
+    snapctl = [str(script)] if script.exists() else [sys.executable, "-m", "snapctl"]
+    return {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "snapctl --help": [*snapctl, "--help"],
+        "snapctl copy --help": [*snapctl, "copy", "--help"],
+    }
+
+
+class Runner:
+    """Runs a :class:`Plan` in a scratch directory and returns :class:`Results`."""
+
+    def __init__(self, plan: Plan, work: Path, say: Say) -> None:
+        self.plan = plan
+        self.work = work
+        self.say = say
+        self.rec = Recorder()
+        self.state = StateDir(work / "state")
+        self.images = work / "images"
+        self.scratch = work / "scratch"
+        self.criu = find_criu()
+        self.ctx = Context(state=self.state, criu=self.criu, scratch=self.scratch)
+        self.reference: Answer | None = None
+        self._images: dict[int, Image] = {}
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def image(self, size_mb: int) -> Image:
+        """A published image of the fixture retaining ``size_mb`` (captured once per run)."""
+        if size_mb in self._images:
+            return self._images[size_mb]
+        path = self.images / f"retained-{size_mb}mb"
+        self.say(f"capturing an image with {size_mb} MB retained")
+        session, _, _ = start_donor(
+            fixture_options(size_mb), image=path, force=True, criu=self.criu,
+            native=NoNativeStep(), publish=None, state=self.state, progress=lambda _: None,
+            activate_donor=False,
+        )  # fmt: skip
+        session.stop()
+        image = Image(size_mb, path, sum(p.stat().st_size for p in _image_files(path)))
+        self._images[size_mb] = image
+        return image
+
+    def drop_image(self, size_mb: int) -> None:
+        image = self._images.pop(size_mb, None)
+        if image is not None:
+            shutil.rmtree(image.path, ignore_errors=True)
+
+    def run(self) -> Results:
+        started = time.monotonic()
+        for path in (self.images, self.scratch):
+            path.mkdir(parents=True, exist_ok=True)
+        ensure_model(self.state)
+        # Restored trees are reparented to the nearest subreaper: the bare baseline reaps its own.
+        become_subreaper()
+        env_machine = machine(self.criu.version)
+        self.measure_cli()
+        self.measure_copies()
+        self.measure_concurrency()
+        self.measure_donor_pause()
+        for size in list(self._images):
+            self.drop_image(size)
+        return Results(
+            machine=env_machine,
+            settings=Settings(
+                quick=self.plan.quick,
+                sizes_mb=self.plan.sizes_mb,
+                reps=self.plan.reps,
+                concurrency_mb=self.plan.concurrency_mb,
+                concurrency=self.plan.concurrency,
+                donor_sizes_mb=self.plan.donor_sizes_mb,
+                donor_reps=self.plan.donor_reps,
+                cli_reps=self.plan.cli_reps,
+                contenders=[c.name for c in self.plan.contenders],
+            ),
+            figures=self.rec.figures(),
+            targets=self.targets(),
+            wall_s=round(time.monotonic() - started, 3),
+        )
+
+    # -- 6. CLI start ---------------------------------------------------------------------------
+
+    def measure_cli(self) -> None:
+        commands = cli_commands()
+        env = {**os.environ, "PYTHONPATH": str(repo_root())}
+        self.say(f"CLI start: {self.plan.cli_reps} x {len(commands)} commands")
+        for rep in range(self.plan.cli_reps):
+            for name in rotated(list(commands), rep):
+                started = time.monotonic()
+                subprocess.run(
+                    commands[name], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    env=env, cwd=repo_root(), check=True,
+                )  # fmt: skip
+                self.rec.add("cli_start_s", name, None, time.monotonic() - started, "s")
+
+    # -- 1, 2, 4, 5. restores against a cold start -----------------------------------------------
+
+    def warm_reference(self, size_mb: int) -> Answer:
+        """The correct completion, from one cold start (untimed): every contender must match."""
+        log = self.scratch / "reference.log"
+        server = ColdServer(self.state, size_mb, log)
+        try:
+            return first_correct(host_connect(server.port), None, 300.0, server.alive)
+        finally:
+            server.stop()
+
+    def measure_copies(self) -> None:
+        contenders = self.plan.contenders
+        for size in self.plan.sizes_mb:
+            image = self.image(size)
+            if self.reference is None:
+                self.reference = self.warm_reference(size)
+            # Untimed warm-up: page cache, snapctl's verification cache, Python imports.
+            for contender in contenders:
+                if not isinstance(contender, ColdStart):
+                    contender.run(self.ctx, image, self.reference)
+            for rep in range(self.plan.reps):
+                cached, fresh = read_rates(image.path)
+                self.rec.add("read_MBps", "page cache -> reused buffer", size, cached, "MB/s")
+                self.rec.add("read_MBps", "page cache -> fresh memory", size, fresh, "MB/s")
+                for contender in rotated(contenders, rep):
+                    sample = contender.run(self.ctx, image, self.reference)
+                    self.say(
+                        f"{size} MB rep {rep + 1}/{self.plan.reps}: {contender.name}: "
+                        f"ready {sample.ready_s:.3f} s"
+                    )
+                    self.record_sample(contender.name, image, sample)
+            if size != self.plan.concurrency_mb:
+                self.drop_image(size)
+
+    def record_sample(self, name: str, image: Image, sample: Sample) -> None:
+        size, add = image.size_mb, self.rec.add
+        add("ready_s", name, size, sample.ready_s, "s")
+        if sample.validated_s is not None:
+            add("validated_s", name, size, sample.validated_s, "s")
+        for phase, seconds in sample.phases.items():
+            add(f"phase:{phase}", name, size, seconds, "s")
+        if sample.criu_restore_s is not None:
+            add("criu_restore_time_s", name, size, sample.criu_restore_s, "s")
+        if "criu" in sample.phases:
+            add("restore_MBps", name, size, image.criu_bytes / MIB / sample.phases["criu"], "MB/s")
+        if sample.handshake_s is not None:
+            add("handshake_ms", name, size, sample.handshake_s * 1000, "ms")
+
+    # -- 7. concurrency ---------------------------------------------------------------------
+
+    def measure_concurrency(self) -> None:
+        image = self.image(self.plan.concurrency_mb)
+        for rep in range(self.plan.reps):
+            for count in rotated(self.plan.concurrency, rep):
+                started = time.monotonic()
+                results = start_copies(
+                    image.path, fixture_options(image.size_mb), count, criu=self.criu,
+                    native=NoNativeStep(), publish_base=None, state=self.state,
+                    progress=lambda _: None,
+                )  # fmt: skip
+                total = time.monotonic() - started
+                failures = [r for r in results if not isinstance(r, tuple)]
+                for result in results:
+                    if isinstance(result, tuple):
+                        session, report = result
+                        session.stop()
+                        self.rec.add(
+                            "concurrent_per_copy_s", f"{count} at once", image.size_mb,
+                            sum(report.timings_s.values()), "s",
+                        )  # fmt: skip
+                if failures:
+                    raise RuntimeError(f"{len(failures)} of {count} copies failed: {failures[0]}")
+                self.rec.add("concurrent_total_s", f"{count} at once", image.size_mb, total, "s")
+                self.say(f"{count} copies at once ({image.size_mb} MB): {total:.3f} s")
+
+    # -- 3. donor pause ---------------------------------------------------------------------
+
+    def measure_donor_pause(self) -> None:
+        for size in self.plan.donor_sizes_mb:
+            for rep in range(self.plan.donor_reps):
+                for which in rotated(["snapctl donor", "bare CRIU dump"], rep):
+                    frozen, wall = (
+                        self.snapctl_donor(size)
+                        if which == "snapctl donor"
+                        else self.bare_dump(size)
+                    )
+                    self.rec.add("frozen_s", which, size, frozen, "s")
+                    self.rec.add("dump_s", which, size, wall, "s")
+                    self.say(f"donor {size} MB: {which}: frozen {frozen:.3f} s (dump {wall:.3f} s)")
+
+    def snapctl_donor(self, size_mb: int) -> tuple[float, float]:
+        path = self.scratch / f"donor-{uuid.uuid4().hex[:8]}"
+        try:
+            session, report, _ = start_donor(
+                fixture_options(size_mb), image=path, force=False, criu=self.criu,
+                native=NoNativeStep(), publish=None, state=self.state, progress=lambda _: None,
+                activate_donor=False,
+            )  # fmt: skip
+            session.stop()
+            assert report.dump_stats is not None
+            return report.dump_stats.frozen_time_us / 1e6, report.timings_s["dump"]
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def bare_dump(self, size_mb: int) -> tuple[float, float]:
+        """The same tree, launched the same way, dumped by raw CRIU without snapctl."""
+        options = fixture_options(size_mb)
+        session = new_session(self.state, "donor", None)
+        images = self.scratch / f"dump-{uuid.uuid4().hex[:8]}"
+        try:
+            argv, cwd = fixture_command(options, self.state)
+            argv = [*argv, "--snapshot-config", snapshot_config_arg(options.server_timeout_s)]
+            session.launcher, session.root = launch_in_sandbox(
+                argv, cwd, session.dirs, options, dict(os.environ)
+            )
+            wait_capture_ready(session.dirs, session.root, options.timeout_s)
+            wall = bare.dump(self.criu.path, session.root.pid, images)
+            return read_dump_stats(images).frozen_time_us / 1e6, wall
+        finally:
+            session.stop()
+            shutil.rmtree(images, ignore_errors=True)
+
+    # -- targets ----------------------------------------------------------------------------
+
+    def targets(self) -> list[Target]:
+        rec, found = self.rec, []
+        snap = next((c.name for c in self.plan.contenders if c.name.startswith("snapctl")), None)
+        for size in self.plan.sizes_mb:
+            if (
+                snap
+                and rec.has("validated_s", snap, size)
+                and rec.has("validated_s", "bare CRIU", size)
+            ):
+                ratio = rec.median("validated_s", snap, size) / rec.median(
+                    "validated_s", "bare CRIU", size
+                )
+                found.append(
+                    judge(
+                        f"copy restore-to-validated / bare CRIU, {size} MB", ratio, 1.3, "x", "<="
+                    )
+                )
+            if snap and rec.has("restore_MBps", snap, size):
+                ratio = rec.median("restore_MBps", snap, size) / rec.median(
+                    "read_MBps", "page cache -> reused buffer", size
+                )
+                found.append(
+                    judge(f"restore throughput / page-cache read, {size} MB", ratio, 0.5, "x", ">=")
+                )
+        for size in self.plan.donor_sizes_mb:
+            ratio = rec.median("frozen_s", "snapctl donor", size) / rec.median(
+                "frozen_s", "bare CRIU dump", size
+            )
+            found.append(
+                judge(f"donor frozen time / bare CRIU dump, {size} MB", ratio, 1.1, "x", "<=")
+            )
+        if snap:
+            handshakes = [
+                v for f in rec.figures() if f.metric == "handshake_ms" and f.contender == snap
+                for v in f.samples
+            ]  # fmt: skip
+            if handshakes:
+                found.append(
+                    judge(
+                        "handshake (activation -> validated)",
+                        statistics.median(handshakes),
+                        20,
+                        "ms",
+                        "<=",
+                    )
+                )
+        found.append(
+            judge(
+                "snapctl --help",
+                rec.median("cli_start_s", "snapctl --help") * 1000,
+                150,
+                "ms",
+                "<=",
+            )
+        )
+        counts = self.plan.concurrency
+        if 1 in counts and max(counts) > 1:
+            most, size = max(counts), self.plan.concurrency_mb
+            ratio = rec.median("concurrent_total_s", f"{most} at once", size) / rec.median(
+                "concurrent_total_s", "1 at once", size
+            )
+            found.append(
+                judge(f"{most} concurrent copies / one copy", ratio, float(most), "x", "<")
+            )
+        return found
+
+
+@contextmanager
+def workdir(base: Path | None, keep: bool) -> Iterator[Path]:
+    """A fresh scratch directory (0700), removed afterwards unless ``keep``."""
+    root = Path(base) if base else Path("/tmp")
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"snapctl-bench-{uuid.uuid4().hex[:8]}"
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        if not keep:
+            shutil.rmtree(path, ignore_errors=True)
