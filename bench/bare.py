@@ -90,6 +90,19 @@ def _wait_file(path: Path, error: Path, deadline: float) -> bytes:
 
 def restore(criu: Path, image: Path, root: Path, timeout_s: float = 300.0) -> BareCopy:
     """Restore ``image`` (a snapctl image directory) and run the handshake to validated."""
+    copy = restore_tree(criu, image, root)
+    try:
+        started = time.monotonic()
+        handshake(copy, image, timeout_s)
+        copy.timings["handshake"] = time.monotonic() - started
+        return copy
+    except BaseException:
+        copy.stop()
+        raise
+
+
+def restore_tree(criu: Path, image: Path, root: Path) -> BareCopy:
+    """Stage the copy's directories and run ``criu restore``; the tree waits for activation."""
     copy = BareCopy(root=root)
     started = time.monotonic()
     try:
@@ -114,33 +127,35 @@ def restore(criu: Path, image: Path, root: Path, timeout_s: float = 300.0) -> Ba
         for key, host_dir in (("control", control), ("logs", logs), ("shm", shm)):
             argv += ["--external", f"mnt[{key}]:{host_dir}"]
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False)
-        restored = time.monotonic()
-        copy.timings["criu"] = restored - staged
+        copy.timings["criu"] = time.monotonic() - staged
         if proc.returncode != 0:
             raise BareError(f"criu restore exited {proc.returncode} (log: {work}/restore.log)")
         copy.pid = int(pidfile.read_text())
-
-        # The handshake, with the protocol files written and read directly.
-        capture_id = json.loads((image / "manifest.json").read_bytes())["capture_id"]
-        activation = {
-            "activation_id": f"bare-{root.name}", "capture_id": capture_id, "host": INNER_HOST,
-            "kind": "copy", "native_complete": True, "port": INNER_PORT, "version": 1,
-        }  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        error = control / "error.json"
-        _write(control / "activation.json", json.dumps(activation, separators=(",", ":")).encode())
-        challenge = _wait_file(control / "challenge.json", error, deadline)
-        _write(control / "release.json", challenge)
-        while True:
-            status = json.loads(_wait_file(control / "status.json", error, deadline))
-            if status["phase"] == "validated":
-                break
-            time.sleep(HANDSHAKE_POLL_S)
-        copy.timings["handshake"] = time.monotonic() - restored
         return copy
     except BaseException:
         copy.stop()
         raise
+
+
+def handshake(copy: BareCopy, image: Path, timeout_s: float) -> None:
+    """activation -> challenge -> release -> validated, with the files written and read
+    directly."""
+    control = copy.root / "control"
+    capture_id = json.loads((image / "manifest.json").read_bytes())["capture_id"]
+    activation = {
+        "activation_id": f"bare-{copy.root.name}", "capture_id": capture_id, "host": INNER_HOST,
+        "kind": "copy", "native_complete": True, "port": INNER_PORT, "version": 1,
+    }  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    error = control / "error.json"
+    _write(control / "activation.json", json.dumps(activation, separators=(",", ":")).encode())
+    challenge = _wait_file(control / "challenge.json", error, deadline)
+    _write(control / "release.json", challenge)
+    while True:
+        status = json.loads(_wait_file(control / "status.json", error, deadline))
+        if status["phase"] == "validated":
+            return
+        time.sleep(HANDSHAKE_POLL_S)
 
 
 def dump(criu: Path, root_pid: int, images: Path) -> float:

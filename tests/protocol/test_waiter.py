@@ -73,7 +73,8 @@ def test_polling_finds_the_file_when_events_are_lost(
     later: Callable[[float, Callable[[], object]], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(waiter._WakeOnAnyEvent, "dispatch", lambda self, event: None)
+    # Events never wake the wait: only the poll interval can find the file.
+    monkeypatch.setattr(waiter._Inotify, "wait", lambda self, timeout_s: time.sleep(timeout_s))
     later(0.05, lambda: control.write(make_status()))
     started = time.monotonic()
     arrival = wait_for(control, ControlFile.STATUS, 5, poll_s=0.02)
@@ -86,10 +87,10 @@ def test_polling_alone_when_inotify_is_unavailable(
     later: Callable[[float, Callable[[], object]], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def no_inotify() -> None:
+    def no_inotify(path: str) -> None:
         raise OSError(24, "inotify instance limit reached")
 
-    monkeypatch.setattr(waiter, "Observer", no_inotify)
+    monkeypatch.setattr(waiter, "_Inotify", no_inotify)
     later(0.05, lambda: control.write(make_status()))
     arrival = wait_for(control, ControlFile.STATUS, 5, poll_s=0.02)
     assert arrival.name is ControlFile.STATUS
@@ -207,6 +208,21 @@ def test_observer_threads_are_gone_after_the_wait(control: ControlDir) -> None:
     control.write(make_status())
     wait_for(control, ControlFile.STATUS, 1)
     assert set(threading.enumerate()) <= before
+
+
+def test_inotify_descriptor_is_reused_and_still_wakes_the_wait(
+    tmp_path: Path, later: Callable[[float, Callable[[], object]], None]
+) -> None:
+    first, second = make_control_dir(tmp_path, "a"), make_control_dir(tmp_path, "b")
+    with ControlDirWatcher(first) as watcher:
+        assert watcher._inotify is not None
+        descriptor = watcher._inotify.fd
+        first.write(make_status())  # an event left queued for the next user to drain
+    later(0.05, lambda: second.write(make_status()))
+    with ControlDirWatcher(second) as watcher:
+        assert watcher._inotify is not None and watcher._inotify.fd == descriptor
+        # Polls every 10 s, times out after 5: only an event on the reused descriptor ends it.
+        assert watcher.wait_for(ControlFile.STATUS, 5, poll_s=10).name is ControlFile.STATUS
 
 
 def test_one_watcher_serves_a_sequence_of_waits(
