@@ -15,7 +15,8 @@ from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import Activation, Challenge, ControlFile, ErrorReport, Release, Status
 from snapctl.protocol.waiter import ControlDirWatcher
 
-STATUS_REPOLL_S = 0.002
+# Without inotify, how often a "recovering" status.json is re-read.
+STATUS_REPOLL_S = 0.05
 
 
 class ActivationError(SnapctlError):
@@ -98,8 +99,8 @@ def activate(
             if model.phase == "validated":
                 break
             # "recovering": the next change is validated or error.json; status.json exists
-            # already, so the waiter would return at once: pace the re-reads instead.
-            time.sleep(STATUS_REPOLL_S)
+            # already, so wait_for would return at once: sleep until the directory changes.
+            watcher.wait_for_change(min(STATUS_REPOLL_S, deadline - time.monotonic()))
         timings.validated_ms = (time.monotonic() - started) * 1000
     return timings
 

@@ -177,6 +177,17 @@ class ControlDirWatcher:
             else:
                 time.sleep(min(poll_s, remaining))
 
+    def wait_for_change(self, timeout_s: float) -> None:
+        """Sleep until something in the directory changed since the last :meth:`wait_for`
+        read it, or ``timeout_s`` passed: how to wait for a file that exists to be replaced."""
+        if not self._entered:
+            raise RuntimeError("use the watcher in a with block")
+        timeout_s = max(0.0, timeout_s)
+        if self._inotify is not None:
+            self._inotify.wait(timeout_s)
+        else:
+            time.sleep(timeout_s)
+
     def _first_present(self, awaited: tuple[ControlFile, ...]) -> Arrival | None:
         for name in awaited:
             model = self.control_dir.read(name)

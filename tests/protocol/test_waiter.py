@@ -225,6 +225,27 @@ def test_inotify_descriptor_is_reused_and_still_wakes_the_wait(
         assert watcher.wait_for(ControlFile.STATUS, 5, poll_s=10).name is ControlFile.STATUS
 
 
+def test_wait_for_change_wakes_when_a_present_file_is_replaced(
+    control: ControlDir, later: Callable[[float, Callable[[], object]], None]
+) -> None:
+    control.write(make_status(phase="recovering"))
+    with ControlDirWatcher(control) as watcher:
+        assert watcher.wait_for(ControlFile.STATUS, 5).model == make_status(phase="recovering")
+        later(0.05, lambda: control.write(make_status(phase="validated"), overwrite=True))
+        started = time.monotonic()
+        while watcher.wait_for(ControlFile.STATUS, 5).model != make_status(phase="validated"):
+            # A 10 s timeout: without the replacement's events this loop would take minutes.
+            watcher.wait_for_change(10)
+            assert time.monotonic() - started < 5, "wait_for_change did not wake on the event"
+
+
+def test_wait_for_change_returns_after_its_timeout(control: ControlDir) -> None:
+    with ControlDirWatcher(control) as watcher:
+        watcher.wait_for_change(0.01)  # nothing changes: returns once the timeout passed
+    with pytest.raises(RuntimeError):
+        ControlDirWatcher(control).wait_for_change(0.01)
+
+
 def test_one_watcher_serves_a_sequence_of_waits(
     control: ControlDir, later: Callable[[float, Callable[[], object]], None]
 ) -> None:
