@@ -42,6 +42,8 @@ class BareCopy:
     root: Path
     pid: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    # From status.json "recovering" to "validated": the server's own recovery work.
+    recovery_s: float | None = None
 
     def stop(self) -> None:
         """SIGKILL to PID 1 ends the namespace; reap it (we are its subreaper), clean up."""
@@ -93,8 +95,11 @@ def restore(criu: Path, image: Path, root: Path, timeout_s: float = 300.0) -> Ba
     copy = restore_tree(criu, image, root)
     try:
         started = time.monotonic()
-        handshake(copy, image, timeout_s)
-        copy.timings["handshake"] = time.monotonic() - started
+        recovering = handshake(copy, image, timeout_s)
+        done = time.monotonic()
+        copy.timings["handshake"] = done - started
+        if recovering is not None:
+            copy.recovery_s = done - recovering
         return copy
     except BaseException:
         copy.stop()
@@ -137,9 +142,9 @@ def restore_tree(criu: Path, image: Path, root: Path) -> BareCopy:
         raise
 
 
-def handshake(copy: BareCopy, image: Path, timeout_s: float) -> None:
+def handshake(copy: BareCopy, image: Path, timeout_s: float) -> float | None:
     """activation -> challenge -> release -> validated, with the files written and read
-    directly."""
+    directly; returns when status.json was first seen "recovering" (None if never)."""
     control = copy.root / "control"
     capture_id = json.loads((image / "manifest.json").read_bytes())["capture_id"]
     activation = {
@@ -151,10 +156,12 @@ def handshake(copy: BareCopy, image: Path, timeout_s: float) -> None:
     _write(control / "activation.json", json.dumps(activation, separators=(",", ":")).encode())
     challenge = _wait_file(control / "challenge.json", error, deadline)
     _write(control / "release.json", challenge)
+    recovering: float | None = None
     while True:
         status = json.loads(_wait_file(control / "status.json", error, deadline))
         if status["phase"] == "validated":
-            return
+            return recovering
+        recovering = recovering or time.monotonic()
         time.sleep(HANDSHAKE_POLL_S)
 
 

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         "CRIU (needs root and CRIU >= 4.2).",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="64 MB only, 2 repetitions (a few minutes at most)"
+        "--quick", action="store_true", help="64 MB only, 3 repetitions (about a minute)"
     )
     parser.add_argument("--json", action="store_true", help="print the results as one JSON record")
     parser.add_argument(

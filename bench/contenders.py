@@ -47,6 +47,7 @@ class Sample:
     phases: dict[str, float] = field(default_factory=dict)  # where validated_s went
     criu_restore_s: float | None = None  # CRIU's own restore_time from stats-restore
     handshake_s: float | None = None  # activation written -> validated
+    recovery_s: float | None = None  # of which the server's recovery (recovering -> validated)
 
 
 @dataclass
@@ -106,6 +107,7 @@ class BareCriu:
                 phases=dict(copy.timings),
                 criu_restore_s=stats.restore_time_us / 1e6,
                 handshake_s=copy.timings["handshake"],
+                recovery_s=copy.recovery_s,
             )
         finally:
             copy.stop()

@@ -62,15 +62,15 @@ class Plan:
 
 def full() -> Plan:
     return Plan(
-        sizes_mb=[64, 512, 2048], reps=5, donor_sizes_mb=[64, 512, 2048], donor_reps=3,
+        sizes_mb=[64, 512, 2048], reps=7, donor_sizes_mb=[64, 512, 2048], donor_reps=5,
         concurrency_mb=512, concurrency=[1, 2, 4], cli_reps=10,
     )  # fmt: skip
 
 
 def quick() -> Plan:
     return Plan(
-        sizes_mb=[64], reps=2, donor_sizes_mb=[64], donor_reps=1, concurrency_mb=64,
-        concurrency=[1, 2, 4], cli_reps=3, quick=True,
+        sizes_mb=[64], reps=3, donor_sizes_mb=[64], donor_reps=2, concurrency_mb=64,
+        concurrency=[1, 2, 4], cli_reps=5, quick=True,
     )  # fmt: skip
 
 
@@ -308,6 +308,8 @@ class Runner:
             add("restore_MBps", name, size, image.criu_bytes / MIB / sample.phases["criu"], "MB/s")
         if sample.handshake_s is not None:
             add("handshake_ms", name, size, sample.handshake_s * 1000, "ms")
+        if sample.recovery_s is not None:
+            add("server_recovery_ms", name, size, sample.recovery_s * 1000, "ms")
 
     # -- 7. concurrency ---------------------------------------------------------------------
 
