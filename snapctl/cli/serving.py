@@ -5,13 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from snapctl.cli.output import Steps, emit_json, stderr, stdout
-
+# snapctl.cli.output (rich, pydantic) is imported where it is used: `copy --help` and
+# `donor --help` import this module and must stay fast.
 Progress = Callable[[str], None]
 
 
 def render_report(report: Any) -> None:
     from rich.table import Table
+
+    from snapctl.cli.output import stdout
 
     table = Table(title=f"{report.kind} {report.name}", show_header=False)
     table.add_row("activation", report.activation_id)
@@ -37,6 +39,8 @@ def render_copies(reports: list[Any], total_s: float) -> None:
     """One row per copy with its phase times, and the total wall time of the whole start."""
     from rich.table import Table
 
+    from snapctl.cli.output import stdout
+
     phases = list(dict.fromkeys(phase for report in reports for phase in report.timings_s))
     table = Table(title=f"{len(reports)} copies ready in {total_s * 1000:.0f} ms")
     for column in ("copy", "published", *phases, "sum"):
@@ -53,6 +57,7 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
     """Start (with progress), print the report, then supervise or hand over to a supervisor."""
     from snapctl.activation.supervise import detach as detach_supervisor
     from snapctl.activation.supervise import run_until_stopped
+    from snapctl.cli.output import Steps, emit_json
 
     if detach:
         # The child supervises; the parent prints the child's report and exits there.
@@ -73,6 +78,7 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
 def wait_and_stop(sessions: list[Any], *, as_json: bool) -> None:
     """Supervise in the foreground until Ctrl-C (or every tree exited), then report cleanup."""
     from snapctl.activation.supervise import run_all_until_stopped
+    from snapctl.cli.output import stderr
 
     if not as_json:
         stderr().print("serving; press Ctrl-C to stop", style="dim")

@@ -57,6 +57,27 @@ def test_each_listed_command_loads_and_matches_its_listing(name: str) -> None:
     assert (command.help or "").strip().splitlines()[0] == COMMANDS[name].short_help
 
 
+@pytest.mark.parametrize("command", ["copy", "donor"])
+def test_command_help_imports_nothing_heavy(command: str) -> None:
+    # `snapctl copy --help` imports its command module, but not what only running it needs.
+    probe = (
+        "import sys\n"
+        "from snapctl.cli import main\n"
+        "code = main([sys.argv[1], '--help'])\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in sys.argv[2:]))\n"
+        "sys.exit(code)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, command, *HEAVY_MODULES],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
 def test_help_imports_no_command_and_nothing_heavy() -> None:
     # --help must stay fast: the group lists commands from COMMANDS without importing them.
     probe = (
