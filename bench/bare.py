@@ -71,6 +71,17 @@ def _stage_shm(source: Path, target: Path) -> None:
             seen[st.st_ino] = target / path.name
 
 
+def _errors(log: Path) -> str:
+    """The log's last error lines (the directory holding it is removed on failure)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as error:
+        return f"no log ({error.strerror})"
+    noise = ("iptables", "Address already assigned", "address already assigned", "RLIMIT")
+    errors = [x for x in lines if "Error" in x and not any(n in x for n in noise)]
+    return " | ".join(errors[-3:] or lines[-3:])
+
+
 def _write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -134,7 +145,9 @@ def restore_tree(criu: Path, image: Path, root: Path) -> BareCopy:
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False)
         copy.timings["criu"] = time.monotonic() - staged
         if proc.returncode != 0:
-            raise BareError(f"criu restore exited {proc.returncode} (log: {work}/restore.log)")
+            raise BareError(
+                f"criu restore exited {proc.returncode}: {_errors(work / 'restore.log')}"
+            )
         copy.pid = int(pidfile.read_text())
         return copy
     except BaseException:
@@ -178,5 +191,5 @@ def dump(criu: Path, root_pid: int, images: Path) -> float:
     proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False)
     seconds = time.monotonic() - started
     if proc.returncode != 0:
-        raise BareError(f"criu dump exited {proc.returncode} (log: {images}/dump.log)")
+        raise BareError(f"criu dump exited {proc.returncode}: {_errors(images / 'dump.log')}")
     return seconds

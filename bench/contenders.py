@@ -48,6 +48,8 @@ class Sample:
     criu_restore_s: float | None = None  # CRIU's own restore_time from stats-restore
     handshake_s: float | None = None  # activation written -> validated
     recovery_s: float | None = None  # of which the server's recovery (recovering -> validated)
+    # After validated, up to the first correct completion (where the contender spends it).
+    after: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -108,6 +110,7 @@ class BareCriu:
                 criu_restore_s=stats.restore_time_us / 1e6,
                 handshake_s=copy.timings["handshake"],
                 recovery_s=copy.recovery_s,
+                after={"first completion": ready - validated},
             )
         finally:
             copy.stop()
@@ -133,6 +136,7 @@ class SnapctlCopy:
         try:
             assert report.published is not None
             port = int(report.published.rsplit(":", 1)[1])
+            returned = time.monotonic() - started
             first_correct(host_connect(port), reference, ctx.timeout_s)
             ready = time.monotonic() - started
         finally:
@@ -142,12 +146,18 @@ class SnapctlCopy:
         timings = report.timings_s
         phases = copy_phases(started, marks, timings)
         stats = report.restore_stats or {}
+        validated = sum(phases.values())
         return Sample(
             ready_s=ready,
-            validated_s=sum(phases.values()),
+            validated_s=validated,
             phases=phases,
             criu_restore_s=stats.get("restore_time_us", 0) / 1e6 or None,
             handshake_s=timings["handshake"],
+            after={
+                "HTTP probe": timings["validated_to_http_200"],
+                "rest of start_copy": returned - validated - timings["validated_to_http_200"],
+                "first completion": ready - returned,
+            },
         )
 
 

@@ -86,6 +86,8 @@ class Results(_Strict):
     figures: list[Figure]
     targets: list[Target]
     wall_s: float
+    # Timed starts that failed and were retried once (each a one-line reason).
+    failures: list[str] = []
 
     def find(self, metric: str, contender: str, size_mb: int | None = None) -> Figure | None:
         for figure in self.figures:

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -188,9 +189,20 @@ class Runner:
         self.criu = find_criu()
         self.ctx = Context(state=self.state, criu=self.criu, scratch=self.scratch)
         self.reference: Answer | None = None
+        self.failures: list[str] = []
         self._images: dict[int, Image] = {}
 
     # -- setup ------------------------------------------------------------------------------
+
+    def attempt(self, what: str, run: Callable[[], T]) -> T:
+        """Run one timed start; a failure is recorded and retried once (a shared, loaded host
+        fails now and then), a second failure ends the run."""
+        try:
+            return run()
+        except Exception as error:
+            self.failures.append(f"{what}: {type(error).__name__}: {error}")
+            self.say(f"failed, retrying once: {self.failures[-1]}")
+            return run()
 
     def image(self, size_mb: int) -> Image:
         """A published image of the fixture retaining ``size_mb`` (captured once per run)."""
@@ -242,6 +254,7 @@ class Runner:
             ),
             figures=self.rec.figures(),
             targets=self.targets(),
+            failures=self.failures,
             wall_s=round(time.monotonic() - started, 3),
         )
 
@@ -286,7 +299,10 @@ class Runner:
                 self.rec.add("read_MBps", "page cache -> reused buffer", size, cached, "MB/s")
                 self.rec.add("read_MBps", "page cache -> fresh memory", size, fresh, "MB/s")
                 for contender in rotated(contenders, rep):
-                    sample = contender.run(self.ctx, image, self.reference)
+                    sample = self.attempt(
+                        f"{contender.name} {size} MB",
+                        partial(contender.run, self.ctx, image, self.reference),
+                    )
                     self.say(
                         f"{size} MB rep {rep + 1}/{self.plan.reps}: {contender.name}: "
                         f"ready {sample.ready_s:.3f} s"
@@ -302,6 +318,8 @@ class Runner:
             add("validated_s", name, size, sample.validated_s, "s")
         for phase, seconds in sample.phases.items():
             add(f"phase:{phase}", name, size, seconds, "s")
+        for phase, seconds in sample.after.items():
+            add(f"after:{phase}", name, size, seconds, "s")
         if sample.criu_restore_s is not None:
             add("criu_restore_time_s", name, size, sample.criu_restore_s, "s")
         if "criu" in sample.phases:
@@ -317,26 +335,35 @@ class Runner:
         image = self.image(self.plan.concurrency_mb)
         for rep in range(self.plan.reps):
             for count in rotated(self.plan.concurrency, rep):
-                started = time.monotonic()
-                results = start_copies(
-                    image.path, fixture_options(image.size_mb), count, criu=self.criu,
-                    native=NoNativeStep(), publish_base=None, state=self.state,
-                    progress=lambda _: None,
-                )  # fmt: skip
-                total = time.monotonic() - started
-                failures = [r for r in results if not isinstance(r, tuple)]
-                for result in results:
-                    if isinstance(result, tuple):
-                        session, report = result
-                        session.stop()
-                        self.rec.add(
-                            "concurrent_per_copy_s", f"{count} at once", image.size_mb,
-                            sum(report.timings_s.values()), "s",
-                        )  # fmt: skip
-                if failures:
-                    raise RuntimeError(f"{len(failures)} of {count} copies failed: {failures[0]}")
+                total, per_copy = self.attempt(
+                    f"{count} copies at once",
+                    partial(self.copies_at_once, image, count),
+                )
+                for seconds in per_copy:
+                    self.rec.add(
+                        "concurrent_per_copy_s", f"{count} at once", image.size_mb, seconds, "s"
+                    )
                 self.rec.add("concurrent_total_s", f"{count} at once", image.size_mb, total, "s")
                 self.say(f"{count} copies at once ({image.size_mb} MB): {total:.3f} s")
+
+    def copies_at_once(self, image: Image, count: int) -> tuple[float, list[float]]:
+        """``start_copies``: all ready (s), and each copy's own ``timings_s`` sum."""
+        started = time.monotonic()
+        results = start_copies(
+            image.path, fixture_options(image.size_mb), count, criu=self.criu,
+            native=NoNativeStep(), publish_base=None, state=self.state, progress=lambda _: None,
+        )  # fmt: skip
+        total = time.monotonic() - started
+        per_copy = []
+        for result in results:
+            if isinstance(result, tuple):
+                session, report = result
+                session.stop()
+                per_copy.append(sum(report.timings_s.values()))
+        failures = [r for r in results if not isinstance(r, tuple)]
+        if failures:
+            raise RuntimeError(f"{len(failures)} of {count} copies failed: {failures[0]}")
+        return total, per_copy
 
     # -- 3. donor pause ---------------------------------------------------------------------
 
@@ -344,11 +371,8 @@ class Runner:
         for size in self.plan.donor_sizes_mb:
             for rep in range(self.plan.donor_reps):
                 for which in rotated(["snapctl donor", "bare CRIU dump"], rep):
-                    frozen, wall = (
-                        self.snapctl_donor(size)
-                        if which == "snapctl donor"
-                        else self.bare_dump(size)
-                    )
+                    measure = self.snapctl_donor if which == "snapctl donor" else self.bare_dump
+                    frozen, wall = self.attempt(f"{which} {size} MB", partial(measure, size))
                     self.rec.add("frozen_s", which, size, frozen, "s")
                     self.rec.add("dump_s", which, size, wall, "s")
                     self.say(f"donor {size} MB: {which}: frozen {frozen:.3f} s (dump {wall:.3f} s)")

@@ -44,6 +44,11 @@ def test_every_measurement_has_every_contender(results: Results) -> None:
     assert snapctl_phases == {
         f"phase:{p}" for p in ("verify", "setup", "stage", "criu", "after restore", "handshake")
     }
+    after = {f.metric for f in results.figures if f.metric.startswith("after:")}
+    assert after == {
+        "after:HTTP probe", "after:rest of start_copy", "after:first completion",
+    }  # fmt: skip
+    assert results.find("after:first completion", "bare CRIU", size) is not None
     for which in ("page cache -> reused buffer", "page cache -> fresh memory"):
         assert results.find("read_MBps", which, size) is not None
     for which in ("snapctl donor", "bare CRIU dump"):
