@@ -178,12 +178,13 @@ def handshake(copy: BareCopy, image: Path, timeout_s: float) -> float | None:
         time.sleep(HANDSHAKE_POLL_S)
 
 
-def dump(criu: Path, root_pid: int, images: Path) -> float:
-    """``criu dump --leave-running`` of the tree at ``root_pid``; return the dump's wall time."""
+def dump(criu: Path, root_pid: int, images: Path, verbose: bool = False) -> float:
+    """``criu dump --leave-running`` of the tree at ``root_pid``; return the dump's wall time.
+    ``verbose`` adds ``-v4`` (snapctl's log level), to show what the log level costs."""
     images.mkdir(mode=0o700)
     argv = [
         str(criu), "dump", "-t", str(root_pid), "-D", str(images), "-o", str(images / "dump.log"),
-        "--leave-running", *TREE_OPTIONS,
+        "--leave-running", *TREE_OPTIONS, *(["-v4"] if verbose else []),
     ]  # fmt: skip
     for key, target in EXTERNAL.items():
         argv += ["--external", f"mnt[{target}]:{key}"]

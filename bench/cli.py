@@ -30,9 +30,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--from-json", type=Path, help="render a saved run (benchmarks.json) instead of measuring"
     )
+    parser.add_argument(
+        "--sizes", type=_sizes, help="retained MB to measure, comma-separated (default 64,512,2048)"
+    )
+    parser.add_argument("--reps", type=int, help="repetitions per size (default 7; --quick 3)")
     parser.add_argument("--work-dir", type=Path, help="parent of the scratch directory (/tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     return parser
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [int(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError("sizes are positive integers, e.g. 64,512")
+    return sizes
 
 
 def say(message: str) -> None:
@@ -49,9 +60,15 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from bench.run import Runner, full, quick, workdir
 
+        plan = quick() if args.quick else full()
+        if args.sizes:
+            plan.sizes_mb = plan.donor_sizes_mb = args.sizes
+            plan.concurrency_mb = args.sizes[len(args.sizes) // 2]
+        if args.reps:
+            plan.reps = args.reps
         with workdir(args.work_dir, args.keep) as work:
             say(f"scratch directory {work}")
-            results = Runner(quick() if args.quick else full(), work, say).run()
+            results = Runner(plan, work, say).run()
     if args.write_docs:
         from bench.docs import write
 

@@ -43,6 +43,8 @@ from snapctl.supervision.state import StateDir
 T = TypeVar("T")
 Say = Callable[[str], None]
 READ_CHUNK = 8 << 20
+# The donor pause's contenders; "-v4" is bare CRIU at snapctl's log level.
+DONOR_CONTENDERS = ("snapctl donor", "bare CRIU dump", "bare CRIU dump -v4")
 MIB = 1 << 20
 
 
@@ -368,10 +370,15 @@ class Runner:
     # -- 3. donor pause ---------------------------------------------------------------------
 
     def measure_donor_pause(self) -> None:
+        ways: dict[str, Callable[[int], tuple[float, float]]] = {
+            "snapctl donor": self.snapctl_donor,
+            "bare CRIU dump": partial(self.bare_dump, verbose=False),
+            "bare CRIU dump -v4": partial(self.bare_dump, verbose=True),
+        }
         for size in self.plan.donor_sizes_mb:
             for rep in range(self.plan.donor_reps):
-                for which in rotated(["snapctl donor", "bare CRIU dump"], rep):
-                    measure = self.snapctl_donor if which == "snapctl donor" else self.bare_dump
+                for which in rotated(list(DONOR_CONTENDERS), rep):
+                    measure = ways[which]
                     frozen, wall = self.attempt(f"{which} {size} MB", partial(measure, size))
                     self.rec.add("frozen_s", which, size, frozen, "s")
                     self.rec.add("dump_s", which, size, wall, "s")
@@ -391,7 +398,7 @@ class Runner:
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
-    def bare_dump(self, size_mb: int) -> tuple[float, float]:
+    def bare_dump(self, size_mb: int, verbose: bool) -> tuple[float, float]:
         """The same tree, launched the same way, dumped by raw CRIU without snapctl."""
         options = fixture_options(size_mb)
         session = new_session(self.state, "donor", None)
@@ -403,7 +410,7 @@ class Runner:
                 argv, cwd, session.dirs, options, dict(os.environ)
             )
             wait_capture_ready(session.dirs, session.root, options.timeout_s)
-            wall = bare.dump(self.criu.path, session.root.pid, images)
+            wall = bare.dump(self.criu.path, session.root.pid, images, verbose)
             return read_dump_stats(images).frozen_time_us / 1e6, wall
         finally:
             session.stop()
