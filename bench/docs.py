@@ -54,9 +54,11 @@ so work between the timed phases is counted too (`setup`, `after restore`).
 
 Donor pause is CRIU's own `frozen_time` (from `stats-dump`) for `start_donor` and for a bare
 `criu dump --leave-running` of a tree launched the same way (snapctl's sandbox, waited to
-capture-ready), at CRIU's default log level and at snapctl's (`-v4`). Throughput is the size of the image's `criu/` directory divided by the wall time
-of the `criu restore` process, next to reading the same files from page cache into one reused
-buffer, and into freshly mapped memory (which every restored page needs). CLI start is the wall
+capture-ready), at CRIU's default log level and at snapctl's (`-v4`).
+
+Throughput is the size of the image's `criu/` directory divided by the wall time of the
+`criu restore` process, next to reading the same files from page cache into one reused buffer,
+and into freshly mapped memory (which every restored page needs). CLI start is the wall
 time of the console script. Concurrency runs `start_copies` with 1, 2 and 4 copies of one image.
 """
 

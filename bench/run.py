@@ -353,7 +353,8 @@ class Runner:
         started = time.monotonic()
         results = start_copies(
             image.path, fixture_options(image.size_mb), count, criu=self.criu,
-            native=NoNativeStep(), publish_base=None, state=self.state, progress=lambda _: None,
+            native=NoNativeStep(), publish_base=None, state=self.state,
+            progress_for=lambda label: lambda step: None,
         )  # fmt: skip
         total = time.monotonic() - started
         per_copy = []
