@@ -1,10 +1,11 @@
 """Capturer-side waits for control files: woken by inotify, bounded by a wall-clock deadline.
 
-A :class:`ControlDirWatcher` holds one inotify descriptor on the control directory and the
-waiting thread sleeps in ``select`` on it, so a file that appears wakes that thread within
-microseconds, with no helper thread to start, hop through or join (a watchdog observer cost
-10-25 ms to tear down after each handshake on a loaded host). Every wait also re-reads on a
-short poll interval, so a missed or coalesced event costs at most one interval, never a hang.
+A :class:`ControlDirWatcher` holds one inotify watch on the control directory and the waiting
+thread sleeps in ``select`` on its descriptor, so a file that appears wakes that thread at once,
+with no helper thread to start, hop through or join. Descriptors are pooled, not closed: closing
+one waits for a kernel grace period (10-25 ms on a loaded host, which a watchdog observer paid
+after every handshake). Every wait also re-reads on a short poll interval, so a missed or
+coalesced event costs at most one interval, never a hang.
 Each round checks that the watched process is still alive. Only the capturer uses this module:
 the server side (:mod:`snapctl.launcher`) polls, so no inotify descriptor ends up in a CRIU
 image.
