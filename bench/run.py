@@ -4,14 +4,9 @@ kept, targets judged as ratios of medians measured in this one run."""
 
 from __future__ import annotations
 
-import datetime
-import mmap
 import os
-import platform
 import shutil
-import statistics
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +18,9 @@ from typing import TypeVar
 
 from bench import bare
 from bench.contenders import ColdStart, Contender, Context, Image, Sample, default_contenders
-from bench.results import Figure, Machine, Results, Settings, Target, Unit, judge
+from bench.machine import MIB, cli_commands, image_files, machine, read_rates
+from bench.results import Results, Settings
+from bench.tally import Recorder, judge_targets
 from bench.workload import Answer, ColdServer, ensure_model, first_correct, host_connect
 from bench.workload import launch_options as fixture_options
 from snapctl.activation.copy import start_copies
@@ -42,10 +39,8 @@ from snapctl.supervision.state import StateDir
 
 T = TypeVar("T")
 Say = Callable[[str], None]
-READ_CHUNK = 8 << 20
 # The donor pause's contenders; "-v4" is bare CRIU at snapctl's log level.
 DONOR_CONTENDERS = ("snapctl donor", "bare CRIU dump", "bare CRIU dump -v4")
-MIB = 1 << 20
 
 
 @dataclass
@@ -90,93 +85,6 @@ def rotated(items: Sequence[T], rep: int) -> list[T]:
     return [*items[shift:], *items[:shift]]
 
 
-class Recorder:
-    """Collects samples into figures keyed by (metric, contender, size)."""
-
-    def __init__(self) -> None:
-        self._samples: dict[tuple[str, str, int | None], list[float]] = {}
-        self._units: dict[str, Unit] = {}
-
-    def add(
-        self, metric: str, contender: str, size_mb: int | None, value: float, unit: Unit
-    ) -> None:
-        self._samples.setdefault((metric, contender, size_mb), []).append(round(value, 6))
-        self._units[metric] = unit
-
-    def median(self, metric: str, contender: str, size_mb: int | None = None) -> float:
-        return statistics.median(self._samples[(metric, contender, size_mb)])
-
-    def has(self, metric: str, contender: str, size_mb: int | None = None) -> bool:
-        return (metric, contender, size_mb) in self._samples
-
-    def figures(self) -> list[Figure]:
-        return [
-            Figure(metric=m, contender=c, size_mb=s, unit=self._units[m], samples=v)
-            for (m, c, s), v in self._samples.items()
-        ]
-
-
-def machine(criu_version: str) -> Machine:
-    cpu = "unknown"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    mem_kib = int(Path("/proc/meminfo").read_text().split()[1])
-    return Machine(
-        cpu=cpu,
-        cores=os.cpu_count() or 0,
-        memory_gib=round(mem_kib / (1 << 20), 1),
-        kernel=platform.release(),
-        python=platform.python_version(),
-        criu=criu_version,
-        load_average=os.getloadavg(),
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-    )
-
-
-def _image_files(image: Path) -> list[Path]:
-    return sorted(p for p in (image / "criu").rglob("*") if p.is_file())
-
-
-def read_rates(image: Path) -> tuple[float, float]:
-    """MB/s reading the image's CRIU files from page cache into one reused buffer, and into
-    freshly mapped anonymous memory (what a restore must do: every page is new to the tree)."""
-    files = _image_files(image)
-    total = sum(p.stat().st_size for p in files)
-    buffer = bytearray(READ_CHUNK)
-    started = time.monotonic()
-    for path in files:
-        with path.open("rb", buffering=0) as handle:
-            while handle.readinto(buffer):
-                pass
-    cached = total / MIB / (time.monotonic() - started)
-    started = time.monotonic()
-    for path in files:
-        size = path.stat().st_size
-        if not size:
-            continue
-        with path.open("rb", buffering=0) as handle, mmap.mmap(-1, size) as fresh:
-            view = memoryview(fresh)
-            offset = 0
-            while offset < size and (got := handle.readinto(view[offset : offset + READ_CHUNK])):
-                offset += got
-            view.release()
-    fresh_rate = total / MIB / (time.monotonic() - started)
-    return cached, fresh_rate
-
-
-def cli_commands() -> dict[str, list[str]]:
-    """The CLI as a user runs it (the console script beside this Python, else ``-m``)."""
-    script = Path(sys.executable).parent / "snapctl"
-    snapctl = [str(script)] if script.exists() else [sys.executable, "-m", "snapctl"]
-    return {
-        "python -c pass": [sys.executable, "-c", "pass"],
-        "snapctl --help": [*snapctl, "--help"],
-        "snapctl copy --help": [*snapctl, "copy", "--help"],
-    }
-
-
 class Runner:
     """Runs a :class:`Plan` in a scratch directory and returns :class:`Results`."""
 
@@ -218,7 +126,7 @@ class Runner:
             activate_donor=False,
         )  # fmt: skip
         session.stop()
-        image = Image(size_mb, path, sum(p.stat().st_size for p in _image_files(path)))
+        image = Image(size_mb, path, sum(p.stat().st_size for p in image_files(path)))
         self._images[size_mb] = image
         return image
 
@@ -255,7 +163,7 @@ class Runner:
                 contenders=[c.name for c in self.plan.contenders],
             ),
             figures=self.rec.figures(),
-            targets=self.targets(),
+            targets=judge_targets(self.rec, self.plan),
             failures=self.failures,
             wall_s=round(time.monotonic() - started, 3),
         )
@@ -416,74 +324,6 @@ class Runner:
         finally:
             session.stop()
             shutil.rmtree(images, ignore_errors=True)
-
-    # -- targets ----------------------------------------------------------------------------
-
-    def targets(self) -> list[Target]:
-        rec, found = self.rec, []
-        snap = next((c.name for c in self.plan.contenders if c.name.startswith("snapctl")), None)
-        for size in self.plan.sizes_mb:
-            if (
-                snap
-                and rec.has("validated_s", snap, size)
-                and rec.has("validated_s", "bare CRIU", size)
-            ):
-                ratio = rec.median("validated_s", snap, size) / rec.median(
-                    "validated_s", "bare CRIU", size
-                )
-                found.append(
-                    judge(
-                        f"copy restore-to-validated / bare CRIU, {size} MB", ratio, 1.3, "x", "<="
-                    )
-                )
-            if snap and rec.has("restore_MBps", snap, size):
-                ratio = rec.median("restore_MBps", snap, size) / rec.median(
-                    "read_MBps", "page cache -> reused buffer", size
-                )
-                found.append(
-                    judge(f"restore throughput / page-cache read, {size} MB", ratio, 0.5, "x", ">=")
-                )
-        for size in self.plan.donor_sizes_mb:
-            ratio = rec.median("frozen_s", "snapctl donor", size) / rec.median(
-                "frozen_s", "bare CRIU dump", size
-            )
-            found.append(
-                judge(f"donor frozen time / bare CRIU dump, {size} MB", ratio, 1.1, "x", "<=")
-            )
-        if snap:
-            handshakes = [
-                v for f in rec.figures() if f.metric == "handshake_ms" and f.contender == snap
-                for v in f.samples
-            ]  # fmt: skip
-            if handshakes:
-                found.append(
-                    judge(
-                        "handshake (activation -> validated)",
-                        statistics.median(handshakes),
-                        20,
-                        "ms",
-                        "<=",
-                    )
-                )
-        found.append(
-            judge(
-                "snapctl --help",
-                rec.median("cli_start_s", "snapctl --help") * 1000,
-                150,
-                "ms",
-                "<=",
-            )
-        )
-        counts = self.plan.concurrency
-        if 1 in counts and max(counts) > 1:
-            most, size = max(counts), self.plan.concurrency_mb
-            ratio = rec.median("concurrent_total_s", f"{most} at once", size) / rec.median(
-                "concurrent_total_s", "1 at once", size
-            )
-            found.append(
-                judge(f"{most} concurrent copies / one copy", ratio, float(most), "x", "<")
-            )
-        return found
 
 
 @contextmanager
