@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from bench.results import Figure, Results
 
@@ -377,24 +378,34 @@ def plot(results: Results, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    from matplotlib.ticker import FuncFormatter
+
     figure, axes = plt.subplots(figsize=(7, 4.2), dpi=120)
     sizes = _sizes(results, "ready_s")
+    colors: dict[str, Any] = {}  # matplotlib colour specs
     for contender in _contenders(results, "ready_s"):
         figs = [results.find("ready_s", contender, size) for size in sizes]
         points = [(size, f) for size, f in zip(sizes, figs, strict=True) if f is not None]
         xs = [size for size, _ in points]
         ys = [f.median for _, f in points]
         errors = [[f.median - f.low for _, f in points], [f.high - f.median for _, f in points]]
-        axes.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=contender)
+        line = axes.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=contender)
+        colors[contender] = line.lines[0].get_color()
     for contender in _contenders(results, "validated_s"):
         figs = [results.find("validated_s", contender, size) for size in sizes]
         medians = [(size, f.median) for size, f in zip(sizes, figs, strict=True) if f is not None]
         axes.plot(
             [size for size, _ in medians], [value for _, value in medians],
-            linestyle=":", marker=".", label=f"{contender}: validated",
+            linestyle=":", marker=".", color=colors.get(contender),
+            label=f"{contender}: validated",
         )  # fmt: skip
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
+    # After set_yscale, which installs its own (10^x) formatters.
+    seconds = FuncFormatter(lambda value, _: f"{value:g} s")
+    axes.yaxis.set_major_formatter(seconds)
+    axes.yaxis.set_minor_formatter(seconds)
+    axes.tick_params(axis="y", which="minor", labelsize=7)
     axes.set_xticks(sizes, [f"{size} MB" for size in sizes])
     axes.set_xlabel("retained memory (image size)")
     axes.set_ylabel("seconds to first correct completion")
