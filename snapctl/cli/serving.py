@@ -97,6 +97,8 @@ def note_pages_complete(session: Any) -> None:
     """For a lazy copy in the foreground: say on stderr when its last page arrived."""
     import threading
 
+    from snapctl.cli.output import stderr
+
     if session.lazy is None:
         return
 
