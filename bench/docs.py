@@ -44,10 +44,13 @@ Contenders:
   `status.json` = validated; the completion is sent from a thread inside the copy's network
   namespace.
 - **snapctl copy**: `start_copy` (what `snapctl copy` runs): image verification (cached by
-  file identity after the first, full hash), fresh activation directories, shm staging,
-  `criu restore` with `-v4` logs, pinning the restored tree, the v1 handshake through
-  `ControlDir`, the HTTP probe, then a host port published through the copy's namespace; the
-  completion goes through that published port.
+  file identity after the first, full hash), the identity gate, fresh activation directories,
+  shm staging, `criu restore` with `-v4` logs, pinning the restored tree, the v1 handshake
+  through `ControlDir`, the HTTP probe, then a host port published through the copy's
+  namespace; the completion goes through that published port.
+- **snapctl copy --lazy**: the same with `lazy=True`: its own `criu lazy-pages` daemon, a
+  `--lazy-pages` restore, serving while pages still arrive; each run waits until the daemon
+  has pushed every page before the next contender starts (and reports when that was).
 
 Restore-to-validated is measured from the contender's "go" to `status.json` = validated.
 snapctl's phases come from `report.timings_s`, placed on one clock by its progress callbacks,
@@ -128,7 +131,7 @@ def _difference(results: Results, snap: str) -> list[str]:
     for size in _sizes(results, "validated_s"):
         own = sum(
             _median(results, f"phase:{p}", snap, size) or 0.0
-            for p in ("verify", "setup", "after restore")
+            for p in ("verify", "identity", "setup", "after restore")
         )
         cells = [f"{size} MB", _num(own, "s")]
         for phase in ("stage", "criu", "handshake"):
@@ -139,11 +142,11 @@ def _difference(results: Results, snap: str) -> list[str]:
         cells.append("-" if a is None or b is None else f"{(a - b) * 1000:+.1f} ms")
         rows.append(cells)
     return [
-        "Where the difference goes (snapctl minus bare CRIU, medians; `verify`, `setup` and "
-        "`after restore` exist only in snapctl):",
+        "Where the difference goes (snapctl minus bare CRIU, medians; `verify`, `identity`, "
+        "`setup` and `after restore` exist only in snapctl):",
         "",
         *_table(
-            ["retained", "verify + setup + after restore", "stage", "criu", "handshake", "total"],
+            ["retained", "snapctl's own steps", "stage", "criu", "handshake", "total"],
             rows,
         ),
     ]
@@ -275,6 +278,13 @@ def render(results: Results, plot: str | None) -> str:
     ]
     out += ["Cold start / snapctl copy (how many times sooner a copy answers):", ""]
     out += _table(["retained", "speed-up"], speedups)
+    if _sizes(results, "pages_complete_s"):
+        out += [
+            "A lazy copy serves before its memory is in; its lazy-pages daemon has pushed the "
+            "last page this long after the start (the copy is complete only then):",
+            "",
+        ]
+        out += _by_size(results, "pages_complete_s")
     out += [
         "From validated to the first correct completion (snapctl: its HTTP probe through the "
         "copy's namespace, the rest of `start_copy` (record, statistics, report), then the "

@@ -232,7 +232,9 @@ class Runner:
             add(f"after:{phase}", name, size, seconds, "s")
         if sample.criu_restore_s is not None:
             add("criu_restore_time_s", name, size, sample.criu_restore_s, "s")
-        if "criu" in sample.phases:
+        if sample.pages_complete_s is not None:
+            add("pages_complete_s", name, size, sample.pages_complete_s, "s")
+        if "criu" in sample.phases and sample.all_pages_restored:
             add("restore_MBps", name, size, image.criu_bytes / MIB / sample.phases["criu"], "MB/s")
         if sample.handshake_s is not None:
             add("handshake_ms", name, size, sample.handshake_s * 1000, "ms")
