@@ -1,7 +1,8 @@
 """Running CRIU: finding a usable binary, reproducible invocations, errors and statistics.
 
 Everything that executes ``criu`` goes through :func:`run_criu`, which always passes
-``--images-dir``, ``--log-file`` and ``-v4``, writes the exact argv beside the log, and raises
+``--images-dir``, ``--log-file`` and a log level (``-v4``; dumps ``-v3``, which run while the
+tree is frozen), writes the exact argv beside the log, and raises
 :class:`CriuError` with the log tail when CRIU fails.
 """
 

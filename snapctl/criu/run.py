@@ -13,8 +13,8 @@ from pathlib import Path
 from snapctl.criu.locate import CriuBinary
 from snapctl.errors import SnapctlError
 
-# Passed to every invocation: full logs, and no iptables (not installed on our hosts).
-COMMON_OPTIONS: tuple[str, ...] = ("-v4",)
+# Every invocation logs at debug level unless its caller has a reason to log less (dump_tree).
+DEFAULT_LOG_LEVEL = 4
 LOG_TAIL_LINES = 25
 
 
@@ -54,7 +54,12 @@ def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def criu_argv(
-    criu: CriuBinary, action: str, images_dir: Path, log_path: Path, args: Sequence[str]
+    criu: CriuBinary,
+    action: str,
+    images_dir: Path,
+    log_path: Path,
+    args: Sequence[str],
+    log_level: int = DEFAULT_LOG_LEVEL,
 ) -> tuple[str, ...]:
     """The full argv of ``criu ACTION``, also written to ``<log>.argv`` beside the log."""
     argv = (
@@ -64,7 +69,7 @@ def criu_argv(
         str(images_dir),
         "--log-file",
         str(log_path),
-        *COMMON_OPTIONS,
+        f"-v{log_level}",
         *args,
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -109,11 +114,12 @@ def run_criu(
     timeout_s: float,
     env: Mapping[str, str] | None = None,
     pass_fds: Sequence[int] = (),
+    log_level: int = DEFAULT_LOG_LEVEL,
 ) -> CriuResult:
     """Run ``criu ACTION`` to completion; raise :class:`CriuError` unless it succeeds."""
     if not (timeout_s > 0 and timeout_s < float("inf")):
         raise ValueError("timeout_s must be positive and finite")
-    argv = criu_argv(criu, action, images_dir, log_path, args)
+    argv = criu_argv(criu, action, images_dir, log_path, args, log_level)
     started = time.monotonic()
     # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt here waits for
     # CRIU to finish: killed half-way, it leaves a frozen tree or an unknown restored one.

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.criu import CriuBinary, CriuError, run_criu
+from snapctl.criu.ops import dump_tree
 
 # A fake criu: records its argv and environment, writes a log to --log-file, then behaves as
 # FAKE_MODE says (ok, fail, hang).
@@ -54,6 +55,26 @@ def test_success_records_the_exact_argv_beside_the_log(fake: CriuBinary, tmp_pat
     assert (tmp_path / "argv").read_text().splitlines() == list(result.argv[1:])
     assert (log.parent / "dump.argv").read_text() == shlex.join(result.argv) + "\n"
     assert result.log_path == log and result.action == "dump" and result.seconds >= 0
+
+
+def test_log_level_can_be_lowered(fake: CriuBinary, tmp_path: Path) -> None:
+    result = run_criu(
+        fake, "dump", tmp_path / "img", tmp_path / "dump.log", ["--tree", "7"], timeout_s=10,
+        env={"FAKE_MODE": "ok"}, log_level=3,
+    )  # fmt: skip
+
+    assert "-v3" in result.argv and "-v4" not in result.argv
+
+
+def test_dump_tree_logs_at_info_level(fake: CriuBinary, tmp_path: Path) -> None:
+    # Its log is written while the tree is frozen: debug lines would lengthen the pause.
+    result = dump_tree(
+        fake, 7, tmp_path / "img", tmp_path / "dump.log", external_mounts={},
+        action_script=tmp_path / "script", timeout_s=10, env={"FAKE_MODE": "ok"},
+    )  # fmt: skip
+
+    assert result.argv[6] == "-v3" and "-v4" not in result.argv
+    assert (tmp_path / "argv").read_text().splitlines()[5] == "-v3"
 
 
 def test_failure_raises_with_the_log_tail(fake: CriuBinary, tmp_path: Path) -> None:
