@@ -58,7 +58,8 @@ so work between the timed phases is counted too (`setup`, `after restore`).
 
 Donor pause is CRIU's own `frozen_time` (from `stats-dump`) for `start_donor` and for a bare
 `criu dump --leave-running` of a tree launched the same way (snapctl's sandbox, waited to
-capture-ready), at CRIU's default log level and at snapctl's (`-v4`).
+capture-ready), at CRIU's default log level and at its debug level (`-v4`, what snapctl uses
+for every CRIU call but the dump, which it runs at `-v3`).
 
 Throughput is the size of the image's `criu/` directory divided by the wall time of the
 `criu restore` process, next to reading the same files from page cache into one reused buffer,
@@ -185,15 +186,16 @@ def _misses(results: Results, snap: str) -> list[str]:
             overlap = ours.low <= theirs.high and theirs.low <= ours.high
             note = f"- *{target.name}*: snapctl {cell(ours)} against bare CRIU {cell(theirs)}"
             if verbose is not None:
-                note += f" and bare CRIU at snapctl's log level (`-v4`) {cell(verbose)}"
+                note += f" and bare CRIU at debug level (`-v4`) {cell(verbose)}"
             note += (
                 "; the spreads overlap, so this run cannot tell them apart on this shared machine. "
                 if overlap
                 else ". "
             )
             note += (
-                "snapctl's dump differs from the bare one only by `-v4` and its post-dump action "
-                "script (`cp -a` of the activation's /dev/shm while the tree is frozen)."
+                "snapctl's dump differs from the bare one only by its log level (`-v3`) and its "
+                "post-dump action script (`cp -a` of the activation's /dev/shm while the tree is "
+                "frozen)."
             )
             notes.append(note)
         elif target.name.startswith("handshake"):

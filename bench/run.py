@@ -39,7 +39,7 @@ from snapctl.supervision.state import StateDir
 
 T = TypeVar("T")
 Say = Callable[[str], None]
-# The donor pause's contenders; "-v4" is bare CRIU at snapctl's log level.
+# The donor pause's contenders; "-v4" is bare CRIU at debug level (what the dump log costs).
 DONOR_CONTENDERS = ("snapctl donor", "bare CRIU dump", "bare CRIU dump -v4")
 
 
