@@ -214,7 +214,12 @@ def _misses(results: Results, snap: str) -> list[str]:
                     f"(median {statistics.median(recovery):.1f} ms from `recovering` to "
                     f"`validated`: remapping and hashing the weights, refilling the KV cache in "
                     f"fresh memory, the canary), which no capturer can shorten; bare CRIU's "
-                    f"minimal handshake takes {statistics.median(minimal):.1f} ms (median) too."
+                    f"minimal handshake takes {statistics.median(minimal):.1f} ms (median) too. "
+                    f"The other {statistics.median(minimal) - statistics.median(recovery):.0f} ms "
+                    "are the protocol itself, mostly on the server's side: it polls for "
+                    "activation.json and release.json every 5 ms (`snapctl.launcher`, which must "
+                    "not hold an inotify descriptor or thread in the image) and writes three "
+                    "files with fsync."
                 )
         else:
             notes.append(
