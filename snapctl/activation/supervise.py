@@ -86,7 +86,8 @@ def detach(start: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any] | None:
     try:
         supervised, report = start()
     except SnapctlError as error:
-        writer.write(json.dumps({"error": str(error).splitlines()[0], "status": 1}) + "\n")
+        status = int(getattr(error, "exit_status", 1))
+        writer.write(json.dumps({"error": error.message, "status": status}) + "\n")
         writer.close()
         os._exit(1)
     record = report.model_dump(mode="json") if hasattr(report, "model_dump") else report

@@ -32,8 +32,10 @@ def state(tmp_path: Path) -> Iterator[Path]:
     collect_orphans(records)
 
 
-def snapctl(state: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state), API_KEY_ENV: API_KEY}
+def snapctl(
+    state: Path, *args: str, extra_env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state), API_KEY_ENV: API_KEY, **(extra_env or {})}
     return subprocess.run(
         [sys.executable, "-m", "snapctl", *args], env=env, capture_output=True, text=True,
         timeout=180, check=False,
@@ -90,6 +92,20 @@ def test_count_failure_stops_every_copy(tmp_path: Path, state: Path, criu_binary
     assert result.returncode != 0
     assert "2 of 2 copies failed" in result.stderr and "401" in result.stderr
     assert result.stdout == ""
+    assert list((state / "activations").iterdir()) == []
+
+
+def test_detached_refusal_lists_every_difference(
+    tmp_path: Path, state: Path, criu_binary: object
+) -> None:
+    image = tmp_path / "image"
+    ok(snapctl(state, "bake", "--image", str(image), "--api-key-env", API_KEY_ENV, "--json"))
+    result = snapctl(state, "copy", "--image", str(image), "--detach",
+                     extra_env={"IDENTITY_TEST_EXTRA": "1"})  # fmt: skip
+    assert result.returncode == 5, result.stderr  # ExitStatus.VERIFY_FAILED
+    lines = result.stderr.splitlines()
+    assert "--allow-mismatch env" in lines[0]
+    assert any(line.strip().startswith("env:") and "IDENTITY_TEST_EXTRA" in line for line in lines)
     assert list((state / "activations").iterdir()) == []
 
 
