@@ -7,20 +7,22 @@ import contextlib
 import json
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.session import CleanupAudit, Session, end_stragglers
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
 from snapctl.supervision.state import ActivationRecord, StateDir
+
+Progress = Callable[[str], None]
 
 
 def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
@@ -58,46 +60,94 @@ def run_all_until_stopped(
     return [results[index] for index in range(len(sessions))]
 
 
-def detach(start: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any] | None:
-    """Fork a supervisor that runs ``start``; only the supervisor (child) returns.
+class DetachedStartError(SnapctlError):
+    """The detached supervisor could not start what it was asked to (its error, relayed)."""
 
-    ``start`` returns what the supervisor will supervise and a report (a pydantic model or a
-    JSON-ready dict). The parent prints the child's report (or error) and exits with its status.
+    def __init__(self, message: str, *, exit_status: int = 1, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        try:
+            self.exit_status = ExitStatus(exit_status)
+        except ValueError:
+            self.exit_status = ExitStatus.ERROR
+
+
+@dataclass(frozen=True)
+class InSupervisor:
+    """What :func:`detach` returns in the forked supervisor: what it must now supervise."""
+
+    supervised: Any
+    report: Any
+
+
+def detach(
+    start: Callable[[Callable[[str], Progress]], tuple[Any, Any]],
+    on_progress: Callable[[str, str], None] = lambda lane, step: None,
+) -> InSupervisor | dict[str, Any]:
+    """Fork a supervisor that runs ``start(progress_for)`` and then outlives this command.
+
+    In the supervisor this returns :class:`InSupervisor`. In the parent it relays the
+    supervisor's progress to ``on_progress(lane, step)`` and returns its report (a JSON-ready
+    dict) once the activation is ready, or raises its error as :class:`DetachedStartError`.
     """
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid:
         os.close(write_fd)
-        with os.fdopen(read_fd, "rb") as reader:
-            line = reader.readline()
-        if not line:
-            sys.stderr.write("error: the detached supervisor exited before reporting\n")
-            os._exit(1)
-        message = json.loads(line)
-        if message.get("error"):
-            sys.stderr.write(f"error: {message['error']}\n")
-            os._exit(int(message.get("status", 1)))
-        sys.stdout.write(json.dumps(message["report"]) + "\n")
-        sys.stdout.flush()
-        os._exit(0)
+        return _relay(read_fd, on_progress)
     os.close(read_fd)
     os.setsid()
     writer = os.fdopen(write_fd, "w")
+    lock = threading.Lock()
+
+    def send(message: dict[str, Any]) -> None:
+        with lock, contextlib.suppress(OSError):  # a parent gone early changes nothing here
+            writer.write(json.dumps(message) + "\n")
+            writer.flush()
+
+    def progress_for(lane: str) -> Progress:
+        return lambda step: send({"lane": lane, "progress": step})
+
     try:
-        supervised, report = start()
+        supervised, report = start(progress_for)
     except SnapctlError as error:
-        status = int(getattr(error, "exit_status", 1))
-        writer.write(json.dumps({"error": error.message, "status": status}) + "\n")
-        writer.close()
+        send(
+            {
+                "error": error.message,
+                "status": int(getattr(error, "exit_status", ExitStatus.ERROR)),
+                "phase": error.phase,
+                "path": None if error.path is None else str(error.path),
+                "log_tail": error.log_tail or getattr(error, "tail", None),
+            }
+        )
         os._exit(1)
-    record = report.model_dump(mode="json") if hasattr(report, "model_dump") else report
-    writer.write(json.dumps({"report": record}) + "\n")
-    writer.close()
+    send({"report": report.model_dump(mode="json") if hasattr(report, "model_dump") else report})
+    with contextlib.suppress(OSError):
+        writer.close()
     # Detach stdio from the terminal: the supervisor lives on alone.
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    return supervised, report
+    return InSupervisor(supervised, report)
+
+
+def _relay(read_fd: int, on_progress: Callable[[str, str], None]) -> dict[str, Any]:
+    with os.fdopen(read_fd, "rb") as reader:
+        for line in reader:
+            message = json.loads(line)
+            if "progress" in message:
+                on_progress(message["lane"], message["progress"])
+                continue
+            if "error" in message:
+                raise DetachedStartError(
+                    message["error"],
+                    exit_status=message["status"],
+                    phase=message["phase"],
+                    path=message["path"],
+                    log_tail=message["log_tail"],
+                )
+            report: dict[str, Any] = message["report"]
+            return report
+    raise DetachedStartError("the detached supervisor exited before reporting")
 
 
 def end_lazy_pages_daemon(record: ActivationRecord, timeout_s: float) -> list[int]:

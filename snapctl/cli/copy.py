@@ -88,19 +88,24 @@ def serve_many(
     *, lazy: bool = False,
 ) -> None:  # fmt: skip
     """``--count N``: restore N copies at once, report each and the total, then supervise."""
-    from snapctl.activation.supervise import detach, run_all_until_stopped
+    from snapctl.activation.copy import CopiesReport
     from snapctl.cli.output import Steps, emit_json
-    from snapctl.cli.serving import render_copies, start_interruptible, wait_and_stop
+    from snapctl.cli.serving import render_copies, run_detached, start_interruptible, wait_and_stop
 
     if common.detach:
-        child = detach(lambda: start_many(image, options, count, criu, native, common, None, lazy))
-        assert child is not None
-        sessions, _ = child
-        run_all_until_stopped(sessions)
+        run_detached(
+            lambda progress_for: start_many(
+                image, options, count, criu, native, common, progress_for, lazy
+            ),
+            as_json=common.as_json,
+            show=lambda record: render_copies(
+                CopiesReport.model_validate(record).copies, record["total_s"]
+            ),
+        )
         return
     with Steps(quiet=common.as_json) as steps:
         sessions, report = start_interruptible(
-            lambda: start_many(image, options, count, criu, native, common, steps, lazy)
+            lambda: start_many(image, options, count, criu, native, common, steps.lane, lazy)
         )
     if common.as_json:
         emit_json(report)
@@ -111,7 +116,7 @@ def serve_many(
 
 def start_many(
     image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
-    steps: Any, lazy: bool = False,
+    progress_for: Any, lazy: bool = False,
 ) -> tuple[list[Any], Any]:  # fmt: skip
     """Start the copies; all or nothing: if one fails, the others are stopped too."""
     import time
@@ -124,7 +129,7 @@ def start_many(
     results = start_copies(
         image, options, count, criu=criu, native=native, publish_base=common.publish,
         state=StateDir(),
-        progress_for=(lambda label: lambda step: None) if steps is None else steps.lane,
+        progress_for=progress_for,
         lazy=lazy,
     )  # fmt: skip
     total_s = time.monotonic() - started
@@ -133,9 +138,6 @@ def start_many(
     if failures:
         for session in sessions:
             session.stop()
-        if steps is not None:
-            for index, result in enumerate(results):
-                steps.end(f"copy {index + 1}", ok=isinstance(result, tuple))
         first = failures[0]
         raise SnapctlError(
             f"{len(failures)} of {count} copies failed (the others were stopped): {first}",

@@ -55,16 +55,15 @@ def render_copies(reports: list[Any], total_s: float) -> None:
 
 def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach: bool) -> None:
     """Start (with progress), print the report, then supervise or hand over to a supervisor."""
-    from snapctl.activation.supervise import detach as detach_supervisor
-    from snapctl.activation.supervise import run_until_stopped
+    from snapctl.activation.donor import ActivationReport
     from snapctl.cli.output import Steps, emit_json
 
     if detach:
-        # The child supervises; the parent prints the child's report and exits there.
-        child = detach_supervisor(lambda: start(lambda step: None))
-        assert child is not None
-        session, _ = child
-        run_until_stopped(session)
+        run_detached(
+            lambda progress_for: start(progress_for("")),
+            as_json=as_json,
+            show=lambda record: render_report(ActivationReport.model_validate(record)),
+        )
         return
     with Steps(quiet=as_json) as steps:
         session, report = start_interruptible(lambda: start(steps))
@@ -73,6 +72,32 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
     else:
         render_report(report)
     wait_and_stop([session], as_json=as_json)
+
+
+def run_detached(
+    start: Callable[[Callable[[str], Progress]], tuple[Any, Any]],
+    *,
+    as_json: bool,
+    show: Callable[[dict[str, Any]], None],
+) -> None:
+    """Start in a forked supervisor that outlives this command. Here: its progress, then its
+    report (``show``, or one JSON line with ``--json``). There: supervise until stopped."""
+    from snapctl.activation.supervise import InSupervisor, detach, run_all_until_stopped
+    from snapctl.cli.output import Steps, emit_json
+
+    with Steps(quiet=as_json) as steps:
+        outcome = detach(start, on_progress=lambda lane, step: steps.lane(lane)(step))
+    if isinstance(outcome, InSupervisor):
+        supervised = outcome.supervised
+        run_all_until_stopped(supervised if isinstance(supervised, list) else [supervised])
+    elif as_json:
+        emit_json(outcome)
+    else:
+        from snapctl.cli.output import stderr
+
+        show(outcome)
+        stderr().print("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it",
+                       style="dim", markup=False)  # fmt: skip
 
 
 def wait_and_stop(sessions: list[Any], *, as_json: bool) -> None:
