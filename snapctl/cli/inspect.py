@@ -13,8 +13,9 @@ from snapctl.cli.output import emit_json, json_option, stdout
 @click.command()
 @click.argument("image", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--verify", is_flag=True, help="Check every file's size and sha256.")
+@click.option("--brief", is_flag=True, help="Only the summary table.")
 @json_option
-def inspect(image: Path, verify: bool, as_json: bool) -> None:
+def inspect(image: Path, verify: bool, brief: bool, as_json: bool) -> None:
     """Show an image's manifest (and verify it).
 
     Shows the process tree, the image's files, the identity a copy is checked against (files
@@ -39,6 +40,8 @@ def inspect(image: Path, verify: bool, as_json: bool) -> None:
         return
     console = stdout()
     console.print(_summary(image, manifest, verify))
+    if brief:
+        return
     console.print(_processes(manifest))
     console.print(_files(manifest))
     console.print(_identity(manifest))

@@ -51,6 +51,8 @@ def test_export_import_then_images_lists_both(tmp_path: Path) -> None:
 
     code, out = run("inspect", str(root / "a"), "--verify")
     assert code == 0 and "every sha256 matches" in out and "libx.so" in out
+    code, out = run("inspect", str(root / "a"), "--brief")
+    assert code == 0 and "capture id" in out and "libx.so" not in out
     code, out = run("images", "--root", str(root))
     assert code == 0 and out.count("yes") == 2  # --verify recorded a
 
