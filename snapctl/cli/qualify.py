@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
+from click.core import ParameterSource
 
 from snapctl.cli.output import emit_json, json_option, note, stderr, stdout
 
@@ -53,7 +54,7 @@ def _with_common(function: Any) -> Any:
 
 
 def _run(
-    runs: str,
+    runs: str | None,
     *,
     image: Path | None,
     server_cmd: tuple[str, ...],
@@ -66,6 +67,8 @@ def _run(
     report_dir: Path | None,
     as_json: bool,
     fault_mode: str = "changed",
+    lazy: bool = False,
+    retained_mb: int | None = None,
 ) -> None:
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
@@ -82,10 +85,12 @@ def _run(
         ),
         criu=find_criu(criu_path),
         native=native_step(native),
-        runs=parse_runs(runs),
+        runs=parse_runs(runs, lazy=lazy),
         image=image,
         report_dir=report_dir,
         fault_mode="unreadable" if fault_mode == "unreadable" else "changed",
+        lazy=lazy,
+        retained_mb=retained_mb,
     )
     report = qualify(plan, lambda step: note(f"• {step}", quiet=as_json))
     if as_json:
@@ -110,26 +115,42 @@ def render(report: Report, report_dir: Path | None) -> None:
         stderr().print(f"report: {report_dir / 'report.md'}", style="dim")
 
 
+_lazy_help = (
+    "Restore copy-1 and copy-2 with lazy pages (each must also complete its pages and keep the "
+    "donor's retained memory), and add the lazy-fault run."
+)
+
+
 @click.command(context_settings={"ignore_unknown_options": True})
 @_image_option
-@click.option("--runs", default=",".join(("donor", "copy-1", "copy-2", "fault", "stale",
-              "criu-restore-fault", "criu-dump-fault")), show_default=True,
+@click.option("--runs", show_default="donor,criu-restore-fault,copy-1,copy-2,fault,stale,"
+              "criu-dump-fault; lazy-fault too with --lazy",
               help="Runs to perform (always in the fixed order; the reference runs when a "
                    "serving run is named).")  # fmt: skip
 @click.option("--fault", "fault_mode", default="changed", show_default=True,
               type=click.Choice(["changed", "unreadable"]),
               help="How the fault run breaks the weights for its activation.")  # fmt: skip
+@click.option("--lazy", is_flag=True, help=_lazy_help)
+@click.option("--retained-mb", type=click.IntRange(0), metavar="MIB",
+              help="Retained memory of the bundled fixture the donor launches (default 16; "
+                   "256 when a lazy run is planned).")  # fmt: skip
 @_with_common
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def qualify(image: Path | None, runs: str, fault_mode: str, server_cmd: tuple[str, ...],
+def qualify(image: Path | None, runs: str | None, fault_mode: str, lazy: bool,
+            retained_mb: int | None, server_cmd: tuple[str, ...],
             **common: Any) -> None:  # fmt: skip
     """Qualify donor and copies against an ordinary start.
 
     Runs an ordinary reference start, the donor, two copies restored after it is gone, a
     recovery fault, stale control and CRIU faults; checks each and reports. Without
-    SERVER_CMD (after --) the bundled fixture is qualified with a model it builds.
+    SERVER_CMD (after --) the bundled fixture is qualified with a model it builds. With
+    --lazy the copies are restored with lazy pages and a copy whose lazy-pages daemon is
+    killed mid-transfer must fail closed.
     """
-    _run(runs, image=image, server_cmd=server_cmd, fault_mode=fault_mode, **common)
+    if retained_mb is not None and server_cmd:
+        raise click.UsageError("--retained-mb applies to the bundled fixture, not SERVER_CMD")
+    _run(runs, image=image, server_cmd=server_cmd, fault_mode=fault_mode, lazy=lazy,
+         retained_mb=retained_mb, **common)  # fmt: skip
 
 
 @click.command()
@@ -139,14 +160,24 @@ def qualify(image: Path | None, runs: str, fault_mode: str, server_cmd: tuple[st
 @click.option("--fault", "fault_mode", default="changed", show_default=True,
               type=click.Choice(["changed", "unreadable"]),
               help="Changed weights (a byte flipped) or unreadable ones (/dev/null).")  # fmt: skip
+@click.option("--lazy", is_flag=True,
+              help="Instead: restore a lazy copy and kill its lazy-pages daemon mid-transfer "
+                   "(the lazy-fault run).")  # fmt: skip
 @_with_common
-def fault(image: Path, fault_mode: str, **common: Any) -> None:
+@click.pass_context
+def fault(ctx: click.Context, /, image: Path, fault_mode: str, lazy: bool, **common: Any) -> None:
     """Check that a copy whose recovery fails fails closed.
 
     Restores a copy from IMAGE whose weights are changed (or unreadable) for that activation
     only, and expects error.json at recovery, no listener, the tree exiting, no leftovers.
+    With --lazy, restores a lazy copy and kills its lazy-pages daemon while pages are still
+    missing: the copy must be stopped at once and the failure reported, nothing left, and the
+    image must still verify and be free.
     """
-    _run("fault", image=image, server_cmd=(), fault_mode=fault_mode, **common)
+    if lazy and ctx.get_parameter_source("fault_mode") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--fault breaks the weights; it does not apply with --lazy")
+    run = "lazy-fault" if lazy else "fault"
+    _run(run, image=image, server_cmd=(), fault_mode=fault_mode, **common)
 
 
 @click.command()

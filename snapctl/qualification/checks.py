@@ -12,11 +12,18 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.session import CleanupAudit
 from snapctl.images.manifest import FileEntry
 from snapctl.protocol.models import ErrorReport
 from snapctl.qualification.watch import Residue
-from snapctl.qualification.workload import Completion, DigestRead, Group, ServingObservation
+from snapctl.qualification.workload import (
+    Completion,
+    DigestRead,
+    Group,
+    RetainedRead,
+    ServingObservation,
+)
 
 LOGPROB_TOLERANCE = 1e-3
 
@@ -247,6 +254,126 @@ def check_link_remaps(remaps: list[str]) -> Check:
     if remaps:
         return failed(name, f"{len(remaps)} left in the activation's /dev/shm: {remaps[0]}")
     return passed(name, "the activation's /dev/shm holds no link_remap.* file while serving")
+
+
+# -- lazy copies ----------------------------------------------------------------------------------
+
+
+def check_pages_complete(
+    pages: PagesStatus | None, *, daemon_pid: int | None, complete_when_ready: bool | None
+) -> Check:
+    """The lazy-pages daemon exited 0 (every page copied) before the run's shutdown."""
+    name = "pages complete"
+    if daemon_pid is None:
+        return failed(name, "the copy was not restored lazily (no lazy-pages daemon)")
+    if pages is None:
+        return failed(name, "the transfer was never waited for (an earlier step failed)")
+    if pages.state == "failed":
+        return failed(name, _clip(pages.failure or "the lazy-pages daemon failed"))
+    if pages.state != "complete":
+        return failed(name, f"the transfer was still {pages.state} at shutdown")
+    if pages.complete_s is None:
+        return failed(name, "the daemon exited 0 but its completion time was not recorded")
+    when = "after" if complete_when_ready is False else "by the time"
+    return passed(
+        name,
+        f"lazy-pages daemon {daemon_pid} exited 0 {pages.complete_s * 1000:.0f} ms after the "
+        f"restore started, before shutdown ({when} the copy was ready)",
+    )
+
+
+def check_retained_memory(
+    read: RetainedRead | None, baseline: RetainedRead | None, baseline_name: str
+) -> Check:
+    """Once the pages are complete, the retained memory hashes as the donor's (or reference's)."""
+    name = "retained memory = " + baseline_name
+    if read is None:
+        return failed(name, "not read: the pages never completed")
+    if read.status == 404:
+        return skipped(name, "skipped (endpoint absent)")
+    if read.status != 200 or read.sha256 is None:
+        return failed(name, f"the read answered {read.status or 'nothing'}: {read.error}")
+    if baseline is None or baseline.status != 200 or baseline.sha256 is None:
+        shown = "not read" if baseline is None else f"answered {baseline.status or 'nothing'}"
+        return failed(name, f"the {baseline_name}'s digest is unknown ({shown})")
+    if read.sha256 != baseline.sha256:
+        return failed(
+            name,
+            f"sha256 {read.sha256[:12]}… of {_mib(read.mb)}, the {baseline_name}'s "
+            f"{baseline.sha256[:12]}… of {_mib(baseline.mb)}",
+        )
+    return passed(name, f"{_mib(read.mb)} hash to the {baseline_name}'s sha256 {read.sha256[:12]}…")
+
+
+def _mib(mb: float | None) -> str:
+    return "? MiB" if mb is None else f"{mb:g} MiB"
+
+
+def check_transfer_running(paused: bool, attempts: int, daemon_pid: int | None) -> Check:
+    """The lazy-pages daemon was still transferring when it was paused (and then killed)."""
+    name = "transfer running when killed"
+    tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+    if not paused or daemon_pid is None:
+        return failed(
+            name,
+            f"the transfer ended before the daemon could be paused ({tries}); capture the image "
+            "with more retained memory (--retained-mb)",
+        )
+    again = "" if attempts == 1 else f" (on attempt {attempts}: earlier transfers ended first)"
+    return passed(
+        name, f"lazy-pages daemon {daemon_pid} paused with pages missing, then SIGKILLed{again}"
+    )
+
+
+def check_copy_stopped(
+    exited: bool, kill_to_exit_s: float | None, left: list[int], bound_s: float
+) -> Check:
+    """Killing the lazy-pages daemon stopped the copy's whole tree at once (snapctl's watcher
+    killed it; the run never signalled the tree)."""
+    name = "copy stopped at once"
+    if not exited or kill_to_exit_s is None:
+        return failed(name, f"the copy's root still ran {bound_s:g} s after its daemon was killed")
+    if left:
+        return failed(name, f"the root exited but {len(left)} of its processes remained: {left}")
+    return passed(
+        name,
+        f"the copy's tree was gone {kill_to_exit_s * 1000:.0f} ms after the daemon's SIGKILL, "
+        "killed by snapctl's watcher",
+    )
+
+
+def check_failure_reported(
+    failure: str | None,
+    pages: PagesStatus | None,
+    raised: str | None,
+    failure_file: str | None,
+    expect_text: str = "killed by SIGKILL",
+) -> Check:
+    """The daemon's death is reported: ``Session.failure``, the transfer's status, the error the
+    start raised, and ``failure.txt`` in the activation's logs all name it."""
+    name = "failure reported"
+    if failure is None:
+        return failed(name, "Session.failure is empty: the daemon's death went unnoticed")
+    if expect_text not in failure:
+        return failed(name, f"Session.failure does not say {expect_text!r}: {_clip(failure)}")
+    if pages is None or pages.state != "failed":
+        shown = "none" if pages is None else pages.state
+        return failed(name, f"the transfer's status is {shown}, expected failed")
+    if raised is None:
+        return failed(name, "the start did not fail")
+    if failure not in raised:
+        return failed(name, f"the start's error does not name the cause: {_clip(raised)}")
+    if failure_file is None or failure not in failure_file:
+        return failed(name, "the activation's logs have no failure.txt naming the cause")
+    return passed(name, f"Session.failure, the start's error and failure.txt: {_clip(failure)}")
+
+
+def check_image_usable(error: str | None) -> Check:
+    """The image still verifies (full re-hash), and an exclusive hold can be taken on it."""
+    name = "image verifies and is free"
+    if error is not None:
+        return failed(name, _clip(error))
+    return passed(name, "every sha256 verified again; an exclusive hold was taken and released")
 
 
 # -- fail closed ----------------------------------------------------------------------------------

@@ -26,12 +26,15 @@ _TIMING_LABELS: dict[str, str] = {
     "launch_to_capture_ready_s": "launch → capture-ready",
     "dump_s": "dump",
     "dump_frozen_s": "dump frozen (CRIU)",
+    "lazy_pages_start_s": "lazy-pages daemon start",
     "restore_s": "restore",
     "handshake_s": "handshake",
     "validated_to_first_200_s": "validated → first 200",
     "error_to_exit_s": "error.json → exit",
+    "kill_to_exit_s": "daemon killed → copy gone",
     "shutdown_s": "shutdown",
 }
+_PAGES_LABEL = "restore → pages complete"
 
 
 class Environment(BaseModel):
@@ -112,6 +115,10 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
+def _pages_complete_s(run: RunResult) -> float | None:
+    return None if run.pages is None else run.pages.pages_complete_s
+
+
 def _timing_rows(runs: list[RunResult]) -> tuple[list[str], list[list[str]]]:
     used = [
         name
@@ -121,7 +128,30 @@ def _timing_rows(runs: list[RunResult]) -> tuple[list[str], list[list[str]]]:
     rows = [
         [_TIMING_LABELS[name], *(_ms(getattr(run.timings, name)) for run in runs)] for name in used
     ]
+    if any(_pages_complete_s(run) is not None for run in runs):
+        rows.append([_PAGES_LABEL, *(_ms(_pages_complete_s(run)) for run in runs)])
     return [run.name for run in runs], rows
+
+
+def _run_label(run: RunResult) -> str:
+    return f"{run.name} (lazy)" if run.lazy else run.name
+
+
+def describe_pages(run: RunResult) -> str | None:
+    """One line on a lazy run's page transfer (None for a run without lazy pages)."""
+    pages = run.pages
+    if not run.lazy:
+        return None
+    if pages is None:
+        return "lazy; no lazy-pages daemon was started"
+    if pages.pages_complete:
+        when = "already when" if pages.complete_when_ready else "after"
+        return (
+            f"lazy-pages daemon {pages.lazy_pages_pid}: pages complete "
+            f"{_ms(pages.pages_complete_s)} after the restore started ({when} the copy was "
+            f"ready), at {pages.pages_complete_at}"
+        )
+    return f"lazy-pages daemon {pages.lazy_pages_pid}: pages never complete: {pages.failure or '-'}"
 
 
 def render_table(report: Report) -> Table:
@@ -141,7 +171,7 @@ def render_table(report: Report) -> Table:
     for run in report.runs:
         for index, check in enumerate(run.checks):
             table.add_row(
-                run.name if index == 0 else "",
+                _run_label(run) if index == 0 else "",
                 check.name,
                 Text(check.status, style=_STYLES[check.status]),
                 Text(check.evidence),  # evidence may hold brackets: never rich markup
@@ -161,6 +191,8 @@ def render_timings(report: Report) -> Table:
             for name, label in _TIMING_LABELS.items()
             if getattr(run.timings, name) is not None
         ]
+        if _pages_complete_s(run) is not None:
+            figures.append(f"{_PAGES_LABEL} {_ms(_pages_complete_s(run))}")
         figures.append(f"run {run.wall_s:.2f} s")
         table.add_row(run.name, Text(" · ".join(figures)))
     return table
@@ -192,7 +224,9 @@ def render_markdown(report: Report) -> str:
     for run in report.runs:
         for check in run.checks:
             result = f"**{check.status}**" if check.failed else check.status
-            lines.append(f"| {run.name} | {check.name} | {result} | {_md_cell(check.evidence)} |")
+            lines.append(
+                f"| {_run_label(run)} | {check.name} | {result} | {_md_cell(check.evidence)} |"
+            )
     names, rows = _timing_rows(report.runs)
     lines += ["", "## Timings", "", "| step | " + " | ".join(names) + " |"]
     lines.append("|---|" + "---:|" * len(names))
@@ -201,7 +235,9 @@ def render_markdown(report: Report) -> str:
     for run in report.runs:
         ids = ", ".join(run.activation_ids) or "-"
         where = f"; files in `{run.artifacts}`" if run.artifacts else ""
-        lines.append(f"- {run.name}: {ids}{where}")
+        pages = describe_pages(run)
+        lazy = f"; {_md_cell(pages)}" if pages else ""
+        lines.append(f"- {run.name}: {ids}{lazy}{where}")
     failures = report.failures()
     if failures:
         lines += ["", "## Failures", ""]

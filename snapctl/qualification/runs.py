@@ -2,7 +2,8 @@
 shares: its context, its result model, its timings and the saving of its control files and logs.
 
 A serving run starts one activation, records how its /dev/shm looks while serving, sends the
-workload, saves the activation's control files, stops it, scans the host for leftovers and
+workload, (for a lazy copy) waits until its pages are complete, reads the retained-memory
+digest, saves the activation's control files, stops it, scans the host for leftovers and
 judges everything against the ordinary reference. A run never raises for a failed step: the
 failure becomes a failed check, so the remaining runs still happen and the report is complete.
 """
@@ -23,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.activation.copy import start_copy
 from snapctl.activation.donor import ActivationReport, start_donor
 from snapctl.activation.launch import LaunchOptions
+from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.native import NativeStep
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.criu import CriuBinary
@@ -39,12 +41,24 @@ from snapctl.qualification.watch import (
     residue,
     take_baseline,
 )
-from snapctl.qualification.workload import ServingObservation, observe_serving
+from snapctl.qualification.workload import (
+    RetainedRead,
+    ServingObservation,
+    observe_serving,
+    read_retained,
+)
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
 RunKind = Literal[
-    "reference", "donor", "copy", "fault", "stale", "criu-dump-fault", "criu-restore-fault"
+    "reference",
+    "donor",
+    "copy",
+    "fault",
+    "lazy-fault",
+    "stale",
+    "criu-dump-fault",
+    "criu-restore-fault",
 ]
 PUBLISH_HOST = "127.0.0.1"
 
@@ -58,11 +72,26 @@ class Timings(BaseModel):
     launch_to_capture_ready_s: float | None = None
     dump_s: float | None = None
     dump_frozen_s: float | None = None  # CRIU's own frozen time (stats-dump)
+    lazy_pages_start_s: float | None = None  # a lazy copy's daemon, until its socket is bound
     restore_s: float | None = None
     handshake_s: float | None = None  # activation.json → validated (or → error.json)
     validated_to_first_200_s: float | None = None
     error_to_exit_s: float | None = None
+    kill_to_exit_s: float | None = None  # lazy-pages daemon SIGKILLed → the copy's tree gone
     shutdown_s: float | None = None
+
+
+class LazyPages(BaseModel):
+    """A lazy copy's page transfer as its run saw it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    lazy_pages_pid: int
+    complete_when_ready: bool  # the transfer had already ended when the copy was ready
+    pages_complete: bool  # the daemon exited 0 before the run's shutdown
+    pages_complete_s: float | None = None  # from the start of criu restore to that exit
+    pages_complete_at: str | None = None  # UTC time of that exit
+    failure: str | None = None  # how the transfer ended otherwise (the daemon died)
 
 
 class RunResult(BaseModel):
@@ -75,6 +104,8 @@ class RunResult(BaseModel):
     activation_ids: list[str] = []
     checks: list[Check]
     timings: Timings = Timings()
+    lazy: bool = False  # the run's copy was restored with lazy pages
+    pages: LazyPages | None = None
     wall_s: float
     cleanup: CleanupAudit | None = None
     residue: Residue | None = None
@@ -100,6 +131,10 @@ class RunContext:
     artifacts: Path | None = None
     reference: ServingObservation | None = None
     model_digests: dict[str, str] | None = None
+    # The copies (copy-1, copy-2) are restored with lazy pages.
+    lazy: bool = False
+    # What lazy copies' retained memory must hash to: the donor's read, else the reference's.
+    retained_baseline: tuple[str, RetainedRead] | None = None
     # The control files of the last activation that served: the stale run replays them.
     previous_control: dict[str, dict[str, object]] = field(default_factory=dict)
 
@@ -175,6 +210,7 @@ class _Served:
 
     observation: ServingObservation | None = None
     remaps: list[str] = field(default_factory=list)
+    pages: PagesStatus | None = None  # a lazy copy's transfer, once waited for
     how: str = ""
     audit: CleanupAudit | None = None
     shutdown_s: float | None = None
@@ -188,7 +224,15 @@ def _serve_and_stop(ctx: RunContext, session: Session, published: str, run: str)
     try:
         served.remaps = link_remaps(session.dirs.shm)
         ctx.progress(f"{run}: sending the workload")
-        served.observation = observe_serving(published, ctx.options.api_key)
+        observation = observe_serving(published, ctx.options.api_key)
+        retained = None
+        if session.lazy is not None:
+            ctx.progress(f"{run}: waiting until every page is in")
+            served.pages = session.lazy.wait(ctx.options.timeout_s)
+        if served.pages is None or served.pages.state == "complete":
+            # A lazy copy's memory is only worth hashing once the daemon copied all of it.
+            retained = read_retained(published, ctx.options.api_key)
+        served.observation = observation.model_copy(update={"retained": retained})
     except Exception as error:
         served.error = f"workload failed: {type(error).__name__}: {error}"
     finally:
@@ -212,6 +256,7 @@ def _serving_checks(
     before: dict[str, FileEntry] | None,
     res: Residue,
     compare: bool = True,
+    lazy: LazyPages | None = None,
 ) -> list[Check]:
     found: list[Check] = [checks.check_completed(served.error)]
     observation = served.observation
@@ -226,6 +271,16 @@ def _serving_checks(
         baseline = ctx.reference.digests if (compare and ctx.reference) else []
         found.append(checks.check_digests_stable(observation.digests, baseline))
         found.append(checks.check_digests_match_model(observation.digests, ctx.model_digests))
+    if lazy is not None:
+        found.append(
+            checks.check_pages_complete(
+                served.pages, daemon_pid=lazy.lazy_pages_pid,
+                complete_when_ready=lazy.complete_when_ready,
+            )
+        )  # fmt: skip
+        if observation is not None:
+            source, retained = ctx.retained_baseline or ("donor", None)
+            found.append(checks.check_retained_memory(observation.retained, retained, source))
     if before is not None:
         found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     if compare:
@@ -249,6 +304,8 @@ def run_reference(ctx: RunContext, argv: list[str], cwd: Path) -> RunResult:
     published = "{}:{}".format(*session.publisher.address)
     served = _serve_and_stop(ctx, session, published, "reference")
     ctx.reference = served.observation
+    if served.observation is not None and served.observation.retained is not None:
+        ctx.retained_baseline = ("reference", served.observation.retained)
     res = residue(ctx.state, baseline)
     return RunResult(
         name="reference",
@@ -266,13 +323,14 @@ def run_reference(ctx: RunContext, argv: list[str], cwd: Path) -> RunResult:
 
 def _failed_start(
     ctx: RunContext, run: str, kind: RunKind, error: SnapctlError, baseline: Baseline,
-    started: float,
+    started: float, *, lazy: bool = False,
 ) -> RunResult:  # fmt: skip
     """The result of a serving run whose activation never started serving."""
     res = residue(ctx.state, baseline)
     return RunResult(
         name=run,
         kind=kind,
+        lazy=lazy,
         activation_ids=save_new_logs(ctx, baseline, run),
         checks=[checks.check_completed(error.message), checks.check_cleanup(None, res)],
         wall_s=time.monotonic() - started,
@@ -292,10 +350,49 @@ def _activation_timings(report: ActivationReport, shutdown_s: float | None) -> T
         launch_to_capture_ready_s=t.get("launch_to_capture_ready"),
         dump_s=t.get("dump"),
         dump_frozen_s=frozen,
+        lazy_pages_start_s=t.get("lazy_pages_start"),
         restore_s=t.get("restore"),
         handshake_s=t.get("handshake"),
         validated_to_first_200_s=t.get("validated_to_http_200"),
         shutdown_s=shutdown_s,
+    )
+
+
+def _lazy_pages(report: ActivationReport, pages: PagesStatus | None) -> LazyPages | None:
+    """The transfer as the report (at ready) and the wait before shutdown saw it."""
+    if not report.lazy or report.lazy_pages_pid is None:
+        return None
+    complete = pages is not None and pages.state == "complete"
+    return LazyPages(
+        lazy_pages_pid=report.lazy_pages_pid,
+        complete_when_ready=bool(report.pages_complete),
+        pages_complete=complete,
+        pages_complete_s=pages.complete_s if pages is not None else None,
+        pages_complete_at=pages.complete_at if pages is not None else None,
+        failure=pages.failure if pages is not None else None,
+    )
+
+
+def _served_result(
+    ctx: RunContext, run: str, kind: RunKind, report: ActivationReport, served: _Served, *,
+    baseline: Baseline, before: dict[str, FileEntry] | None, started: float,
+) -> RunResult:  # fmt: skip
+    """Judge a donor or copy that served (its residue scanned now) into its result."""
+    res = residue(ctx.state, baseline, load_manifest(ctx.image).shm_files)
+    pages = _lazy_pages(report, served.pages)
+    return RunResult(
+        name=run,
+        kind=kind,
+        activation_ids=[report.activation_id],
+        checks=_serving_checks(ctx, served, before=before, res=res, lazy=pages),
+        timings=_activation_timings(report, served.shutdown_s),
+        lazy=report.lazy,
+        pages=pages,
+        wall_s=time.monotonic() - started,
+        cleanup=served.audit,
+        residue=res,
+        observation=served.observation,
+        artifacts=artifacts_dir(ctx, run),
     )
 
 
@@ -315,23 +412,17 @@ def run_donor(ctx: RunContext) -> RunResult:
     # What was published is the "before": the manifest's sha256 of every file.
     before = dict(load_manifest(ctx.image).files)
     served = _serve_and_stop(ctx, session, report.published, "donor")
-    res = residue(ctx.state, baseline, load_manifest(ctx.image).shm_files)
-    return RunResult(
-        name="donor",
-        kind="donor",
-        activation_ids=[report.activation_id],
-        checks=_serving_checks(ctx, served, before=before, res=res),
-        timings=_activation_timings(report, served.shutdown_s),
-        wall_s=time.monotonic() - started,
-        cleanup=served.audit,
-        residue=res,
-        observation=served.observation,
-        artifacts=artifacts_dir(ctx, "donor"),
+    if served.observation is not None and served.observation.retained is not None:
+        # The memory the copies were captured from: what theirs must hash to.
+        ctx.retained_baseline = ("donor", served.observation.retained)
+    return _served_result(
+        ctx, "donor", "donor", report, served, baseline=baseline, before=before, started=started
     )
 
 
 def run_copy(ctx: RunContext, name: str) -> RunResult:
-    """Restore one copy from the image in fresh namespaces, activate it, check, stop."""
+    """Restore one copy from the image in fresh namespaces (lazily when ``ctx.lazy``),
+    activate it, check, stop."""
     started = time.monotonic()
     baseline = take_baseline(ctx.state)
     before = image_hashes(ctx.image)
@@ -339,22 +430,12 @@ def run_copy(ctx: RunContext, name: str) -> RunResult:
         session, report = start_copy(
             ctx.image, ctx.options, criu=ctx.criu, native=ctx.native,
             publish=(PUBLISH_HOST, 0), state=ctx.state,
-            progress=lambda step: ctx.progress(f"{name}: {step}"),
+            progress=lambda step: ctx.progress(f"{name}: {step}"), lazy=ctx.lazy,
         )  # fmt: skip
     except SnapctlError as error:
-        return _failed_start(ctx, name, "copy", error, baseline, started)
+        return _failed_start(ctx, name, "copy", error, baseline, started, lazy=ctx.lazy)
     assert report.published is not None
     served = _serve_and_stop(ctx, session, report.published, name)
-    res = residue(ctx.state, baseline, load_manifest(ctx.image).shm_files)
-    return RunResult(
-        name=name,
-        kind="copy",
-        activation_ids=[report.activation_id],
-        checks=_serving_checks(ctx, served, before=before, res=res),
-        timings=_activation_timings(report, served.shutdown_s),
-        wall_s=time.monotonic() - started,
-        cleanup=served.audit,
-        residue=res,
-        observation=served.observation,
-        artifacts=artifacts_dir(ctx, name),
+    return _served_result(
+        ctx, name, "copy", report, served, baseline=baseline, before=before, started=started
     )

@@ -2,8 +2,8 @@
 
 The order is fixed whatever order the runs are named in: the ordinary reference first (when a
 serving run needs it), then the donor (which publishes the image and is shut down), the
-CRIU restore fault, the two copies (restored after the donor is gone), the recovery fault,
-the stale-control runs and the CRIU dump fault.
+CRIU restore fault, the two copies (restored after the donor is gone; lazily with ``lazy``),
+the recovery fault, the lazy-pages daemon fault, the stale-control runs and the CRIU dump fault.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.qualification import checks
 from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
 from snapctl.qualification.faults import FaultMode, run_fault, run_stale
+from snapctl.qualification.lazy_fault import run_lazy_fault
 from snapctl.qualification.reference import (
     is_fixture,
     model_file_digests,
@@ -53,14 +54,22 @@ RUN_ORDER = (
     "copy-1",
     "copy-2",
     "fault",
+    "lazy-fault",
     "stale",
     "criu-dump-fault",
 )
-DEFAULT_RUNS = RUN_ORDER
+LAZY_RUNS = frozenset({"lazy-fault"})
+DEFAULT_RUNS = tuple(name for name in RUN_ORDER if name not in LAZY_RUNS)
+LAZY_DEFAULT_RUNS = RUN_ORDER
 SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
 # Runs that restore the image (the donor's, or an existing one given with --image).
-IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "stale"})
+IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "lazy-fault", "stale"})
 DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
+# The bundled fixture's retained memory when a lazy run is planned: enough that its lazy-pages
+# daemon is still transferring when the lazy-fault run pauses it (about 0.1 s of transfer here,
+# against a few ms from the restore's end to the pause), and that a lazy copy's memory is worth
+# comparing. Plain runs keep the launch default (16 MiB), which keeps the image small.
+LAZY_RETAINED_MB = 256
 
 
 class QualificationError(SnapctlError):
@@ -85,10 +94,22 @@ class Plan:
     image: Path | None = None
     report_dir: Path | None = None
     fault_mode: FaultMode = "changed"
+    lazy: bool = False  # restore copy-1 and copy-2 with lazy pages
+    # The bundled fixture's retained memory (None: LAZY_RETAINED_MB when a lazy run is planned,
+    # else the launch default).
+    retained_mb: int | None = None
 
 
-def parse_runs(text: str) -> tuple[str, ...]:
-    """``donor,copy-1`` → the named runs in their fixed order; unknown names are refused."""
+def default_runs(lazy: bool) -> tuple[str, ...]:
+    """Every run; the lazy-pages daemon fault only when the copies are lazy."""
+    return LAZY_DEFAULT_RUNS if lazy else DEFAULT_RUNS
+
+
+def parse_runs(text: str | None, *, lazy: bool = False) -> tuple[str, ...]:
+    """``donor,copy-1`` → the named runs in their fixed order; unknown names are refused.
+    None: the default runs (with ``lazy``, the lazy-pages daemon fault too)."""
+    if text is None:
+        return default_runs(lazy)
     names = [name.strip() for name in text.split(",") if name.strip()]
     unknown = sorted(set(names) - set(RUN_ORDER))
     if unknown or not names:
@@ -126,9 +147,18 @@ def _image_for(plan: Plan, work: Path) -> Path:
     return plan.image.absolute()
 
 
+def _retained_mb(plan: Plan) -> int:
+    if plan.retained_mb is not None:
+        return plan.retained_mb
+    if plan.lazy or LAZY_RUNS & set(plan.runs):
+        return LAZY_RETAINED_MB
+    return plan.options.fixture_retained_mb
+
+
 def qualify(plan: Plan, progress: Progress) -> Report:
     """Run the plan's runs in order and return the report (written when ``report_dir``)."""
     started = time.monotonic()
+    plan.options.fixture_retained_mb = _retained_mb(plan)
     plan.state.ensure()
     become_subreaper()
     work = plan.state.root / "qualify" / uuid.uuid4().hex[:12]
@@ -139,7 +169,7 @@ def qualify(plan: Plan, progress: Progress) -> Report:
         with api_key(plan.options):
             ctx = RunContext(
                 options=plan.options, criu=plan.criu, native=plan.native, state=plan.state,
-                image=image, work=work, progress=progress, artifacts=artifacts,
+                image=image, work=work, progress=progress, artifacts=artifacts, lazy=plan.lazy,
             )  # fmt: skip
             argv, cwd = _server(plan, image)
             results = _run_all(plan, ctx, argv, cwd)
@@ -207,6 +237,7 @@ _KINDS: dict[str, RunKind] = {
     "copy-1": "copy",
     "copy-2": "copy",
     "fault": "fault",
+    "lazy-fault": "lazy-fault",
     "stale": "stale",
     "criu-dump-fault": "criu-dump-fault",
 }
@@ -219,6 +250,8 @@ def _one(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
         return [run_copy(ctx, name)]
     if name == "fault":
         return [run_fault(ctx, plan.fault_mode)]
+    if name == "lazy-fault":
+        return [run_lazy_fault(ctx)]
     if name == "stale":
         return run_stale(ctx)
     if name == "criu-restore-fault":

@@ -6,7 +6,8 @@ greedy completion, 16-token completions at concurrency four, a 16-token stream a
 32-token completions at concurrency two, plus the API-key probes and the named-parameter
 digests read before and after. Requests are greedy with ``ignore_eos`` so every completion has
 its full length, and ask for ``token_ids`` (vLLM's ``return_token_ids``; the fixture always
-sends them).
+sends them). After the workload (for a lazy copy: once its pages are complete) the digest of
+the server's retained memory is read, where the server has that endpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ ONE_TOKEN_PROMPTS = (
 )
 GREEDY_PROMPT = "In the beginning the engine was cold, and then"
 DIGESTS_PATH = "/v1/debug/param-digests"
+RETAINED_PATH = "/v1/debug/retained-digest"
 
 
 class _Model(BaseModel):
@@ -59,6 +61,15 @@ class DigestRead(_Model):
     error: str | None = None
 
 
+class RetainedRead(_Model):
+    """One read of the retained-memory digest (the fixture's engine memory kept across capture)."""
+
+    status: int  # HTTP status; 0 when the request itself failed
+    sha256: str | None = None
+    mb: float | None = None
+    error: str | None = None
+
+
 class ServingObservation(_Model):
     """Everything one serving run saw: auth statuses, digests and every completion."""
 
@@ -66,6 +77,7 @@ class ServingObservation(_Model):
     auth: dict[str, int]  # "missing", "wrong", "right" -> HTTP status of GET /v1/models
     digests: list[DigestRead]
     completions: dict[str, Completion]
+    retained: RetainedRead | None = None  # read after the workload (None: not read)
 
 
 @dataclass(frozen=True)
@@ -234,6 +246,18 @@ def read_digests(client: Client) -> DigestRead:
         return DigestRead(status=status, error=raw[:200].decode(errors="replace"))
     payload = json.loads(raw)
     return DigestRead(status=status, digests={str(k): str(v) for k, v in payload.items()})
+
+
+def read_retained(address: str, api_key: str | None, timeout_s: float = 120.0) -> RetainedRead:
+    """Read the retained-memory digest; a failure is recorded, never raised."""
+    try:
+        status, raw = Client(address, api_key, timeout_s).call("GET", RETAINED_PATH)
+        if status != 200:
+            return RetainedRead(status=status, error=raw[:200].decode(errors="replace"))
+        payload = json.loads(raw)
+        return RetainedRead(status=status, sha256=str(payload["sha256"]), mb=float(payload["mb"]))
+    except Exception as error:
+        return RetainedRead(status=0, error=f"{type(error).__name__}: {error}")
 
 
 def probe_auth(client: Client) -> dict[str, int]:
