@@ -134,7 +134,8 @@ def _timing_rows(runs: list[RunResult]) -> tuple[list[str], list[list[str]]]:
 
 
 def _run_label(run: RunResult) -> str:
-    return f"{run.name} (lazy)" if run.lazy else run.name
+    # The lazy-fault run is lazy by nature: only a lazy copy among plain ones needs the mark.
+    return f"{run.name} (lazy)" if run.lazy and run.kind == "copy" else run.name
 
 
 def describe_pages(run: RunResult) -> str | None:

@@ -147,7 +147,8 @@ def _image_for(plan: Plan, work: Path) -> Path:
     return plan.image.absolute()
 
 
-def _retained_mb(plan: Plan) -> int:
+def retained_mb_for(plan: Plan) -> int:
+    """The bundled fixture's retained memory for this plan (see :data:`LAZY_RETAINED_MB`)."""
     if plan.retained_mb is not None:
         return plan.retained_mb
     if plan.lazy or LAZY_RUNS & set(plan.runs):
@@ -158,7 +159,7 @@ def _retained_mb(plan: Plan) -> int:
 def qualify(plan: Plan, progress: Progress) -> Report:
     """Run the plan's runs in order and return the report (written when ``report_dir``)."""
     started = time.monotonic()
-    plan.options.fixture_retained_mb = _retained_mb(plan)
+    plan.options.fixture_retained_mb = retained_mb_for(plan)
     plan.state.ensure()
     become_subreaper()
     work = plan.state.root / "qualify" / uuid.uuid4().hex[:12]

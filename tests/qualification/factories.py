@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.session import CleanupAudit
 from snapctl.images.manifest import FileEntry
 from snapctl.protocol.models import ErrorReport
@@ -11,11 +12,17 @@ from snapctl.qualification.workload import (
     WORKLOAD,
     Completion,
     DigestRead,
+    RetainedRead,
     ServingObservation,
 )
 
 CAPTURE_ID = "0123456789abcdef0123456789abcdef"
 DIGESTS = {"embed.weight": "a" * 64, "lm_head.weight": "b" * 64}
+RETAINED = "d" * 64
+FAILURE = (
+    "lazy-pages daemon killed by SIGKILL before every page was copied; the copy was stopped "
+    "(log: /state/logs/copy-1/lazy-pages.log)"
+)
 
 
 def make_completion(label: str, **changes: Any) -> Completion:
@@ -76,3 +83,17 @@ def make_error(**changes: Any) -> ErrorReport:
         "error": "WeightsError: weights file changed since the initial load",
     }
     return ErrorReport.model_validate(fields | changes)
+
+
+def make_retained(**changes: Any) -> RetainedRead:
+    return RetainedRead.model_validate({"status": 200, "sha256": RETAINED, "mb": 256.0} | changes)
+
+
+def make_pages(**changes: Any) -> PagesStatus:
+    """A transfer that completed (``state="failed"`` etc. through ``changes``)."""
+    fields: dict[str, Any] = {
+        "state": "complete",
+        "complete_s": 0.3,
+        "complete_at": "2026-01-01T00:00:00.300+00:00",
+    }
+    return PagesStatus.model_validate(fields | changes)

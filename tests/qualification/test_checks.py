@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import pytest
 
+from snapctl.activation.lazy import PagesStatus
 from snapctl.qualification import checks
 from snapctl.qualification.watch import Residue
 from tests.qualification.factories import (
     DIGESTS,
+    FAILURE,
     make_audit,
     make_completion,
     make_digests,
     make_error,
     make_files,
     make_observation,
+    make_pages,
+    make_retained,
 )
 
 
@@ -281,3 +285,113 @@ def test_criu_fault_checks() -> None:
     assert checks.check_image_restores("criu restore failed", "").status == "failed"
     assert checks.check_completed(None).status == "passed"
     assert checks.check_completed("boom\n  detail").evidence == "boom detail"
+
+
+# -- lazy copies ----------------------------------------------------------------------------------
+
+
+def test_pages_complete() -> None:
+    done = checks.check_pages_complete(make_pages(), daemon_pid=41, complete_when_ready=False)
+    assert done.status == "passed"
+    assert done.evidence.startswith("lazy-pages daemon 41 exited 0 300 ms after the restore")
+    assert "(after the copy was ready)" in done.evidence
+
+    still = checks.check_pages_complete(
+        make_pages(state="transferring", complete_s=None, complete_at=None), daemon_pid=41,
+        complete_when_ready=False,
+    )  # fmt: skip
+    assert still.status == "failed" and still.evidence == (
+        "the transfer was still transferring at shutdown"
+    )
+    died = checks.check_pages_complete(
+        make_pages(state="failed", complete_s=None, failure=FAILURE), daemon_pid=41,
+        complete_when_ready=False,
+    )  # fmt: skip
+    assert died.status == "failed" and died.evidence.startswith("lazy-pages daemon killed")
+    plain = checks.check_pages_complete(None, daemon_pid=None, complete_when_ready=None)
+    assert plain.status == "failed" and "not restored lazily" in plain.evidence
+    unwaited = checks.check_pages_complete(None, daemon_pid=41, complete_when_ready=False)
+    assert unwaited.status == "failed" and "never waited for" in unwaited.evidence
+
+
+def test_retained_memory_equals_the_donors() -> None:
+    same = checks.check_retained_memory(make_retained(), make_retained(), "donor")
+    assert same.name == "retained memory = donor" and same.status == "passed"
+    assert same.evidence == "256 MiB hash to the donor's sha256 dddddddddddd…"
+
+    zeroed = checks.check_retained_memory(make_retained(sha256="0" * 64), make_retained(), "donor")
+    assert zeroed.status == "failed" and zeroed.evidence == (
+        "sha256 000000000000… of 256 MiB, the donor's dddddddddddd… of 256 MiB"
+    )
+    absent = make_retained(status=404, sha256=None, mb=None)
+    assert checks.check_retained_memory(absent, absent, "reference").status == "skipped"
+    unread = checks.check_retained_memory(None, make_retained(), "donor")
+    assert unread.status == "failed" and "the pages never completed" in unread.evidence
+    unknown = checks.check_retained_memory(make_retained(), None, "donor")
+    assert unknown.status == "failed" and "the donor's digest is unknown" in unknown.evidence
+    broken = make_retained(status=500, sha256=None, error="engine gone")
+    failed = checks.check_retained_memory(broken, make_retained(), "donor")
+    assert failed.status == "failed" and "answered 500: engine gone" in failed.evidence
+
+
+def test_transfer_running_when_killed() -> None:
+    assert checks.check_transfer_running(True, 1, 41).status == "passed"
+    retried = checks.check_transfer_running(True, 2, 41)
+    assert retried.status == "passed" and "on attempt 2" in retried.evidence
+
+    ended = checks.check_transfer_running(False, 3, 41)
+
+    assert ended.status == "failed"
+    assert ended.evidence.startswith("the transfer ended before the daemon could be paused (3")
+    assert "--retained-mb" in ended.evidence
+
+
+def test_copy_stopped_at_once() -> None:
+    stopped = checks.check_copy_stopped(True, 0.008, [], 10)
+    assert stopped.status == "passed" and stopped.evidence.startswith("the copy's tree was gone 8")
+
+    running = checks.check_copy_stopped(False, None, [], 10)
+    assert running.status == "failed" and running.evidence == (
+        "the copy's root still ran 10 s after its daemon was killed"
+    )
+    stragglers = checks.check_copy_stopped(True, 0.008, [77], 10)
+    assert stragglers.status == "failed" and "[77]" in stragglers.evidence
+
+
+@pytest.mark.parametrize(
+    ("failure", "pages", "raised", "failure_file", "message"),
+    [
+        (None, make_pages(state="failed", failure=FAILURE), FAILURE, FAILURE,
+         "Session.failure is empty"),
+        ("lazy-pages daemon exited with status 1 before…", make_pages(state="failed"), FAILURE,
+         FAILURE, "Session.failure does not say 'killed by SIGKILL'"),
+        (FAILURE, make_pages(), FAILURE, FAILURE, "the transfer's status is complete"),
+        (FAILURE, make_pages(state="failed"), None, FAILURE, "the start did not fail"),
+        (FAILURE, make_pages(state="failed"), "activation failed: the server exited", FAILURE,
+         "the start's error does not name the cause"),
+        (FAILURE, make_pages(state="failed"), f"{FAILURE}: the server exited", None,
+         "the activation's logs have no failure.txt"),
+    ],
+)  # fmt: skip
+def test_failure_reported(
+    failure: str | None,
+    pages: PagesStatus,
+    raised: str | None,
+    failure_file: str | None,
+    message: str,
+) -> None:
+    reported = checks.check_failure_reported(
+        FAILURE, make_pages(state="failed", failure=FAILURE), f"{FAILURE}: the server exited",
+        FAILURE + "\n",
+    )  # fmt: skip
+    assert reported.status == "passed" and "killed by SIGKILL" in reported.evidence
+
+    check = checks.check_failure_reported(failure, pages, raised, failure_file)
+
+    assert check.status == "failed" and check.evidence.startswith(message), check.evidence
+
+
+def test_image_usable() -> None:
+    assert checks.check_image_usable(None).status == "passed"
+    busy = checks.check_image_usable("image /img is in use (a running copy may still read it)")
+    assert busy.status == "failed" and "in use" in busy.evidence

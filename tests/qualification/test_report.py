@@ -4,6 +4,7 @@ helpers: run names and order, the generated API key, the exit status of a failed
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 from rich.console import Console
 
 from snapctl.activation.launch import LaunchOptions
-from snapctl.cli import exit_status_for
+from snapctl.activation.native import NoNativeStep
+from snapctl.cli import exit_status_for, main
 from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus
 from snapctl.qualification import checks
@@ -22,14 +24,18 @@ from snapctl.qualification.report import (
     render_timings,
     write_report,
 )
-from snapctl.qualification.runs import RunResult, Timings
+from snapctl.qualification.runs import LazyPages, RunResult, Timings
 from snapctl.qualification.suite import (
+    DEFAULT_RUNS,
+    LAZY_RETAINED_MB,
     RUN_ORDER,
+    Plan,
     QualificationError,
     QualificationFailed,
     api_key,
     parse_runs,
     require_passed,
+    retained_mb_for,
 )
 from tests.qualification.factories import make_audit, make_observation
 
@@ -101,6 +107,11 @@ def test_require_passed_names_the_first_failure_and_maps_to_verify_failed() -> N
 def test_run_names_keep_the_fixed_order() -> None:
     assert parse_runs("stale,copy-2,donor") == ("donor", "copy-2", "stale")
     assert parse_runs(",".join(reversed(RUN_ORDER))) == RUN_ORDER
+    assert parse_runs("lazy-fault,fault,stale") == ("fault", "lazy-fault", "stale")
+    # The lazy-pages daemon fault is a default run only when the copies are lazy.
+    assert "lazy-fault" not in parse_runs(None) and parse_runs(None) == DEFAULT_RUNS
+    assert parse_runs(None, lazy=True) == RUN_ORDER
+    assert parse_runs("donor,copy-1", lazy=True) == ("donor", "copy-1")
     with pytest.raises(QualificationError, match="unknown run 'copy-3'"):
         parse_runs("donor,copy-3")
     with pytest.raises(QualificationError, match="no run named"):
@@ -122,3 +133,69 @@ def test_api_key_is_generated_only_when_none_is_configured(
     with api_key(options):
         assert options.api_key == "given"
     assert os.environ["MY_KEY"] == "given"
+
+
+def make_lazy_report() -> Report:
+    """A lazy copy whose pages completed after it was ready, and a lazy-fault run."""
+    copy = RunResult(
+        name="copy-1", kind="copy", activation_ids=["copy-abc"],
+        checks=[checks.passed("pages complete", "lazy-pages daemon 41 exited 0")],
+        timings=Timings(lazy_pages_start_s=0.03, restore_s=0.1), wall_s=1.0, lazy=True,
+        pages=LazyPages(
+            lazy_pages_pid=41, complete_when_ready=False, pages_complete=True,
+            pages_complete_s=0.305, pages_complete_at="2026-01-01T00:00:00.305+00:00",
+        ),
+    )  # fmt: skip
+    fault = RunResult(
+        name="lazy-fault", kind="lazy-fault", activation_ids=["copy-def"],
+        checks=[checks.passed("copy stopped at once", "gone 8 ms after")],
+        timings=Timings(kill_to_exit_s=0.008), wall_s=1.0, lazy=True,
+        pages=LazyPages(
+            lazy_pages_pid=42, complete_when_ready=False, pages_complete=False,
+            failure="lazy-pages daemon killed by SIGKILL before every page was copied",
+        ),
+    )  # fmt: skip
+    env = environment(CRIU, "none", Path("/img"), "f" * 32, ["python", "-m", "fixtures"], True)
+    return Report(created="2026-01-01T00:00:00+00:00", environment=env, runs=[copy, fault],
+                  wall_s=2.0)  # fmt: skip
+
+
+def test_lazy_runs_report_their_pages(tmp_path: Path) -> None:
+    report = make_lazy_report()
+
+    json_path, md_path = write_report(report, tmp_path / "out")
+
+    assert Report.model_validate_json(json_path.read_text()) == report
+    saved = json.loads(json_path.read_text())["runs"][0]
+    assert saved["lazy"] is True and saved["pages"]["pages_complete"] is True
+    assert saved["pages"]["pages_complete_s"] == 0.305
+    text = md_path.read_text()
+    assert "| copy-1 (lazy) | pages complete | passed |" in text
+    assert "| restore → pages complete | 305.0 ms | - |" in text
+    assert "| daemon killed → copy gone | - | 8.0 ms |" in text
+    assert "- copy-1: copy-abc; lazy-pages daemon 41: pages complete 305.0 ms after the restore " \
+        "started (after the copy was ready)" in text  # fmt: skip
+    assert "- lazy-fault: copy-def; lazy-pages daemon 42: pages never complete: " \
+        "lazy-pages daemon killed by SIGKILL" in text  # fmt: skip
+    console = Console(file=io.StringIO(), width=200)
+    console.print(render_table(report))
+    console.print(render_timings(report))
+    out = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "copy-1 (lazy)" in out and "lazy-fault (lazy)" not in out
+    assert "restore 100.0 ms · restore → pages complete 305.0 ms · run 1.00 s" in out
+
+
+def test_a_lazy_run_raises_the_fixtures_retained_memory() -> None:
+    for lazy, runs, retained, expected in [
+        (False, ("donor",), None, LaunchOptions().fixture_retained_mb),
+        (True, ("donor",), None, LAZY_RETAINED_MB),
+        (False, ("donor", "lazy-fault"), None, LAZY_RETAINED_MB),
+        (True, ("donor",), 64, 64),
+    ]:
+        plan = Plan(options=LaunchOptions(), criu=CRIU, native=NoNativeStep(), runs=runs,
+                    lazy=lazy, retained_mb=retained)  # fmt: skip
+        assert retained_mb_for(plan) == expected, (lazy, runs, retained)
+
+
+def test_fault_command_refuses_a_weights_fault_with_lazy(tmp_path: Path) -> None:
+    assert main(["fault", "--image", str(tmp_path), "--lazy", "--fault", "unreadable"]) == 2
