@@ -24,7 +24,7 @@ from snapctl.criu import find_criu
 from snapctl.errors import ExitStatus
 from snapctl.qualification import faults
 from snapctl.qualification.report import Report
-from snapctl.qualification.suite import RUN_ORDER
+from snapctl.qualification.suite import DEFAULT_RUNS
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.supervision.state import StateDir
 
@@ -53,7 +53,7 @@ def test_qualify_on_the_fixture_passes_every_check(
     assert status == ExitStatus.OK, failures
     assert report.passed and failures == []
     names = [run.name for run in report.runs]
-    expected = ["reference", *RUN_ORDER]
+    expected = ["reference", *DEFAULT_RUNS]
     expected[expected.index("stale")] = "stale-files"
     expected.insert(expected.index("stale-files") + 1, "stale-replay")
     assert names == expected
