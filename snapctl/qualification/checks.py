@@ -321,7 +321,9 @@ def check_transfer_running(paused: bool, attempts: int, daemon_pid: int | None) 
         )
     again = "" if attempts == 1 else f" (on attempt {attempts}: earlier transfers ended first)"
     return passed(
-        name, f"lazy-pages daemon {daemon_pid} paused with pages missing, then SIGKILLed{again}"
+        name,
+        f"lazy-pages daemon {daemon_pid} paused while still transferring (not exited), then "
+        f"SIGKILLed{again}",
     )
 
 

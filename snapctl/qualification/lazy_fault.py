@@ -190,7 +190,8 @@ def run_lazy_fault(ctx: RunContext) -> RunResult:
         how, audit = seen.session.stop()
     res = residue(ctx.state, baseline, manifest.shm_files)
     found = [checks.check_completed(error)]
-    if seen.session is not None:
+    if seen.session is not None and (seen.paused or error is None):
+        # (A run that failed before its pause already says why in "run completed".)
         found.append(checks.check_transfer_running(seen.paused, attempt, seen.daemon_pid))
     if seen.paused:
         found += [
