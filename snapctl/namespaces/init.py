@@ -19,7 +19,6 @@ from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import SandboxSpec
 
 PR_SET_PDEATHSIG = 1
-MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 
 
 def _needed_paths(spec: SandboxSpec) -> set[str]:
@@ -76,7 +75,7 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
     _drop_foreign_tmpfs(needed, keep_points={"/run", *sources})
     # A /proc of the new PID namespace, so pids read there match os.getpid().
     mounts.umount("/proc", detach=True)
-    mounts.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mounts.mount("proc", "/proc", "proc", mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC)
 
     socket.sethostname(spec.hostname)
     _loopback_up(spec.lo_addresses)

@@ -7,6 +7,9 @@ import os
 from pathlib import Path
 
 MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
 MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
@@ -39,8 +42,8 @@ def umount(target: str | Path, detach: bool = False) -> None:
     _check(_libc.umount2(str(target).encode(), MNT_DETACH if detach else 0), f"umount {target}")
 
 
-def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs") -> None:
-    mount(source, target, "tmpfs", 0, options)
+def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs", flags: int = 0) -> None:
+    mount(source, target, "tmpfs", flags, options)
 
 
 def bind(source: str | Path, target: str | Path) -> None:

@@ -23,6 +23,7 @@ from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary
 from snapctl.images import ImageError, verify_image
 from snapctl.images.store import hash_tree
+from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR
 from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, get, options, stop_clean
 
@@ -96,6 +97,10 @@ def test_copy_while_donor_runs_shares_no_state(
     )  # fmt: skip
     running.append(copy)
     assert report.published and copy_report.published
+    # Each sees its own control tmpfs where the server expects its control directory.
+    for session in (donor, copy):
+        assert session.root is not None
+        assert control_mount(session.root.pid) == (session.dirs.control_source, "tmpfs")
     assert complete(copy_report.published) == complete(report.published)
     before = get(copy_report.published, "/v1/debug/shm")[1]
     request = urllib.request.Request(
@@ -109,6 +114,16 @@ def test_copy_while_donor_runs_shares_no_state(
     assert get(copy_report.published, "/v1/debug/shm")[1]["marker"] == before["marker"]
     stop_clean(copy)
     stop_clean(donor)
+
+
+def control_mount(pid: int) -> tuple[str, str]:
+    """(source, fstype) of what process ``pid`` has mounted at the sandbox's control path."""
+    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
+        fields = line.split()
+        if fields[4] == SANDBOX_CONTROL_DIR:
+            separator = fields.index("-")
+            return fields[separator + 2], fields[separator + 1]
+    raise AssertionError(f"nothing mounted at {SANDBOX_CONTROL_DIR} for pid {pid}")
 
 
 FAILING_ACTION_SCRIPT = """#!/bin/sh
