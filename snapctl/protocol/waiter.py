@@ -2,24 +2,18 @@
 
 A :class:`ControlDirWatcher` holds one inotify watch on the control directory and the waiting
 thread sleeps in ``select`` on its descriptor, so a file that appears wakes that thread at once,
-with no helper thread to start, hop through or join. Descriptors are pooled, not closed: closing
-one waits for a kernel grace period (10-25 ms on a loaded host, which a watchdog observer paid
-after every handshake). Every wait also re-reads on a short poll interval, so a missed or
-coalesced event costs at most one interval, never a hang.
+with no helper thread to start, hop through or join. Descriptors are pooled, not closed (see
+:mod:`snapctl.protocol.inotify`). Every wait also re-reads on a short poll interval, so a missed
+or coalesced event costs at most one interval, never a hang.
 Each round checks that the watched process is still alive. Only the capturer uses this module:
-the server side (:mod:`snapctl.launcher`) polls, so no inotify descriptor ends up in a CRIU
-image.
+the server side (:mod:`snapctl.launcher`) polls at the capture barrier, so no inotify
+descriptor ends up in a CRIU image.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import math
-import os
-import select
-import threading
 import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -27,17 +21,13 @@ from typing import NamedTuple, Self
 
 from snapctl.errors import ProcessExitedError, WaitTimeoutError
 from snapctl.protocol.controldir import ControlDir, ControlModel
+from snapctl.protocol.inotify import DirectoryWatch
 from snapctl.protocol.models import ControlFile
 
 logger = logging.getLogger(__name__)
 
 # The fallback interval; with inotify working a file is seen long before it.
 DEFAULT_POLL_S = 0.05
-
-# Every way a file can appear or change in the directory (the waiter re-reads to decide):
-# IN_MODIFY, IN_ATTRIB, IN_CLOSE_WRITE, IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE.
-_IN_EVENTS = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200
-_libc = ctypes.CDLL(None, use_errno=True)
 
 Alive = Callable[[], bool]
 
@@ -47,52 +37,6 @@ class Arrival(NamedTuple):
 
     name: ControlFile
     model: ControlModel
-
-
-# Closing an inotify descriptor waits for a kernel grace period (10-25 ms measured on a loaded
-# host, on every handshake), removing a watch does not: descriptors are reused, never closed.
-_idle_descriptors: list[int] = []
-_idle_lock = threading.Lock()
-
-
-class _Inotify:
-    """An inotify watch on one directory, on a non-blocking descriptor taken from the pool."""
-
-    def __init__(self, path: str) -> None:
-        with _idle_lock:
-            fd = _idle_descriptors.pop() if _idle_descriptors else -1
-        if fd < 0:
-            fd = _libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-            if fd < 0:
-                errno = ctypes.get_errno()
-                raise OSError(errno, f"inotify_init1: {os.strerror(errno)}")
-        wd = _libc.inotify_add_watch(fd, os.fsencode(path), _IN_EVENTS)
-        if wd < 0:
-            errno = ctypes.get_errno()
-            _release(fd)
-            raise OSError(errno, f"inotify_add_watch {path}: {os.strerror(errno)}")
-        self.fd, self.wd = fd, wd
-        self.drain()  # whatever a previous user left queued (its watch's IN_IGNORED)
-
-    def drain(self) -> None:
-        """Forget the events seen so far (the caller is about to re-read the directory)."""
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 65536):
-                pass
-
-    def wait(self, timeout_s: float) -> None:
-        """Return when an event arrives or ``timeout_s`` passes."""
-        select.select([self.fd], [], [], timeout_s)
-
-    def close(self) -> None:
-        # Fails harmlessly when the directory is gone: the kernel dropped the watch already.
-        _libc.inotify_rm_watch(self.fd, self.wd)
-        _release(self.fd)
-
-
-def _release(fd: int) -> None:
-    with _idle_lock:
-        _idle_descriptors.append(fd)
 
 
 class ControlDirWatcher:
@@ -105,7 +49,7 @@ class ControlDirWatcher:
 
     def __init__(self, control_dir: ControlDir) -> None:
         self.control_dir = control_dir
-        self._inotify: _Inotify | None = None
+        self._inotify: DirectoryWatch | None = None
         self._entered = False
 
     def __enter__(self) -> Self:
@@ -114,7 +58,7 @@ class ControlDirWatcher:
         self._entered = True
         self.control_dir.validate()
         try:
-            self._inotify = _Inotify(str(self.control_dir.path))
+            self._inotify = DirectoryWatch(self.control_dir.path)
         except OSError as error:
             logger.warning("cannot watch %s, polling only: %s", self.control_dir, error)
         return self

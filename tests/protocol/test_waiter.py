@@ -74,7 +74,9 @@ def test_polling_finds_the_file_when_events_are_lost(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Events never wake the wait: only the poll interval can find the file.
-    monkeypatch.setattr(waiter._Inotify, "wait", lambda self, timeout_s: time.sleep(timeout_s))
+    monkeypatch.setattr(
+        waiter.DirectoryWatch, "wait", lambda self, timeout_s: time.sleep(timeout_s)
+    )
     later(0.05, lambda: control.write(make_status()))
     started = time.monotonic()
     arrival = wait_for(control, ControlFile.STATUS, 5, poll_s=0.02)
@@ -90,7 +92,7 @@ def test_polling_alone_when_inotify_is_unavailable(
     def no_inotify(path: str) -> None:
         raise OSError(24, "inotify instance limit reached")
 
-    monkeypatch.setattr(waiter, "_Inotify", no_inotify)
+    monkeypatch.setattr(waiter, "DirectoryWatch", no_inotify)
     later(0.05, lambda: control.write(make_status()))
     arrival = wait_for(control, ControlFile.STATUS, 5, poll_s=0.02)
     assert arrival.name is ControlFile.STATUS
