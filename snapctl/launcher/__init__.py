@@ -7,8 +7,10 @@ challenge/release handshake, recovers, checks the canary against the oracle and 
 host and port the server may now bind. Any failure writes ``error.json`` and raises
 :class:`StartupCaptureError`; the server must then exit without binding.
 
-Nothing here starts a thread or opens a long-lived descriptor: the process is checkpointed by
-CRIU while it waits in the capture barrier.
+Nothing here starts a thread, and nothing holds a descriptor while the process waits at the
+capture barrier, where CRIU checkpoints it. Once an activation is accepted (no checkpoint
+follows), the wait for its release is woken by inotify; that descriptor is kept open, without a
+watch, for the rest of the process's life, because closing one waits for a kernel grace period.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def run_startup_capture(
     """Run prepare → capture-ready → activation → challenge/release → recover → validated.
 
     ``config.timeout_s`` bounds each wait for a control file, counting only time this process
-    spends waiting (not time frozen by CRIU). ``poll_s`` is the interval between reads.
+    spends waiting (not time frozen by CRIU). ``poll_s`` is the interval between probes for
+    ``activation.json`` at the capture barrier (see :mod:`snapctl.launcher._control`).
     """
     capture_id = uuid.uuid4().hex  # made at start, before anything can fail
     # The launcher takes over from engine initialization; its own checks fail in that phase,

@@ -24,6 +24,7 @@ from snapctl.errors import CanaryMismatchError, ControlDirError, ProtocolError, 
 from snapctl.launcher import BindTarget, StartupCaptureError, _control, run_startup_capture
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.protocol.controldir import ControlDir
+from snapctl.protocol.inotify import DirectoryWatch
 from snapctl.protocol.models import (
     Activation,
     CaptureReady,
@@ -313,6 +314,110 @@ def test_time_frozen_during_a_wait_does_not_count(
     run.join()
     assert run.error is None
     assert run.result is not None
+
+
+def test_time_frozen_during_the_release_wait_does_not_count(
+    control: ControlDir, start: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_wait = _control._wait_for_event
+    frozen = threading.Event()
+    freeze_s = 2 * FAIL_TIMEOUT_S
+
+    def wait_with_one_freeze(watch: DirectoryWatch, timeout_s: float) -> None:
+        if not frozen.is_set():
+            frozen.set()
+            time.sleep(freeze_s)
+        real_wait(watch, timeout_s)
+
+    monkeypatch.setattr(_control, "_wait_for_event", wait_with_one_freeze)
+    run = start(timeout_s=FAIL_TIMEOUT_S)
+    activate(control, await_ready(control))
+    challenge = await_challenge(control)
+    assert frozen.wait(WAIT_S)
+    time.sleep(freeze_s + FAIL_TIMEOUT_S / 3)
+    control.write(Release.answering(challenge))
+    run.join()
+    assert run.error is None
+    assert run.result is not None
+
+
+def test_the_release_wakes_the_server_through_inotify(
+    control: ControlDir, start: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without an event the server would re-read only after an hour: the run would not finish.
+    monkeypatch.setattr(_control, "FULL_CHECK_S", 3600.0)
+    run = start(timeout_s=7200.0)
+    handshake(control)
+    run.join()
+    assert run.result is not None
+
+
+def test_the_release_is_polled_when_inotify_is_unavailable(
+    control: ControlDir, start: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_inotify(path: object) -> DirectoryWatch:
+        raise OSError(24, "inotify instance limit reached")
+
+    monkeypatch.setattr(_control, "DirectoryWatch", no_inotify)
+    monkeypatch.setattr(_control, "FULL_CHECK_S", 3600.0)
+    run = start(timeout_s=7200.0)
+    handshake(control)
+    run.join()
+    assert run.result is not None
+
+
+BARRIER_SERVER = """
+import sys
+from snapctl.launcher import run_startup_capture
+from snapctl.protocol.models import Oracle, SnapshotConfig
+
+class Hooks:
+    def canary(self):
+        return Oracle(token_ids=[1], text=" a", sampled_token_logprob=-0.25)
+    def release_memory(self):
+        pass
+    def restore_memory(self):
+        pass
+
+config = SnapshotConfig(mode="startup", control_dir=sys.argv[1], timeout_s=30)
+print(run_startup_capture(config, Hooks()).activation_id)
+"""
+
+
+def await_sleeping(pid: int) -> None:
+    deadline = time.monotonic() + WAIT_S
+    # The state follows the command name, which is in parentheses and may hold spaces.
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "S":
+        assert time.monotonic() < deadline, f"process {pid} never went to sleep"
+        time.sleep(0.001)
+
+
+def test_the_server_waits_at_the_barrier_without_threads_or_descriptors(
+    control: ControlDir,
+) -> None:
+    # What CRIU checkpoints there must not include an inotify descriptor or a helper thread.
+    server = subprocess.Popen(
+        [sys.executable, "-c", BARRIER_SERVER, str(control.path)],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        ready = await_ready(control)
+        assert ready.pid == server.pid
+        await_sleeping(server.pid)  # in the barrier's wait by now, not still on its way there
+        assert os.listdir(f"/proc/{server.pid}/task") == [str(server.pid)]
+        fds = Path(f"/proc/{server.pid}/fd")
+        targets = [os.readlink(fd) for fd in fds.iterdir()]
+        assert not [target for target in targets if "inotify" in target], targets
+        activation = activate(control, ready)
+        control.write(Release.answering(await_challenge(control)))
+        out, _ = server.communicate(timeout=WAIT_S)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0
+    assert out.decode().strip() == activation.activation_id
 
 
 def test_the_server_side_never_loads_watchdog() -> None:
