@@ -2,9 +2,9 @@
 
 This package owns everything that touches a control directory: the strict models of the six
 files (:mod:`.models`), the one atomic writer and bounded reader (:mod:`.atomic`), the directory
-safety checks and typed file access (:mod:`.controldir`) and the capturer's event-driven waits
-(:mod:`.waiter`). The waiter is loaded lazily, so a server importing this package (through
-:mod:`snapctl.launcher`) never loads it.
+safety checks and typed file access (:mod:`.controldir`), the pooled inotify watch
+(:mod:`.inotify`) and the capturer's event-driven waits (:mod:`.waiter`). The waiter is loaded
+lazily, so a server importing this package (through :mod:`snapctl.launcher`) never loads it.
 """
 
 from __future__ import annotations
