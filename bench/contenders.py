@@ -183,23 +183,25 @@ def copy_phases(
 ) -> dict[str, float]:
     """start_copy's wall time up to validated, split into its phases.
 
-    ``timings_s`` times verify, the identity check, stage, the lazy-pages daemon's start (lazy
-    only), restore and handshake; the progress marks place them on one clock, so the untimed
-    work between them (image hold, directories and tmpfs, pinning and inspecting the restored
-    tree) shows up too instead of vanishing from the sum.
+    ``timings_s`` times verify, the identity check, stage, the eager/lazy view of the image and
+    the lazy-pages daemon's start (lazy only), restore and handshake; the progress marks place
+    them on one clock, so the untimed work between them (image hold, directories and tmpfs,
+    pinning and inspecting the restored tree) shows up too instead of vanishing from the sum.
     """
     at = {step: when for step, when in marks}
     staging = at["staging the copy's directories"]
     restoring = at["restoring with CRIU"]
     activating = at["activating the copy"]
     checks = timings["verify"] + timings.get("identity", 0.0)
-    daemon = timings.get("lazy_pages_start")
+    view, daemon = timings.get("lazy_view"), timings.get("lazy_pages_start")
     phases = {
         "verify": timings["verify"],
         "identity": timings.get("identity", 0.0),
         "setup": staging - started - checks,
-        "stage": restoring - staging - (daemon or 0.0),
+        "stage": restoring - staging - (view or 0.0) - (daemon or 0.0),
     }
+    if view is not None:
+        phases["lazy view"] = view
     if daemon is not None:
         phases["lazy-pages daemon"] = daemon
     phases["criu"] = timings["restore"]

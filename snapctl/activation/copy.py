@@ -19,6 +19,7 @@ from snapctl.activation.native import NativeStep, tree_pids
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, read_restore_stats
 from snapctl.criu.ops import restore_tree, start_lazy_pages_daemon
+from snapctl.criu.pagemap import eager_small_view
 from snapctl.errors import SnapctlError
 from snapctl.images import ImageError, Manifest, stage_shm_copy, verify_image
 from snapctl.images.lock import hold_image
@@ -144,8 +145,10 @@ def _restore(
     """Stage the copy's directories and restore its tree (pinned as ``session.root``).
 
     Lazy: start the copy's own lazy-pages daemon on its own work dir first, restore with
-    ``--lazy-pages``, and leave the daemon to ``session.lazy``. Plain: every page is in place
-    when CRIU returns, so the image is let go at once.
+    ``--lazy-pages``, and leave the daemon to ``session.lazy``. Both read the image through a
+    view in the work dir in which processes with little memory are restored eagerly (see
+    :mod:`snapctl.criu.pagemap`). Plain: every page is in place when CRIU returns, so the image
+    is let go at once.
     """
     pidfile = session.dirs.work / "root.pid"
     progress("staging the copy's directories")
@@ -153,12 +156,17 @@ def _restore(
     stage_shm_copy(image / "shm", session.dirs.shm)
     timings["stage"] = time.monotonic() - started
     daemon = None
+    images = image / "criu"
     if lazy:
         progress("starting the lazy-pages daemon")
         started = time.monotonic()
+        images = session.dirs.work / "images"
+        eager_small_view(image / "criu", images)
+        timings["lazy_view"] = time.monotonic() - started
+        started = time.monotonic()
         try:
             daemon = start_lazy_pages_daemon(
-                criu, image / "criu", session.dirs.work, session.dirs.logs / "lazy-pages.log",
+                criu, images, session.dirs.work, session.dirs.logs / "lazy-pages.log",
                 timeout_s=options.timeout_s,
             )  # fmt: skip
         except SnapctlError as error:
@@ -182,7 +190,7 @@ def _restore(
     try:
         restore_tree(
             criu,
-            image / "criu",
+            images,
             session.dirs.work,
             session.dirs.logs / "restore.log",
             pidfile,

@@ -111,12 +111,13 @@ def published(session: Session) -> str:
     return "{}:{}".format(*session.publisher.address)
 
 
-def pause(pid: int, image: Path) -> bool:
-    """SIGSTOP the lazy-pages daemon ``pid`` (of ``image``); False if it already finished."""
+def pause(pid: int, work: Path) -> bool:
+    """SIGSTOP the lazy-pages daemon ``pid`` (of work dir ``work``); False if it already
+    finished."""
     try:
         daemon = psutil.Process(pid)
         # The PID of a daemon that finished could already name another process.
-        if "lazy-pages" not in daemon.cmdline() or str(image / "criu") not in daemon.cmdline():
+        if "lazy-pages" not in daemon.cmdline() or str(work) not in daemon.cmdline():
             return False
         daemon.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
@@ -135,7 +136,7 @@ def paused_lazy_copy(donor: Donor, criu: CriuBinary, running: list[Session]) -> 
         session = lazy_copy(donor, criu, running)
         assert session.lazy is not None
         pid = session.lazy.daemon.pid
-        if pause(pid, donor.image):
+        if pause(pid, session.dirs.work):
             assert session.lazy.status.state == "transferring"
             return session, pid
         stop_clean(session)
@@ -223,13 +224,15 @@ def test_failed_lazy_restore_leaves_nothing(
         )  # fmt: skip
     assert "cleanup: clean" in str(info.value) and "lazy-pages daemon" not in str(info.value)
     assert list(donor.state.activations.iterdir()) == []
-    assert not [p for p in psutil.process_iter(["cmdline"]) if is_our_daemon(p, donor.image)]
+    assert not [p for p in psutil.process_iter(["cmdline"]) if is_our_daemon(p, donor.state)]
     hold_image(donor.image, exclusive=True).release()
 
 
-def is_our_daemon(process: psutil.Process, image: Path) -> bool:
+def is_our_daemon(process: psutil.Process, state: StateDir) -> bool:
+    """A lazy-pages daemon of one of ``state``'s activations (it reads the copy's image view in
+    the activation's work dir)."""
     cmdline = process.info["cmdline"] or []
-    return "lazy-pages" in cmdline and str(image / "criu") in cmdline
+    return "lazy-pages" in cmdline and any(str(state.activations) in arg for arg in cmdline)
 
 
 def test_two_concurrent_lazy_copies_each_complete(
@@ -283,7 +286,7 @@ def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
         report = json.loads(started.stdout)
         assert report["lazy"] is True and report["pages_complete"] is not None
         daemon = report["lazy_pages_pid"]
-        paused = pause(daemon, donor.image)
+        paused = pause(daemon, donor.state.activations / report["activation_id"] / "work")
         (row,) = json.loads(snapctl(donor.state, "ps", "--json").stdout)
         assert row["name"] == detached and row["lazy"] and row["running"]
         assert row["lazy_pages_pid"] == daemon
