@@ -54,6 +54,8 @@ class Sample:
     # and pages_complete_s says when the last page arrived.
     all_pages_restored: bool = True
     pages_complete_s: float | None = None
+    # snapctl only: when every page of the copy was in place (plain: criu restore returned).
+    pages_present_s: float | None = None
 
 
 @dataclass
@@ -147,13 +149,14 @@ class SnapctlCopy:
             first_correct(host_connect(port), reference, ctx.timeout_s)
             ready = time.monotonic() - started
             pages_complete = None
+            restoring = dict(marks)["restoring with CRIU"] - started
+            pages_present = restoring + report.timings_s["restore"]
             if session.lazy is not None:
                 # Let the transfer finish before the next contender runs (and time it).
                 status = session.lazy.wait(ctx.timeout_s)
                 if status.state != "complete" or status.complete_s is None:
                     raise RuntimeError(f"lazy copy's pages did not complete: {status}")
-                restoring = dict(marks)["restoring with CRIU"]
-                pages_complete = restoring - started + status.complete_s
+                pages_complete = pages_present = restoring + status.complete_s
         finally:
             _, audit = session.stop()
         if not audit.clean:
@@ -175,6 +178,7 @@ class SnapctlCopy:
             },
             all_pages_restored=pages_complete is None,
             pages_complete_s=pages_complete,
+            pages_present_s=pages_present,
         )
 
 

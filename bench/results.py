@@ -41,6 +41,9 @@ class Settings(_Strict):
     donor_reps: int
     cli_reps: int
     contenders: list[str]
+    # Plain and lazy copies started together at these sizes (absent in older runs).
+    at_once_sizes_mb: list[int] = []
+    at_once_reps: int = 0
 
 
 class Figure(_Strict):

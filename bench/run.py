@@ -10,6 +10,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,7 +24,7 @@ from bench.results import Results, Settings
 from bench.tally import Recorder, judge_targets
 from bench.workload import Answer, ColdServer, ensure_model, first_correct, host_connect
 from bench.workload import launch_options as fixture_options
-from snapctl.activation.copy import start_copies
+from snapctl.activation.copy import start_copies, start_copy
 from snapctl.activation.donor import new_session, start_donor
 from snapctl.activation.launch import (
     fixture_command,
@@ -33,7 +34,9 @@ from snapctl.activation.launch import (
     wait_capture_ready,
 )
 from snapctl.activation.native import NoNativeStep
+from snapctl.activation.session import Session
 from snapctl.criu import find_criu, read_dump_stats
+from snapctl.images import verify_image
 from snapctl.supervision.process import become_subreaper
 from snapctl.supervision.state import StateDir
 
@@ -54,6 +57,9 @@ class Plan:
     concurrency_mb: int
     concurrency: list[int]
     cli_reps: int
+    # Plain and lazy copies started together (first correct completion, all pages present).
+    at_once_sizes_mb: list[int] = field(default_factory=list)
+    at_once_reps: int = 0
     quick: bool = False
     contenders: list[Contender] = field(default_factory=default_contenders)
 
@@ -62,13 +68,14 @@ def full() -> Plan:
     return Plan(
         sizes_mb=[64, 512, 2048], reps=7, donor_sizes_mb=[64, 512, 2048], donor_reps=5,
         concurrency_mb=512, concurrency=[1, 2, 4], cli_reps=10,
+        at_once_sizes_mb=[64, 512, 2048], at_once_reps=3,
     )  # fmt: skip
 
 
 def quick() -> Plan:
     return Plan(
         sizes_mb=[64], reps=3, donor_sizes_mb=[64], donor_reps=2, concurrency_mb=64,
-        concurrency=[1, 2, 4], cli_reps=5, quick=True,
+        concurrency=[1, 2, 4], cli_reps=5, at_once_sizes_mb=[64], at_once_reps=1, quick=True,
     )  # fmt: skip
 
 
@@ -76,7 +83,7 @@ def tiny() -> Plan:
     """The smoke test's plan: every measurement once, at a size that restores in a blink."""
     return Plan(
         sizes_mb=[8], reps=1, donor_sizes_mb=[8], donor_reps=1, concurrency_mb=8,
-        concurrency=[1, 2], cli_reps=1, quick=True,
+        concurrency=[1, 2], cli_reps=1, at_once_sizes_mb=[8], at_once_reps=1, quick=True,
     )  # fmt: skip
 
 
@@ -161,6 +168,8 @@ class Runner:
                 donor_reps=self.plan.donor_reps,
                 cli_reps=self.plan.cli_reps,
                 contenders=[c.name for c in self.plan.contenders],
+                at_once_sizes_mb=self.plan.at_once_sizes_mb,
+                at_once_reps=self.plan.at_once_reps,
             ),
             figures=self.rec.figures(),
             targets=judge_targets(self.rec, self.plan),
@@ -218,6 +227,8 @@ class Runner:
                         f"ready {sample.ready_s:.3f} s"
                     )
                     self.record_sample(contender.name, image, sample)
+            if size in self.plan.at_once_sizes_mb:
+                self.measure_at_once(image)
             if size != self.plan.concurrency_mb:
                 self.drop_image(size)
 
@@ -234,6 +245,8 @@ class Runner:
             add("criu_restore_time_s", name, size, sample.criu_restore_s, "s")
         if sample.pages_complete_s is not None:
             add("pages_complete_s", name, size, sample.pages_complete_s, "s")
+        if sample.pages_present_s is not None:
+            add("pages_present_s", name, size, sample.pages_present_s, "s")
         if "criu" in sample.phases and sample.all_pages_restored:
             add("restore_MBps", name, size, image.criu_bytes / MIB / sample.phases["criu"], "MB/s")
         if sample.handshake_s is not None:
@@ -277,6 +290,71 @@ class Runner:
         if failures:
             raise RuntimeError(f"{len(failures)} of {count} copies failed: {failures[0]}")
         return total, per_copy
+
+    # -- 8. plain and lazy copies started together -------------------------------------------
+
+    def measure_at_once(self, image: Image) -> None:
+        modes = {"snapctl copy": False, "snapctl copy --lazy": True}
+        runs = [(name, count) for name in modes for count in self.plan.concurrency]
+        for rep in range(self.plan.at_once_reps):
+            for name, count in rotated(runs, rep):
+                label = f"{name}, {count} at once"
+                per_copy = self.attempt(
+                    f"{label} ({image.size_mb} MB)",
+                    partial(self.first_correct_at_once, image, count, lazy=modes[name]),
+                )
+                for first, present in per_copy:
+                    self.rec.add("at_once_ready_s", label, image.size_mb, first, "s")
+                    self.rec.add("at_once_pages_present_s", label, image.size_mb, present, "s")
+                self.say(
+                    f"{image.size_mb} MB {label}: first correct "
+                    + ", ".join(f"{first:.3f}" for first, _ in per_copy)
+                    + " s; all pages "
+                    + ", ".join(f"{present:.3f}" for _, present in per_copy)
+                    + " s"
+                )
+
+    def first_correct_at_once(
+        self, image: Image, count: int, *, lazy: bool
+    ) -> list[tuple[float, float]]:
+        """``count`` copies started together as ``start_copies`` starts them (one verification,
+        then one ``start_copy`` per thread), each sending its first completion as soon as its
+        own start returned. Per copy: seconds from the common start to its first correct
+        completion and to every page of it present (plain: its ``criu restore`` returned;
+        lazy: its daemon exited 0). All copies are stopped only once every one is complete."""
+        verify_image(image.path, cache_dir=self.state.verified)
+        sessions: list[Session] = []
+        started = time.monotonic()
+
+        def one(index: int) -> tuple[float, float]:
+            marks: list[tuple[str, float]] = []
+            session, report = start_copy(
+                image.path, fixture_options(image.size_mb), criu=self.criu,
+                native=NoNativeStep(), publish=("127.0.0.1", 0), state=self.state,
+                progress=lambda step: marks.append((step, time.monotonic())), lazy=lazy,
+            )  # fmt: skip
+            sessions.append(session)
+            assert report.published is not None
+            port = int(report.published.rsplit(":", 1)[1])
+            first_correct(host_connect(port), self.reference, self.ctx.timeout_s)
+            first = time.monotonic() - started
+            restoring = dict(marks)["restoring with CRIU"] - started
+            if session.lazy is None:
+                return first, restoring + report.timings_s["restore"]
+            status = session.lazy.wait(self.ctx.timeout_s)
+            if status.state != "complete" or status.complete_s is None:
+                raise RuntimeError(f"copy {index + 1}: lazy pages did not complete: {status}")
+            return first, restoring + status.complete_s
+
+        try:
+            with ThreadPoolExecutor(max_workers=count) as pool:
+                futures = [pool.submit(one, index) for index in range(count)]
+                return [future.result() for future in futures]
+        finally:
+            audits = [session.stop()[1] for session in sessions]
+            dirty = [audit.describe() for audit in audits if not audit.clean]
+            if dirty:
+                raise RuntimeError(f"copies left things behind: {dirty[0]}")
 
     # -- 3. donor pause ---------------------------------------------------------------------
 

@@ -44,7 +44,8 @@ def test_every_measurement_has_every_contender(results: Results) -> None:
     assert results.find("restore_MBps", "snapctl copy --lazy", size) is None
     assert results.find("pages_complete_s", "snapctl copy --lazy", size) is not None
     steps = ("verify", "identity", "setup", "stage", "criu", "after restore", "handshake")
-    for name, extra in (("snapctl copy", ()), ("snapctl copy --lazy", ("lazy-pages daemon",))):
+    lazy_steps = ("lazy view", "lazy-pages daemon")
+    for name, extra in (("snapctl copy", ()), ("snapctl copy --lazy", lazy_steps)):
         phases = {
             f.metric
             for f in results.figures
@@ -70,6 +71,15 @@ def test_every_measurement_has_every_contender(results: Results) -> None:
         per_copy = results.find("concurrent_per_copy_s", f"{count} at once", plan.concurrency_mb)
         assert total is not None and per_copy is not None
         assert len(per_copy.samples) == count * plan.reps
+    for name in ("snapctl copy", "snapctl copy --lazy"):
+        assert results.find("pages_present_s", name, size) is not None, name
+    (at_once,) = plan.at_once_sizes_mb
+    for name in ("snapctl copy", "snapctl copy --lazy"):
+        for count in plan.concurrency:
+            label = f"{name}, {count} at once"
+            for metric in ("at_once_ready_s", "at_once_pages_present_s"):
+                figure = results.find(metric, label, at_once)
+                assert figure is not None and len(figure.samples) == count * plan.at_once_reps
     for command in ("python -c pass", "snapctl --help", "snapctl copy --help"):
         assert results.find("cli_start_s", command) is not None
     assert all(value > 0 for f in results.figures for value in f.samples)
@@ -84,6 +94,9 @@ def test_targets_are_judged_from_this_run(results: Results) -> None:
         "handshake (activation -> validated)",
         "snapctl --help",
         "2 concurrent copies / one copy",
+        "lazy copy: first correct completion, 8 MB",
+        "plain / lazy copy: first correct completion, 8 MB",
+        "lazy / plain copy: all pages present, 8 MB",
     }
     for target in results.targets:
         expected = {"<=": target.measured <= target.limit, ">=": target.measured >= target.limit}
@@ -102,6 +115,10 @@ def test_json_and_docs_round_trip(
     written = docs.write(results, tmp_path / "docs")
     assert {p.name for p in written} >= {"benchmarks.md", "benchmarks.json"}
     text = (tmp_path / "docs" / "benchmarks.md").read_text()
-    for heading in ("## Targets", "## Method", "## Machine", "## 7. Concurrent copies"):
+    headings = (
+        "## Targets", "## Method", "## Machine", "## 7. Concurrent copies",
+        "Lazy against plain (issue #9)", "### Plain and lazy copies started together",
+    )  # fmt: skip
+    for heading in headings:
         assert heading in text
     assert json.loads((tmp_path / "docs" / "benchmarks.json").read_text())["schema_version"] == 1
