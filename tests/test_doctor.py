@@ -22,7 +22,10 @@ from snapctl.doctor import (
 CRIU_PATH = Path("/opt/fake/criu")
 ALL_CAPS = 0x1FFFFFFFFFF
 NO_SYS_RESOURCE = 0x1FFFEFFFFFF  # what this project's machines have
-MOUNTS = "proc /proc proc rw 0 0\ntmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n"
+MOUNTS = (
+    "proc /proc proc rw 0 0\ntmpfs /dev/shm tmpfs rw,nosuid,nodev 0 0\n"
+    "tmpfs /run tmpfs rw,nosuid,nodev 0 0\n"
+)
 
 Response = tuple[int, str] | BaseException
 
@@ -91,6 +94,7 @@ def test_a_good_machine_is_ready_and_every_probe_ran() -> None:
     assert checks["criu check"] == ("ok", "Looks good.")
     assert checks["lazy restore"][0] == "ok"
     assert checks["namespaces"][0] == "ok" and checks["/dev/shm"] == ("ok", "tmpfs")
+    assert checks["CRIU kdat cache"] == ("ok", "/run is a tmpfs")
     assert checks["capabilities"][0] == "warn" and "CAP_SYS_RESOURCE" in checks["capabilities"][1]
     assert checks["cuda-checkpoint"][0] == "info" and checks["kernel"][0] == "info"
     assert system.events == [
@@ -201,6 +205,13 @@ def test_dev_shm_that_is_not_tmpfs_is_a_warning(mounts: str, detail: str) -> Non
 
     status, seen = by_name(report)["/dev/shm"]
     assert report.ready and status == "warn" and detail in seen
+
+
+def test_run_that_is_not_tmpfs_is_a_warning_about_criu_start_time() -> None:
+    report = run_doctor(system=FakeSystem(mounts="proc /proc proc rw 0 0\n"))
+
+    status, seen = by_name(report)["CRIU kdat cache"]
+    assert report.ready and status == "warn" and "/run is not a mount point" in seen
 
 
 def test_cuda_checkpoint_is_informational() -> None:
