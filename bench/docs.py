@@ -194,13 +194,24 @@ def _lazy_pages_note(results: Results, name: str, size: int) -> str:
     lazy = results.find("pages_present_s", LAZY, size)
     plain = results.find("pages_present_s", PLAIN, size)
     daemon = _median(results, "phase:lazy-pages daemon", LAZY, size)
-    return (
+    note = (
         f"- *{name}*: lazy {cell(lazy)} against plain {cell(plain)}. A lazy copy first starts "
         f"its daemon ({_ms(daemon)}, a second CRIU process), and its background transfer shares "
         "the 2 cores with the copy's own recovery and first requests, one page fault at a time "
         "between the daemon's chunks, where a plain restore copies every page in one pass "
         "before the server runs."
     )
+    alone_lazy = results.find("at_once_pages_present_s", f"{LAZY}, 1 at once", size)
+    alone_plain = results.find("at_once_pages_present_s", f"{PLAIN}, 1 at once", size)
+    if alone_lazy is not None and alone_plain is not None:
+        note += (
+            f" Started alone in section 7 (no cold start in those repetitions): lazy "
+            f"{cell(alone_lazy)}, plain {cell(alone_plain)}. On this VM memory freed by a "
+            "process (a cold start's retained memory, a stopped copy's) goes back to the host "
+            "within seconds and is slow to fill again, and the longest fill, here the lazy "
+            "transfer, is the most exposed: compare the spreads."
+        )
+    return note
 
 
 def _misses(results: Results, snap: str) -> list[str]:
