@@ -464,7 +464,7 @@ def render(results: Results, plot: str | None) -> str:
     )
     out += _difference(results, snap)
     out += ["Where the time goes (medians of each phase):", ""]
-    for contender in (snap, "bare CRIU"):
+    for contender in dict.fromkeys((snap, LAZY, "bare CRIU")):
         phases = [
             f.metric.split(":", 1)[1]
             for f in results.figures
