@@ -91,8 +91,11 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
 
 @click.command()
 @click.argument("name")
-def logs(name: str) -> None:
+@click.option("-f", "--follow", is_flag=True,
+              help="Keep printing what the server writes until the activation stops.")  # fmt: skip
+def logs(name: str, follow: bool) -> None:
     """Print an activation's server log."""
+    import sys
     from pathlib import Path
 
     from snapctl.errors import SnapctlError
@@ -100,15 +103,27 @@ def logs(name: str) -> None:
 
     state = StateDir()
     log = None
+    record_path = None
     for record in state.load_records():
         if name in (record.name, record.activation_id):
             assert isinstance(record, ActivationRecord)
             log = Path(record.logs_dir) / "server.log"
+            record_path = state.record_path(record.name)
     if log is None and (state.logs / name / "server.log").exists():
         log = state.logs / name / "server.log"  # a stopped activation, by id
     if log is None:
         raise SnapctlError(f"no activation named {name!r} (see snapctl ps)")
-    click.echo(log.read_text(errors="replace"), nl=False)
+    if not follow or record_path is None:
+        click.echo(log.read_text(errors="replace"), nl=False)
+        return
+    from snapctl.supervision.logs import follow_log
+
+    def write(chunk: bytes) -> None:
+        sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.flush()
+
+    record_exists = record_path.exists  # dropped when the activation stops
+    follow_log(log, write, done=lambda: not record_exists())
 
 
 @click.command()

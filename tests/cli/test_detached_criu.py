@@ -70,7 +70,16 @@ def test_count_detach_copies_stop_one_at_a_time(
     assert "cleanup: clean" in ok(snapctl(state, "stop", "c-1"))
     assert get(copies["c-2"]["published"], "/v1/models")[0] == 200  # its sibling still serves
     assert [row["name"] for row in json.loads(ok(snapctl(state, "ps", "--json")))] == ["c-2"]
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state)}
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", "logs", "--follow", "c-2"], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert get(copies["c-2"]["published"], "/v1/models")[0] == 200  # one more line to follow
     assert "cleanup: clean" in ok(snapctl(state, "stop", "c-2"))
+    followed, errors = follower.communicate(timeout=30)  # ends by itself once c-2 stopped
+    assert follower.returncode == 0, errors
+    assert b"validated" in followed and b"GET /v1/models" in followed
 
     assert json.loads(ok(snapctl(state, "ps", "--json"))) == []
     assert list((state / "activations").iterdir()) == []
