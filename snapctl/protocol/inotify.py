@@ -3,6 +3,8 @@
 Closing an inotify descriptor waits for a kernel grace period (5-25 ms measured on this kind of
 host, whether or not its watch was removed first); removing a watch does not. So a watch gives
 its descriptor back to a per-process pool when it ends, and the next watch reuses it.
+(watchdog's observer opens and closes one per watch, plus a thread: fine for following a log
+(:mod:`snapctl.supervision.logs`), too slow for a handshake measured in milliseconds.)
 
 Used by the capturer's waits (:mod:`snapctl.protocol.waiter`) and by the server once it has
 accepted an activation (:mod:`snapctl.launcher`). The server must not hold one while it waits

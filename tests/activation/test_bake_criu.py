@@ -66,15 +66,6 @@ def baked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Baked]:
     yield Baked(image=root / "image", state=state, report=report)
 
 
-@pytest.fixture
-def running() -> Iterator[list[Session]]:
-    sessions: list[Session] = []
-    yield sessions
-    for session in sessions:
-        if not session.stopped:
-            session.stop()
-
-
 @pytest.fixture(autouse=True)
 def api_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SNAPCTL_TEST_API_KEY", API_KEY)

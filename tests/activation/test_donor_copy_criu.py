@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,15 +34,6 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
     monkeypatch.setenv(API_KEY_ENV, API_KEY)
     # One model per test session would be faster, but a fresh state dir proves the build path.
     return StateDir(tmp_path / "state")
-
-
-@pytest.fixture
-def running() -> Iterator[list[Session]]:
-    sessions: list[Session] = []
-    yield sessions
-    for session in sessions:
-        if not session.stopped:
-            session.stop()
 
 
 def test_donor_then_two_copies_serve_identically(

@@ -80,15 +80,6 @@ def donor(tmp_path_factory: pytest.TempPathFactory) -> Donor:
     return result
 
 
-@pytest.fixture
-def running() -> Iterator[list[Session]]:
-    sessions: list[Session] = []
-    yield sessions
-    for session in sessions:
-        if not session.stopped:
-            session.stop(2.0)
-
-
 def stop_clean(session: Session, stop_timeout_s: float = 10.0) -> None:
     how, audit = session.stop(stop_timeout_s)
     assert audit.clean, audit.describe()
