@@ -15,18 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.donor import start_donor
-from snapctl.activation.launch import LaunchOptions
-from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.cli import main
-from snapctl.criu import find_criu
 from snapctl.errors import ExitStatus
 from snapctl.qualification import faults
 from snapctl.qualification.report import Report
 from snapctl.qualification.suite import DEFAULT_RUNS
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.supervision.state import StateDir
+from tests.qualification.criu_helpers import assert_nothing_left, captured_image
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -78,32 +75,14 @@ def test_qualify_on_the_fixture_passes_every_check(
     assert (copy_dir / "logs" / "server.log").stat().st_size > 0
     assert (tmp_path / "report" / "runs" / "fault" / "control" / "error.json").exists()
     # Nothing of any run is left: no activation directory, no temporary image, no shm file.
-    state = StateDir(tmp_path / "state")
-    assert list(state.activations.iterdir()) == []
-    assert not (state.root / "qualify").exists() or list((state.root / "qualify").iterdir()) == []
-    remaps = {name for name in os.listdir(HOST_SHM) if name.startswith("link_remap.")}
-    assert remaps <= shm_before
+    assert_nothing_left(StateDir(tmp_path / "state"), shm_before)
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One captured image (donor stopped), and SNAPCTL_STATE_DIR pointing at its state."""
-    root = tmp_path_factory.mktemp("qualify-image")
-    state = StateDir(root / "state")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SNAPCTL_STATE_DIR", str(state.root))
-        donor: Session | None = None
-        try:
-            donor, _, _ = start_donor(
-                LaunchOptions(timeout_s=120), image=root / "image", force=False,
-                criu=find_criu(), native=NoNativeStep(), publish=None, state=state,
-                progress=lambda step: None,
-            )  # fmt: skip
-        finally:
-            if donor is not None:
-                _, audit = donor.stop()
-                assert audit.clean, audit.describe()
-        yield root / "image"
+    with captured_image(tmp_path_factory, "qualify-image") as path:
+        yield path
 
 
 @pytest.mark.parametrize("mode", ["changed", "unreadable"])

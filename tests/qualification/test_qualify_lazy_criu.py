@@ -16,12 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.donor import start_donor
-from snapctl.activation.launch import LaunchOptions
-from snapctl.activation.native import NoNativeStep
-from snapctl.activation.session import Session
 from snapctl.cli import main
-from snapctl.criu import find_criu
 from snapctl.errors import ExitStatus
 from snapctl.images.lock import hold_image
 from snapctl.qualification import lazy_fault
@@ -30,6 +25,7 @@ from snapctl.qualification.suite import LAZY_RETAINED_MB
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.supervision.process import PinnedProcess
 from snapctl.supervision.state import StateDir
+from tests.qualification.criu_helpers import assert_nothing_left, captured_image
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -95,33 +91,17 @@ def test_qualify_lazy_passes_every_check(
     (activation,) = fault.activation_ids
     failure = tmp_path / "report" / "runs" / "lazy-fault" / activation / "failure.txt"
     assert "before every page was copied" in failure.read_text()
-    state = StateDir(tmp_path / "state")
-    assert list(state.activations.iterdir()) == []
-    assert not (state.root / "qualify").exists() or list((state.root / "qualify").iterdir()) == []
-    remaps = {name for name in os.listdir(HOST_SHM) if name.startswith("link_remap.")}
-    assert remaps <= shm_before
+    assert_nothing_left(StateDir(tmp_path / "state"), shm_before)
 
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """One image with the lazy runs' retained memory (donor stopped), and SNAPCTL_STATE_DIR
     pointing at its state."""
-    root = tmp_path_factory.mktemp("qualify-lazy-image")
-    state = StateDir(root / "state")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SNAPCTL_STATE_DIR", str(state.root))
-        donor: Session | None = None
-        try:
-            donor, _, _ = start_donor(
-                LaunchOptions(timeout_s=120, fixture_retained_mb=LAZY_RETAINED_MB),
-                image=root / "image", force=False, criu=find_criu(), native=NoNativeStep(),
-                publish=None, state=state, progress=lambda step: None,
-            )  # fmt: skip
-        finally:
-            if donor is not None:
-                _, audit = donor.stop()
-                assert audit.clean, audit.describe()
-        yield root / "image"
+    with captured_image(
+        tmp_path_factory, "qualify-lazy-image", fixture_retained_mb=LAZY_RETAINED_MB
+    ) as path:
+        yield path
 
 
 def test_lazy_fault_command_alone(image: Path, capsys: pytest.CaptureFixture[str]) -> None:
