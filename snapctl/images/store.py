@@ -3,10 +3,12 @@ of the saved ``/dev/shm`` for a restore (hard links kept)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -67,20 +69,33 @@ def hash_tree(root: Path) -> dict[str, FileEntry]:
     }
 
 
+def manifest_problem(error: ValidationError) -> str:
+    """One line naming where the first validation error is (never the offending value)."""
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    return f"{where}: {first['msg']}"
+
+
 def load_manifest(image: Path) -> Manifest:
+    """Read and validate ``image``'s manifest (bounded); no file of the image is read."""
     path = image / MANIFEST_NAME
     try:
         with path.open("rb") as handle:
             data = handle.read(MAX_MANIFEST_BYTES + 1)
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ImageError(f"{path} exceeds {MAX_MANIFEST_BYTES} bytes", path=path)
-        return Manifest.model_validate_json(data)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, NotADirectoryError) as error:
         raise ImageError(
             f"{image} is not a published image (no {MANIFEST_NAME})", path=image
         ) from error
+    except OSError as error:
+        raise ImageError(f"cannot read {path}: {error.strerror}", path=path) from error
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ImageError(f"{path} exceeds {MAX_MANIFEST_BYTES} bytes", path=path)
+    try:
+        return Manifest.model_validate_json(data)
     except ValidationError as error:
-        raise ImageError(f"{path} is not a valid manifest: {error}", path=path) from error
+        raise ImageError(
+            f"{path} is not a valid manifest: {manifest_problem(error)}", path=path
+        ) from error
 
 
 def _stat_key(path: Path) -> list[int]:
@@ -94,53 +109,90 @@ def _cache_file(cache_dir: Path, manifest: Manifest, image: Path) -> Path:
     return cache_dir / f"{manifest.image_id}-{where}.json"
 
 
-def _stat_keys(image: Path, manifest: Manifest) -> dict[str, list[int]]:
-    return {name: _stat_key(image / name) for name in sorted(manifest.files)}
+def _cache_record(image: Path, manifest: Manifest) -> dict[str, object]:
+    # The expected hashes are part of the key: a cache entry vouches for these files against
+    # this manifest, not against one edited since (same id, other sha256 or link groups).
+    expected = hashlib.sha256(
+        json.dumps(
+            {name: entry.model_dump() for name, entry in manifest.files.items()}, sort_keys=True
+        ).encode()
+    ).hexdigest()
+    stats = {name: _stat_key(image / name) for name in sorted(manifest.files)}
+    return {"manifest_files_sha256": expected, "stats": stats}
 
 
 def record_verified(image: Path, manifest: Manifest, cache_dir: Path) -> None:
-    """Remember that every file of ``image`` matched its sha256 as it is now."""
+    """Remember that every file of ``image`` matched ``manifest`` as it is now; best effort:
+    a cache that cannot be written only costs a full verification next time."""
     cache = _cache_file(cache_dir, manifest, image)
-    cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(_stat_keys(image, manifest)))
-    os.replace(tmp, cache)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp.write_text(json.dumps(_cache_record(image, manifest)))
+        os.replace(tmp, cache)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def is_verified(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
-    """True when a full verification is cached and no file changed since (no hashing)."""
+    """True when a full verification against this manifest is cached and no file changed
+    since (no hashing)."""
     try:
         cached = json.loads(_cache_file(cache_dir, manifest, image).read_text())
-        return bool(cached == _stat_keys(image, manifest))
+        return bool(cached == _cache_record(image, manifest))
     except (OSError, ValueError):
         return False
+
+
+def check_file_set(
+    image: Path, manifest: Manifest, present: set[str], error: type[ImageError] = ImageError
+) -> None:
+    """Raise ``error`` naming the first manifest file absent from ``present``, else the first
+    file present that the manifest does not list."""
+    missing = sorted(set(manifest.files) - present)
+    if missing:
+        raise error(f"image file missing: {missing[0]}", path=image / missing[0])
+    extra = sorted(present - set(manifest.files))
+    if extra:
+        raise error(f"unexpected file in image: {extra[0]}", path=image / extra[0])
+
+
+def _link_groups(files: dict[str, FileEntry]) -> dict[str, frozenset[str]]:
+    """Each hard-linked file's name -> every name sharing its inode (group numbers differ
+    between two hashings of one tree; the partition does not)."""
+    groups: dict[int, set[str]] = {}
+    for name, entry in files.items():
+        if entry.link_group is not None:
+            groups.setdefault(entry.link_group, set()).add(name)
+    return {name: frozenset(names) for names in groups.values() for name in names}
 
 
 def verify_image(image: Path, cache_dir: Path | None = None) -> Manifest:
     """Check every file against the manifest; raise naming the first file that differs.
 
-    A full hash is cached (per image id, by size, mtime, ctime and inode of every file) in
-    ``cache_dir``; any change to a file changes its ctime, so a cache hit is as strong as a
-    re-hash for files only the system itself could alter.
+    A full verification is cached in ``cache_dir`` (per image id and directory, keyed by the
+    manifest's file entries and the size, mtime, ctime and inode of every file): any write to
+    a file changes its ctime, which no unprivileged tool can set back, so a hit is as strong
+    as a re-hash. A damaged or unwritable cache only costs a full verification.
     """
     manifest = load_manifest(image)
-    present = {str(p.relative_to(image)) for p in _files(image)}
-    missing = sorted(set(manifest.files) - present)
-    if missing:
-        raise ImageError(f"image file missing: {missing[0]}", path=image / missing[0])
-    extra = sorted(present - set(manifest.files))
-    if extra:
-        raise ImageError(f"unexpected file in image: {extra[0]}", path=image / extra[0])
-    # A damaged cache only costs a full verification.
+    check_file_set(image, manifest, {str(p.relative_to(image)) for p in _files(image)})
     if cache_dir is not None and is_verified(image, manifest, cache_dir):
         return manifest
     actual = hash_tree(image)
-    for name, expected in manifest.files.items():
+    for name, expected in sorted(manifest.files.items()):
         got = actual[name]
         if got.size != expected.size or got.sha256 != expected.sha256:
             raise ImageError(f"image file {name} does not match its sha256", path=image / name)
-        if got.link_group is None and expected.link_group is not None:
-            raise ImageError(f"image file {name} lost its hard links", path=image / name)
+    expected_links, actual_links = _link_groups(manifest.files), _link_groups(actual)
+    for name in sorted(manifest.files):
+        if expected_links.get(name) != actual_links.get(name):
+            raise ImageError(
+                f"image file {name} does not share its inode as the manifest records "
+                "(hard links lost or added)",
+                path=image / name,
+            )
     if cache_dir is not None:
         record_verified(image, manifest, cache_dir)
     return manifest
@@ -157,7 +209,7 @@ def stage_shm_copy(source: Path, target: Path) -> None:
         relative = path.relative_to(source)
         destination = target / relative
         st = path.lstat()
-        if path.is_dir():
+        if stat.S_ISDIR(st.st_mode):
             destination.mkdir(mode=st.st_mode & 0o7777, exist_ok=True)
             continue
         key = (st.st_dev, st.st_ino)
@@ -201,19 +253,40 @@ class ImageStaging:
             (self.dir / sub).mkdir(mode=0o700)
 
     def publish(self, manifest: Manifest) -> Path:
-        """Write the manifest last, then rename the staging directory into place."""
+        """Write the manifest last, then rename the staging directory into place.
+
+        Without ``force`` an image that appeared under the name since the staging began is
+        refused, never replaced. On failure the previous image (if any) stays published and
+        the caller still owns the staging directory (``abort``).
+        """
         write_json_atomic(
             self.dir / MANIFEST_NAME, manifest.model_dump(mode="json"), max_bytes=MAX_MANIFEST_BYTES
         )
         try:
-            if self.final.exists():
-                # --force: move the old image aside first so a crash never leaves neither.
+            if not os.path.lexists(self.final):
+                os.rename(self.dir, self.final)
+            elif not self.force:
+                raise ImageError(
+                    f"image directory {self.final} appeared while this image was staged",
+                    path=self.final,
+                )
+            else:
+                if self._hold is None:  # it appeared since __init__: hold it like any other
+                    self._hold = hold_image(self.final, exclusive=True)
+                # Move the old image aside first so a crash never leaves neither.
                 old = self.final.parent / f".{self.final.name}.replaced-{uuid.uuid4().hex[:8]}"
                 os.rename(self.final, old)
-                os.rename(self.dir, self.final)
-                shutil.rmtree(old)
-            else:
-                os.rename(self.dir, self.final)
+                try:
+                    os.rename(self.dir, self.final)
+                except OSError:
+                    os.rename(old, self.final)
+                    raise
+                # Published: a leftover of the old image is hidden and harmless.
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as error:
+            raise ImageError(
+                f"cannot publish {self.final}: {error.strerror}", path=self.final
+            ) from error
         finally:
             self._release()
         return self.final

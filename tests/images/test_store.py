@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -10,17 +11,7 @@ import pytest
 from snapctl.images import ImageError, ImageStaging, Manifest, hash_tree, stage_shm_copy
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.images.store import load_manifest, verify_image
-from tests.images.factories import make_manifest
-
-
-def publish_sample(final: Path) -> Manifest:
-    staging = ImageStaging(final)
-    (staging.dir / "criu" / "pages-1.img").write_bytes(os.urandom(10000))
-    (staging.dir / "shm" / "sem.x").write_bytes(b"semaphore")
-    os.link(staging.dir / "shm" / "sem.x", staging.dir / "shm" / "link_remap.7")
-    manifest = make_manifest(hash_tree(staging.dir))
-    staging.publish(manifest)
-    return manifest
+from tests.images.factories import make_manifest, publish_sample
 
 
 def test_hash_tree_groups_hard_links(tmp_path: Path) -> None:
@@ -135,3 +126,65 @@ def test_schema_1_manifest_still_loads_and_names_are_checked(tmp_path: Path) -> 
     for hostile in ("../x", "/etc/passwd", "criu/../../x", "./criu/x", "manifest.json"):
         with pytest.raises(ValueError, match="not a plain path"):
             make_manifest({hostile: entry})
+
+
+def test_verification_cache_does_not_vouch_for_an_edited_manifest(tmp_path: Path) -> None:
+    final, cache = tmp_path / "img", tmp_path / "cache"
+    publish_sample(final)
+    verify_image(final, cache_dir=cache)
+    manifest_path = final / "manifest.json"
+    data = json.loads(manifest_path.read_text())
+    data["files"]["logs/dump.log"]["sha256"] = "f" * 64  # same id, the file itself untouched
+    manifest_path.write_text(json.dumps(data))
+
+    with pytest.raises(ImageError, match=r"logs/dump\.log does not match"):
+        verify_image(final, cache_dir=cache)
+
+
+def test_an_unwritable_cache_only_costs_a_full_verification(tmp_path: Path) -> None:
+    final, cache = tmp_path / "img", tmp_path / "cache"
+    publish_sample(final)
+    cache.write_text("not a directory")
+
+    assert verify_image(final, cache_dir=cache).image_id == "0" * 32
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "img"]
+
+
+def test_hard_links_the_manifest_does_not_record_are_refused(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    staging = ImageStaging(final)
+    (staging.dir / "criu" / "a").write_bytes(b"same")
+    (staging.dir / "criu" / "b").write_bytes(b"same")
+    staging.publish(make_manifest(hash_tree(staging.dir)))
+    (final / "criu" / "b").unlink()
+    os.link(final / "criu" / "a", final / "criu" / "b")  # same bytes, now one inode
+
+    with pytest.raises(ImageError, match=r"criu/a does not share its inode"):
+        verify_image(final)
+
+
+def test_publish_never_replaces_an_image_that_appeared_meanwhile(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    staging = ImageStaging(final)
+    (staging.dir / "criu" / "x").write_bytes(b"mine")
+    theirs = publish_sample(final)  # another publisher won the race
+
+    with pytest.raises(ImageError, match="appeared while this image was staged"):
+        staging.publish(make_manifest(hash_tree(staging.dir), image_id="f" * 32))
+    staging.abort()
+
+    assert verify_image(final) == theirs
+    assert [p.name for p in tmp_path.iterdir()] == ["img"]
+
+
+def test_invalid_manifest_is_named_in_one_line_without_its_value(tmp_path: Path) -> None:
+    final = tmp_path / "img"
+    publish_sample(final)
+    manifest_path = final / "manifest.json"
+    data = json.loads(manifest_path.read_text())
+    data["server_argv"] = "srv --api-key sk-live-secret"  # a string, not a list
+    manifest_path.write_text(json.dumps(data))
+
+    with pytest.raises(ImageError, match="not a valid manifest: server_argv") as info:
+        load_manifest(final)
+    assert "\n" not in str(info.value) and "sk-live-secret" not in str(info.value)
