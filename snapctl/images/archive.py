@@ -27,13 +27,15 @@ import zstandard
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from snapctl.errors import ExitStatus
-from snapctl.images.lock import image_held
+from snapctl.images.lock import hold_image
 from snapctl.images.manifest import MANIFEST_NAME, Manifest, is_safe_relative
 from snapctl.images.store import (
     CHUNK,
     MAX_MANIFEST_BYTES,
     ImageError,
     ImageStaging,
+    check_file_set,
+    manifest_problem,
     record_verified,
 )
 
@@ -172,12 +174,7 @@ def _walk_image(image: Path, manifest: Manifest) -> list[str]:
                     files.add(relative)
             else:
                 raise ArchiveError(f"image member {relative} is not a file or directory", path=path)
-    missing = sorted(set(manifest.files) - files)
-    if missing:
-        raise ArchiveError(f"image file missing: {missing[0]}", path=image / missing[0])
-    extra = sorted(files - set(manifest.files))
-    if extra:
-        raise ArchiveError(f"unexpected file in image: {extra[0]}", path=image / extra[0])
+    check_file_set(image, manifest, files, ArchiveError)
     return sorted(directories)
 
 
@@ -204,8 +201,12 @@ def export_image(
     if out.exists() and not force:
         raise ArchiveError(f"{out} already exists (use --force to replace it)", path=out)
     started = time.monotonic()
-    # Shared: copies may read meanwhile, rm and replace wait for the export to finish.
-    with image_held(image):
+    try:
+        # Shared: copies may read meanwhile, rm and replace wait for the export to finish.
+        hold = hold_image(image)
+    except (FileNotFoundError, NotADirectoryError) as error:
+        raise ImageError(f"{image} is not a published image", path=image) from error
+    with hold:
         manifest_path = image / MANIFEST_NAME
         try:
             with manifest_path.open("rb") as handle:
@@ -234,9 +235,14 @@ def export_image(
                 raw.flush()
                 os.fsync(raw.fileno())
             os.replace(tmp, out)
-        except BaseException:
+        except BaseException as error:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            if isinstance(error, OSError):
+                where = Path(error.filename) if error.filename else out
+                raise ArchiveError(
+                    f"cannot export to {out}: {where}: {error.strerror or error}", path=where
+                ) from error
             raise
     seconds = time.monotonic() - started
     return _report("export", image, out, manifest, manifest_bytes, seconds, body.digest.hexdigest())
@@ -300,10 +306,8 @@ def _parse_manifest(data: bytes, where: Path) -> Manifest:
     try:
         return Manifest.model_validate_json(data)
     except ValidationError as error:
-        first = error.errors()[0]
-        where_in = ".".join(str(p) for p in first["loc"])
         raise ArchiveError(
-            f"manifest is not valid: {where_in}: {first['msg']}", path=where
+            f"manifest is not valid: {manifest_problem(error)}", path=where
         ) from error
 
 
@@ -329,6 +333,9 @@ class _Unpacker:
         self.manifest_bytes = b""
         self.seen: set[str] = set()
         self.written: set[str] = set()  # regular files written (hard-link targets)
+        self.linked: set[str] = set()  # hard links made to them
+        # Applied in ``finish``: a read-only directory must still take the files inside it.
+        self.directory_modes: dict[str, int] = {}
         self.current = "(start)"
         self.as_root = os.geteuid() == 0
 
@@ -377,7 +384,7 @@ class _Unpacker:
         self._parent(member.name)
         if not path.is_dir():
             path.mkdir(mode=0o700)
-        os.chmod(path, stat.S_IMODE(member.mode) & 0o1777)
+        self.directory_modes[member.name] = stat.S_IMODE(member.mode) & 0o1777
 
     def _expected(self, name: str) -> tuple[int, str, int | None]:
         assert self.manifest is not None
@@ -420,11 +427,13 @@ class _Unpacker:
             raise self.refuse(f"member {name} is a hard link the manifest does not record")
         self._parent(name)
         os.link(self.root / target, self.root / name, follow_symlinks=False)
+        self.linked.add(name)
 
     def finish(self) -> Manifest:
         if self.manifest is None:
             raise self.refuse(f"no {MANIFEST_NAME}: not an image archive")
-        missing = sorted(set(self.manifest.files) - self.seen)
+        # Not ``seen``: a listed name that arrived as a directory was never hashed.
+        missing = sorted(set(self.manifest.files) - self.written - self.linked)
         if missing:
             raise self.refuse(f"image file {missing[0]} is missing from the archive")
         groups: dict[int, set[tuple[int, int]]] = {}
@@ -435,6 +444,8 @@ class _Unpacker:
         for group, inodes in groups.items():
             if len(inodes) != 1:
                 raise self.refuse(f"hard-link group {group} arrived as separate files")
+        for name, mode in sorted(self.directory_modes.items(), reverse=True):  # children first
+            os.chmod(self.root / name, mode)
         return self.manifest
 
 
@@ -473,11 +484,17 @@ def import_image(
                     # Read to the end: zstd checks the frame's checksum only there.
                     while stream.read(CHUNK):
                         pass
+                manifest = unpacker.finish()
             except (zstandard.ZstdError, tarfile.TarError, EOFError) as error:
                 raise unpacker.refuse(
                     f"corrupt near member {unpacker.current}: {error or type(error).__name__}"
                 ) from error
-            manifest = unpacker.finish()
+            except OSError as error:
+                # A member that collides with another (a file where a directory is needed, a
+                # name the staging layout already uses), or the disk: nothing is published.
+                raise unpacker.refuse(
+                    f"cannot unpack member {unpacker.current}: {error.strerror or error}"
+                ) from error
             while body.read(CHUNK):  # whatever follows the frame is covered by the seal too
                 pass
             if not sealed:

@@ -8,11 +8,9 @@ the image's file list, and so its hashes, untouched.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from snapctl.errors import SnapctlError
@@ -23,7 +21,8 @@ class ImageBusyError(SnapctlError):
 
 
 class ImageHold:
-    """An open descriptor on the image directory carrying a ``flock``; ``release`` drops it."""
+    """An open descriptor on the image directory carrying a ``flock``; ``release`` (or leaving
+    a ``with`` block) drops it."""
 
     def __init__(self, image: Path, fd: int, exclusive: bool) -> None:
         self.image = image
@@ -49,7 +48,8 @@ class ImageHold:
 def hold_image(image: Path, *, exclusive: bool = False, wait: bool = False) -> ImageHold:
     """Take a shared (readers) or exclusive (rm, replace) hold on ``image``.
 
-    Without ``wait`` a conflicting hold raises :class:`ImageBusyError` at once.
+    Without ``wait`` a conflicting hold raises :class:`ImageBusyError` at once. A missing
+    ``image`` raises ``FileNotFoundError`` (``NotADirectoryError``), for the caller to name.
     """
     fd = os.open(image, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     operation = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
@@ -62,13 +62,3 @@ def hold_image(image: Path, *, exclusive: bool = False, wait: bool = False) -> I
             raise ImageBusyError(f"image {image} is {what}", phase="image", path=image) from error
         raise
     return ImageHold(image, fd, exclusive)
-
-
-@contextlib.contextmanager
-def image_held(image: Path, *, exclusive: bool = False, wait: bool = False) -> Iterator[ImageHold]:
-    """Context-manager form of :func:`hold_image`."""
-    hold = hold_image(image, exclusive=exclusive, wait=wait)
-    try:
-        yield hold
-    finally:
-        hold.release()

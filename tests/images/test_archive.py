@@ -3,6 +3,7 @@ of hostile members (built here as real .tar.zst files) without writing outside t
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tarfile
@@ -12,7 +13,13 @@ import pytest
 import zstandard
 
 from snapctl.images import load_manifest, verify_image
-from snapctl.images.archive import SEAL_BYTES, ArchiveError, export_image, import_image
+from snapctl.images.archive import (
+    SEAL_BYTES,
+    ArchiveError,
+    _seal,
+    export_image,
+    import_image,
+)
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.images.store import ImageError, is_verified
 from tests.images.factories import publish_sample
@@ -176,15 +183,40 @@ def _info(
     return info
 
 
-def build(path: Path, source: Path, extra: list[tuple[tarfile.TarInfo, bytes]]) -> None:
-    """An archive with the genuine manifest and files of ``source``, then ``extra`` members."""
+def build(
+    path: Path, source: Path, extra: list[tuple[tarfile.TarInfo, bytes]], *, sealed: bool = False
+) -> None:
+    """An archive with the genuine manifest of ``source``, then ``extra`` members; ``sealed``
+    as export seals it, so only the members can be what is refused."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         manifest = (source / "manifest.json").read_bytes()
         tar.addfile(_info("manifest.json", size=len(manifest)), io.BytesIO(manifest))
         for info, data in extra:
             tar.addfile(info, io.BytesIO(data) if data else None)
-    path.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+    body = zstandard.ZstdCompressor().compress(buffer.getvalue())
+    path.write_bytes(body + (_seal(hashlib.sha256(body).digest()) if sealed else b""))
+
+
+def genuine_members(
+    source: Path, *, instead: dict[str, tarfile.TarInfo]
+) -> list[tuple[tarfile.TarInfo, bytes]]:
+    """Every file of the image at ``source`` as export writes it, except the names in
+    ``instead``, which arrive as the given members."""
+    manifest = load_manifest(source)
+    out: list[tuple[tarfile.TarInfo, bytes]] = []
+    first_of_group: dict[int, str] = {}
+    for name, entry in sorted(manifest.files.items()):
+        if name in instead:
+            out.append((instead[name], b""))
+        elif entry.link_group in first_of_group:
+            out.append((_info(name, tarfile.LNKTYPE, link=first_of_group[entry.link_group]), b""))
+        else:
+            if entry.link_group is not None:
+                first_of_group[entry.link_group] = name
+            data = (source / name).read_bytes()
+            out.append((_info(name, size=len(data)), data))
+    return out
 
 
 HOSTILE = {
@@ -205,6 +237,9 @@ HOSTILE = {
     "unlisted file": ([(_info("criu/extra", size=1), b"x")], "not in the manifest"),
     "wrong size": ([(_info("logs/dump.log", size=4), b"dump")], "has 4 bytes"),
     "wrong content": ([(_info("logs/dump.log", size=9), b"DUMP LOG\n")], "sha256"),
+    "file below a file": ([(_info("logs/dump.log", size=9), b"dump log\n"),
+                           (_info("logs/dump.log/x", tarfile.DIRTYPE), b"")],
+                          "cannot unpack member logs/dump.log/x"),
 }  # fmt: skip
 
 
@@ -231,12 +266,18 @@ def test_hostile_archive_is_refused_without_writing_outside(tmp_path: Path, case
     assert (Path("/etc/passwd").stat().st_nlink, os.path.islink("/etc")) == (1, False)
 
 
-def test_invalid_manifest_is_refused(tmp_path: Path) -> None:
-    archive = tmp_path / "a.tar.zst"
+def raw_archive(path: Path, *entries: tuple[str, bytes]) -> Path:
+    """An unsealed archive of the given (name, content) regular files, in order."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.addfile(_info("manifest.json", size=2), io.BytesIO(b"{}"))
-    archive.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+        for name, data in entries:
+            tar.addfile(_info(name, size=len(data)), io.BytesIO(data))
+    path.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+    return path
+
+
+def test_invalid_manifest_is_refused(tmp_path: Path) -> None:
+    archive = raw_archive(tmp_path / "a.tar.zst", ("manifest.json", b"{}"))
 
     with pytest.raises(ArchiveError, match=r"a\.tar\.zst: manifest is not valid"):
         import_image(archive, tmp_path / "image")
@@ -244,11 +285,7 @@ def test_invalid_manifest_is_refused(tmp_path: Path) -> None:
 
 
 def test_archive_without_the_manifest_first_is_refused(tmp_path: Path) -> None:
-    archive = tmp_path / "a.tar.zst"
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        tar.addfile(_info("criu/x", size=1), io.BytesIO(b"x"))
-    archive.write_bytes(zstandard.ZstdCompressor().compress(buffer.getvalue()))
+    archive = raw_archive(tmp_path / "a.tar.zst", ("criu/x", b"x"))
 
     with pytest.raises(ArchiveError, match=r"first member is 'criu/x', not manifest\.json"):
         import_image(archive, tmp_path / "image")
@@ -264,3 +301,43 @@ def test_missing_member_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ArchiveError, match="missing from the archive"):
         import_image(archive, tmp_path / "image")
     assert not (tmp_path / "image").exists()
+
+
+def test_a_listed_file_arriving_as_a_directory_is_refused(tmp_path: Path) -> None:
+    # Sealed, and every other file genuine: only the directory can be what is refused.
+    source = tmp_path / "src"
+    publish_sample(source)
+    archive = tmp_path / "dir.tar.zst"
+    members_ = genuine_members(
+        source, instead={"logs/dump.log": _info("logs/dump.log", tarfile.DIRTYPE)}
+    )
+    build(archive, source, members_, sealed=True)
+    target = tmp_path / "image"
+
+    with pytest.raises(ArchiveError, match=r"image file logs/dump\.log is missing"):
+        import_image(archive, target)
+    assert not target.exists() and leftovers(tmp_path) == []
+
+
+def test_a_genuine_sealed_rebuild_imports(tmp_path: Path) -> None:
+    # The helpers above build what export writes: without a substitution it is accepted.
+    source = tmp_path / "src"
+    publish_sample(source)
+    archive = tmp_path / "same.tar.zst"
+    build(archive, source, genuine_members(source, instead={}), sealed=True)
+
+    import_image(archive, tmp_path / "image")
+
+    assert verify_image(tmp_path / "image") == load_manifest(source)
+
+
+def test_export_of_a_missing_image_or_into_a_missing_directory_is_an_error(
+    tmp_path: Path, exported: tuple[Path, Path]
+) -> None:
+    image, _ = exported
+    with pytest.raises(ImageError, match="is not a published image"):
+        export_image(tmp_path / "nothing", tmp_path / "x.tar.zst")
+    out = tmp_path / "no" / "such" / "dir" / "x.tar.zst"
+    with pytest.raises(ArchiveError, match=r"cannot export to .*x\.tar\.zst"):
+        export_image(image, out)
+    assert not out.parent.exists()

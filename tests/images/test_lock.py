@@ -1,4 +1,4 @@
-"""Image holds: shared readers coexist, an exclusive hold waits for none of them."""
+"""Image holds: shared readers coexist and exclude an exclusive hold, and the reverse."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.images.lock import ImageBusyError, hold_image, image_held
+from snapctl.images.lock import ImageBusyError, hold_image
 
 
 def test_shared_holds_coexist_and_block_exclusive(tmp_path: Path) -> None:
     with (
-        image_held(tmp_path),
-        image_held(tmp_path),
+        hold_image(tmp_path),
+        hold_image(tmp_path),
         pytest.raises(ImageBusyError, match="in use"),
     ):
         hold_image(tmp_path, exclusive=True)
-    with image_held(tmp_path, exclusive=True) as hold:
+    with hold_image(tmp_path, exclusive=True) as hold:
         assert hold.held
         with pytest.raises(ImageBusyError, match="being changed"):
             hold_image(tmp_path)
