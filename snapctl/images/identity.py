@@ -170,6 +170,8 @@ def host_id() -> str:
 
 
 def env_digest(salt: str, name: str, value: str) -> str:
+    """The recorded form of one variable: salted, so a short or guessable value cannot be
+    looked up in a table built for another image."""
     return hashlib.sha256(f"{salt}\0{name}\0{value}".encode(errors="surrogateescape")).hexdigest()
 
 
@@ -355,10 +357,14 @@ def compare(recorded: Identity, current: Identity) -> list[Difference]:
     def differ(field: str, detail: str) -> None:
         out.append(Difference(field=field, detail=detail, waivable=field in WAIVABLE_FIELDS))
 
-    for field in ("kernel", "criu_version", "cpu_vendor", "host_id", "python_version"):
+    for field in ("kernel", "criu_version", "cpu_vendor", "python_version"):
         was, now = getattr(recorded, field), getattr(current, field)
         if was != now:
             differ(field, f"image {was}, here {now}")
+    if recorded.host_id != current.host_id:
+        # machine-id is meant to stay confidential (machine-id(5)): a prefix tells the
+        # machines apart without handing the whole id to whoever reads the error.
+        differ("host_id", f"image {recorded.host_id[:8]}..., here {current.host_id[:8]}...")
     missing_flags = sorted(set(recorded.cpu_flags) - set(current.cpu_flags))
     if missing_flags:
         differ("cpu_flags", "this CPU lacks " + " ".join(missing_flags))

@@ -124,6 +124,7 @@ def test_compare_names_every_difference_and_never_a_secret() -> None:
 
     fields = [d.field for d in differences]
     assert fields == ["kernel", "host_id", "cpu_flags", "argv", "env", "env", "files"]
+    assert differences[1].detail == "image abababab..., here cdcdcdcd..."  # never the whole id
     text = " ".join(d.detail for d in differences)
     assert "avx2" in text and "HF_TOKEN has another value" in text and "NEW is set here" in text
     assert "/usr/lib/libx.so has other content" in text
