@@ -53,8 +53,13 @@ def server_summary(argv: list[str]) -> str:
         if word.startswith("-"):
             break
         parts.append(word)
-    if "--model" in rest and rest.index("--model") + 1 < len(rest):
-        parts.append(f"--model {rest[rest.index('--model') + 1]}")
+    for index, word in enumerate(rest):
+        if word == "--model" and index + 1 < len(rest):
+            parts.append(f"--model {rest[index + 1]}")
+            break
+        if word.startswith("--model="):
+            parts.append(f"--model {word.removeprefix('--model=')}")
+            break
     return " ".join(parts)
 
 
@@ -105,4 +110,10 @@ def remove_image(image: Path) -> None:
         # half image under the published name.
         doomed = image.parent / f".{image.name}.removing-{uuid.uuid4().hex[:8]}"
         os.rename(image, doomed)
-    shutil.rmtree(doomed)
+    try:
+        shutil.rmtree(doomed)
+    except OSError as error:
+        raise ImageError(
+            f"{image} was unpublished but {doomed} could not be deleted: {error.strerror}",
+            path=doomed,
+        ) from error

@@ -43,6 +43,7 @@ def test_list_of_a_missing_root_is_empty(tmp_path: Path) -> None:
         (["/venv/bin/python", "-m", "fixtures", "serve", "--model", "/m", "--port", "1"],
          "python -m fixtures serve --model /m"),
         (["vllm", "serve", "meta/llama", "--port", "8000"], "vllm serve meta/llama"),
+        (["srv", "--port", "1", "--model=/m/x"], "srv --model /m/x"),
         ([], "-"),
     ],
 )  # fmt: skip
