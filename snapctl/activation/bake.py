@@ -14,6 +14,7 @@ from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NativeStep
 from snapctl.criu import CriuBinary
 from snapctl.criu.stats import DumpStats
+from snapctl.images import load_manifest
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -49,9 +50,8 @@ def bake_image(
     progress: Progress,
 ) -> BakeReport:
     """Launch → capture-ready → dump → publish → stop the original (never activated, so it
-    never binds a public socket) → audit. On failure nothing is published or left running."""
-    from snapctl.images import load_manifest
-
+    never binds a public socket) → audit. A failure up to publication leaves nothing published
+    or running; after it the image stays, and ``clean`` says whether the stop left anything."""
     session, report, _ = start_donor(
         options, image=image, force=force, criu=criu, native=native, publish=None,
         state=state, progress=progress, activate_donor=False,
@@ -61,10 +61,11 @@ def bake_image(
     how, audit = session.stop()
     timings = dict(report.timings_s)
     timings["stop"] = round(time.monotonic() - started, 6)
-    manifest = load_manifest(Path(report.image or image))
+    published = Path(report.image or image)
+    manifest = load_manifest(published)
     assert manifest.identity is not None  # a capture always records it
     return BakeReport(
-        image=str(report.image),
+        image=str(published),
         image_id=manifest.image_id,
         image_bytes=manifest.total_bytes,
         files=len(manifest.files),

@@ -5,11 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from snapctl.cli.output import json_option
+
+if TYPE_CHECKING:
+    from snapctl.images.archive import ArchiveReport
 
 
 @click.group()
@@ -40,7 +43,8 @@ def byte_progress(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[
         yield lambda done: progress.advance(task, done)
 
 
-def render(report: Any) -> None:
+def render(report: ArchiveReport) -> None:
+    """The human form of an export or import report."""
     from snapctl.cli.output import stdout
 
     verb = "exported" if report.action == "export" else "imported"
@@ -82,8 +86,10 @@ def export(directory: Path, out: Path, force: bool, level: int, threads: int,
     from snapctl.cli.output import emit_json
     from snapctl.images import load_manifest
     from snapctl.images.archive import export_image
+    from snapctl.images.manifest import MANIFEST_NAME
 
-    total = load_manifest(directory).total_bytes + (directory / "manifest.json").stat().st_size
+    # The progress bar counts what export hashes: every file, the manifest included.
+    total = load_manifest(directory).total_bytes + (directory / MANIFEST_NAME).stat().st_size
     with byte_progress("export", total, quiet=as_json) as progress:
         report = export_image(
             directory, out, force=force, level=level, threads=threads, progress=progress

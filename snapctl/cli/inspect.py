@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from snapctl.cli.output import emit_json, json_option, stdout
+
+if TYPE_CHECKING:
+    from snapctl.images import Manifest
 
 
 @click.command()
@@ -58,7 +61,7 @@ def _table(title: str, *columns: str) -> Any:
     return table
 
 
-def _summary(image: Path, manifest: Any, verify: bool) -> Any:
+def _summary(image: Path, manifest: Manifest, verify: bool) -> Any:
     table = _table(f"image {manifest.image_id}")
     table.add_column()
     table.add_column()
@@ -81,7 +84,7 @@ def _summary(image: Path, manifest: Any, verify: bool) -> Any:
     return table
 
 
-def _processes(manifest: Any) -> Any:
+def _processes(manifest: Manifest) -> Any:
     table = _table("process tree (host PIDs at capture)", "pid", "ppid", "name", "threads", "cmd")
     for process in manifest.process_tree:
         table.add_row(
@@ -91,7 +94,7 @@ def _processes(manifest: Any) -> Any:
     return table
 
 
-def _files(manifest: Any) -> Any:
+def _files(manifest: Manifest) -> Any:
     table = _table("image files", "file", "bytes", "sha256", "link group")
     for name, entry in sorted(manifest.files.items()):
         group = "" if entry.link_group is None else str(entry.link_group)
@@ -99,7 +102,7 @@ def _files(manifest: Any) -> Any:
     return table
 
 
-def _identity(manifest: Any) -> Any:
+def _identity(manifest: Manifest) -> Any:
     identity = manifest.identity
     table = _table("identity (checked by every copy)")
     table.add_column()
@@ -123,7 +126,7 @@ def _identity(manifest: Any) -> Any:
     return table
 
 
-def _depends(manifest: Any) -> Any:
+def _depends(manifest: Manifest) -> Any:
     table = _table("files outside the image the tree had mapped or open", "path", "bytes",
                    "sha256")  # fmt: skip
     for record in manifest.identity.files if manifest.identity else []:
@@ -131,7 +134,7 @@ def _depends(manifest: Any) -> Any:
     return table
 
 
-def _stats(manifest: Any) -> Any:
+def _stats(manifest: Manifest) -> Any:
     table = _table("criu dump statistics")
     table.add_column()
     table.add_column()
