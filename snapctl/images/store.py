@@ -29,13 +29,20 @@ MAX_MANIFEST_BYTES = 16 << 20
 class ImageError(SnapctlError):
     """An image is missing, incomplete, already present, or fails verification."""
 
+    def __init__(
+        self, message: str, *, phase: str = "image", path: str | Path | None = None
+    ) -> None:
+        super().__init__(message, phase=phase, path=path)
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
+
+def _size_and_sha256(path: Path) -> tuple[int, str]:
+    # The size is what was hashed, so the two always describe the same bytes.
+    digest, size = hashlib.sha256(), 0
     with path.open("rb") as handle:
         while chunk := handle.read(CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+            size += len(chunk)
+    return size, digest.hexdigest()
 
 
 def _files(root: Path) -> list[Path]:
@@ -58,14 +65,12 @@ def hash_tree(root: Path) -> dict[str, FileEntry]:
     }
     # Hashing is I/O and hashlib releases the GIL: a few threads use both cores.
     with ThreadPoolExecutor(max_workers=4) as pool:
-        digests = list(pool.map(_sha256, paths))
+        hashed = list(pool.map(_size_and_sha256, paths))
     return {
         str(path.relative_to(root)): FileEntry(
-            size=path.stat().st_size,
-            sha256=digest,
-            link_group=groups.get(str(path.relative_to(root))),
+            size=size, sha256=digest, link_group=groups.get(str(path.relative_to(root)))
         )
-        for path, digest in zip(paths, digests, strict=True)
+        for path, (size, digest) in zip(paths, hashed, strict=True)
     }
 
 
@@ -205,20 +210,25 @@ def stage_shm_copy(source: Path, target: Path) -> None:
     files the restore still succeeds but ``sem_open`` by name reaches a different semaphore.
     """
     seen: dict[tuple[int, int], Path] = {}
-    for path in sorted(source.rglob("*")):
-        relative = path.relative_to(source)
-        destination = target / relative
-        st = path.lstat()
-        if stat.S_ISDIR(st.st_mode):
-            destination.mkdir(mode=st.st_mode & 0o7777, exist_ok=True)
-            continue
-        key = (st.st_dev, st.st_ino)
-        if key in seen:
-            os.link(seen[key], destination)
-            continue
-        shutil.copy2(path, destination, follow_symlinks=False)
-        os.chown(destination, st.st_uid, st.st_gid, follow_symlinks=False)
-        seen[key] = destination
+    path = source
+    try:
+        for path in sorted(source.rglob("*")):
+            destination = target / path.relative_to(source)
+            st = path.lstat()
+            if stat.S_ISDIR(st.st_mode):
+                destination.mkdir(mode=st.st_mode & 0o7777, exist_ok=True)
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in seen:
+                os.link(seen[key], destination)
+                continue
+            shutil.copy2(path, destination, follow_symlinks=False)
+            os.chown(destination, st.st_uid, st.st_gid, follow_symlinks=False)
+            seen[key] = destination
+    except OSError as error:
+        raise ImageError(
+            f"cannot stage the saved /dev/shm: {path}: {error.strerror or error}", path=path
+        ) from error
 
 
 class ImageStaging:
@@ -239,18 +249,18 @@ class ImageStaging:
             )
         if self.final.is_dir():
             self._hold = hold_image(self.final, exclusive=True)
+        self.dir = self.final.parent / f".{self.final.name}.staging-{uuid.uuid4().hex[:8]}"
         try:
             self.final.parent.mkdir(parents=True, exist_ok=True)
-            self.dir = self.final.parent / f".{self.final.name}.staging-{uuid.uuid4().hex[:8]}"
             self.dir.mkdir(mode=0o700)
+            for sub in ("criu", "shm", "logs"):
+                (self.dir / sub).mkdir(mode=0o700)
         except OSError as error:
-            self._release()
+            self.abort()
             raise ImageError(
                 f"cannot create a staging directory beside {self.final}: {error.strerror}",
                 path=self.final.parent,
             ) from error
-        for sub in ("criu", "shm", "logs"):
-            (self.dir / sub).mkdir(mode=0o700)
 
     def publish(self, manifest: Manifest) -> Path:
         """Write the manifest last, then rename the staging directory into place.
@@ -292,6 +302,7 @@ class ImageStaging:
         return self.final
 
     def abort(self) -> None:
+        """Remove the staging directory and drop the hold; harmless after ``publish``."""
         shutil.rmtree(self.dir, ignore_errors=True)
         self._release()
 

@@ -188,3 +188,13 @@ def test_invalid_manifest_is_named_in_one_line_without_its_value(tmp_path: Path)
     with pytest.raises(ImageError, match="not a valid manifest: server_argv") as info:
         load_manifest(final)
     assert "\n" not in str(info.value) and "sk-live-secret" not in str(info.value)
+
+
+def test_staging_shm_into_a_missing_directory_is_an_image_error(tmp_path: Path) -> None:
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "sem.x").write_bytes(b"v")
+
+    with pytest.raises(ImageError, match=r"cannot stage the saved /dev/shm: .*sem\.x") as info:
+        stage_shm_copy(source, tmp_path / "missing")
+    assert info.value.phase == "image"
