@@ -94,8 +94,10 @@ def processes_with_mount(source: str, point: str) -> list[int]:
                 continue
             if (source, point) in _mounts_by_source(entry.name):
                 found.append(int(entry.name))
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue  # exited while we looked, or a kernel thread without a namespace link
+        except OSError:
+            # Exited while we looked (ENOENT, ESRCH, or EINVAL from a mountinfo read mid-exit),
+            # or a kernel thread without a namespace link.
+            continue
     return sorted(found)
 
 
