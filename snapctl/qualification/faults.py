@@ -77,6 +77,7 @@ class FailClosedSeen:
     error_to_exit_s: float | None = None
     listeners: list[str] = field(default_factory=list)
     polls: int = 0
+    exit_wait_s: float | None = None  # how long the run waited for the tree to exit by itself
     how: str = ""
     audit: CleanupAudit | None = None
     shutdown_s: float | None = None
@@ -109,8 +110,9 @@ def _observe_fail_closed(
                 seen.phases.append(status.phase)
         if "validated" not in seen.phases:
             # Give it the time to exit on its own; a server that validated never would.
+            seen.exit_wait_s = min(ctx.options.timeout_s, EXIT_TIMEOUT_S)
             waited = time.monotonic()
-            seen.exited = session.root.wait(min(ctx.options.timeout_s, EXIT_TIMEOUT_S))
+            seen.exited = session.root.wait(seen.exit_wait_s)
             if seen.exited:
                 seen.error_to_exit_s = time.monotonic() - waited
     finally:
@@ -178,10 +180,9 @@ def _restore_failing(
             *judge(),
             checks.check_never_validated(seen.phases),
             checks.check_no_listener(seen.listeners, seen.polls),
-            checks.check_exited(seen.exited, seen.error_to_exit_s, EXIT_TIMEOUT_S),
+            checks.check_exited(seen.exited, seen.error_to_exit_s, seen.exit_wait_s),
         ]
-    if before is not None:
-        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
+    found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     found.append(checks.check_cleanup(seen.audit, res, seen.how or None))
     return RunResult(
         name=run,

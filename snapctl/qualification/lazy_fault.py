@@ -204,8 +204,7 @@ def run_lazy_fault(ctx: RunContext) -> RunResult:
             ),
             checks.check_no_listener(seen.listeners, seen.polls),
         ]
-    if before is not None:
-        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
+    found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     found.append(checks.check_image_usable(_image_usable(ctx)))
     found.append(checks.check_cleanup(audit, res, how or None))
     return RunResult(
