@@ -318,41 +318,33 @@ def _replay_drive(ctx: RunContext, manifest: Manifest, earlier: Challenge) -> Dr
 
     def drive(session: Session) -> list[str]:
         assert session.root is not None
+        alive = session.root.alive
         deadline = time.monotonic() + ctx.options.timeout_s
+
+        def send(payload: Activation | Release, *answers: ControlFile) -> object:
+            session.control.write(payload)
+            _, answer = watcher.wait_for(answers, deadline - time.monotonic(), alive=alive)
+            return answer
+
         with ControlDirWatcher(session.control) as watcher:
-            session.control.write(
-                Activation(
-                    capture_id=manifest.capture_id,
-                    activation_id=session.activation_id,
-                    kind="copy",
-                    native_complete=True,
-                    host=session.host,
-                    port=session.port,
-                )
-            )
-            _, model = watcher.wait_for(
-                (ControlFile.CHALLENGE, ControlFile.ERROR), deadline - time.monotonic(),
-                alive=session.root.alive,
+            activation = Activation(
+                capture_id=manifest.capture_id, activation_id=session.activation_id,
+                kind="copy", native_complete=True, host=session.host, port=session.port,
             )  # fmt: skip
-            if isinstance(model, ErrorReport):
-                raise ActivationError(f"error.json before the challenge: {model.error}")
-            assert isinstance(model, Challenge)
+            challenge = send(activation, ControlFile.CHALLENGE, ControlFile.ERROR)
+            if isinstance(challenge, ErrorReport):
+                raise ActivationError(f"error.json before the challenge: {challenge.error}")
+            assert isinstance(challenge, Challenge)
             # Only the nonce differs from the live challenge: only the nonce check can refuse.
-            session.control.write(
-                Release(
-                    capture_id=model.capture_id,
-                    activation_id=model.activation_id,
-                    nonce=earlier.nonce,
-                )
-            )
-            _, model = watcher.wait_for(
-                (ControlFile.ERROR, ControlFile.STATUS), deadline - time.monotonic(),
-                alive=session.root.alive,
+            replayed = Release(
+                capture_id=challenge.capture_id, activation_id=challenge.activation_id,
+                nonce=earlier.nonce,
             )  # fmt: skip
-            if isinstance(model, ErrorReport):
-                raise ActivationError(f"server refused: {model.error}", report=model)
-            assert isinstance(model, Status)
-            return [model.phase]
+            answer = send(replayed, ControlFile.ERROR, ControlFile.STATUS)
+            if isinstance(answer, ErrorReport):
+                raise ActivationError(f"server refused: {answer.error}", report=answer)
+            assert isinstance(answer, Status)
+            return [answer.phase]
 
     return drive
 
