@@ -116,12 +116,12 @@ def test_a_report_with_no_run_fails() -> None:
 def test_a_run_that_raises_becomes_a_failed_check_and_the_next_run_still_happens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def one(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
+    def perform(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
         if name == "fault":
             raise RuntimeError("a bug in the run")
         return [RunResult(name=name, kind="stale", checks=[checks.check_completed(None)], wall_s=0)]
 
-    monkeypatch.setattr(suite, "_one", one)
+    monkeypatch.setattr(suite, "_perform", perform)
     plan = Plan(options=LaunchOptions(), criu=CRIU, native=NoNativeStep(), runs=("fault", "stale"))
     ctx = RunContext(
         options=plan.options, criu=CRIU, native=plan.native, state=StateDir(tmp_path),
