@@ -53,6 +53,7 @@ from snapctl.qualification.runs import (
     save_new_logs,
 )
 from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
+from snapctl.supervision.process import PinnedProcess
 
 FaultMode = Literal["changed", "unreadable"]
 FAULT_FILE = ".snapctl-qualify-fault-weights"
@@ -215,11 +216,23 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _nsenter(pid: int, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", *argv],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+def _nsenter(root: PinnedProcess, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in ``root``'s mount namespace. The namespace is opened by PID, then the
+    pidfd is asked whether the process still runs: only then is it the copy's namespace and not
+    that of a later process given the same PID; nsenter enters it through that descriptor."""
+    try:
+        namespace = os.open(f"/proc/{root.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as error:
+        raise SnapctlError(f"cannot open the mount namespace of {root.pid}: {error}") from error
+    try:
+        if not root.alive():
+            raise SnapctlError(f"the copy's root {root.pid} exited before the fault was injected")
+        return subprocess.run(
+            ["nsenter", f"--mount=/proc/self/fd/{namespace}", "--", *argv],
+            capture_output=True, text=True, check=False, timeout=60, pass_fds=(namespace,),
+        )  # fmt: skip
+    finally:
+        os.close(namespace)
 
 
 @dataclass
@@ -234,7 +247,7 @@ def inject_weights_fault(
     """Make ``weights`` changed (one byte flipped) or unreadable in this activation's mount
     namespace only, by a bind mount made from outside; the host's file is not touched."""
     assert session.root is not None
-    pid = session.root.pid
+    root = session.root
     record.host_before = _sha256(weights)
     if mode == "changed":
         # The copy sees its own /dev/shm (this host directory): stage the changed file there.
@@ -250,14 +263,14 @@ def inject_weights_fault(
     else:
         source = "/dev/null"
     try:
-        proc = _nsenter(pid, "mount", "--bind", source, weights)
+        proc = _nsenter(root, "mount", "--bind", source, weights)
         if proc.returncode != 0:
             raise SnapctlError(f"bind mount over {weights} failed: {proc.stderr.strip()}")
     finally:
         if mode == "changed":
             # The mount keeps the inode; the copy's /dev/shm shows nothing of ours.
             (session.dirs.shm / FAULT_FILE).unlink(missing_ok=True)
-    proc = _nsenter(pid, "sha256sum", weights)
+    proc = _nsenter(root, "sha256sum", weights)
     if proc.returncode == 0 and proc.stdout.split():
         record.inside = proc.stdout.split()[0]
 
