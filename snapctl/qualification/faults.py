@@ -93,7 +93,7 @@ def _observe_fail_closed(
     """Drive the handshake, watch the tree end by itself, save its files, stop, audit."""
     assert session.root is not None
     seen.activation_id = session.activation_id
-    watch = ListenerWatch(session.root.pid, session.port)
+    watch = ListenerWatch(session.root.pid, session.port, alive=session.root.alive)
     try:
         started = time.monotonic()
         try:

@@ -99,7 +99,7 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
     seen.session = session
     daemon = session.lazy.daemon
     seen.daemon_pid = daemon.pid
-    watch = ListenerWatch(session.root.pid, session.port)
+    watch = ListenerWatch(session.root.pid, session.port, alive=session.root.alive)
     try:
         try:
             # Our child, but the watcher thread reaps it the moment it exits: pin it, and

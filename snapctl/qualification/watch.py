@@ -12,7 +12,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,10 +163,18 @@ class ListenerWatch:
     """Polls the TCP tables of ``pid``'s network namespace for a listener on ``port``.
 
     The tables are read through a descriptor of ``/proc/PID/net`` opened at start, so a later
-    process reusing the PID is never looked at; polling ends when the process is gone.
+    process reusing the PID is never looked at; polling ends when the process is gone. With
+    ``alive`` (a pinned process's), the descriptor is only kept if the process still ran once
+    it was opened: otherwise the PID may already name another process.
     """
 
-    def __init__(self, pid: int, port: int, interval_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        pid: int,
+        port: int,
+        interval_s: float = 0.002,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
         self.port = port
         self.interval_s = interval_s
         self.polls = 0
@@ -176,6 +184,10 @@ class ListenerWatch:
             self._dir = os.open(f"/proc/{pid}/net", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             self._stop.set()  # already gone: zero polls, which the check reports
+            return
+        if alive is not None and not alive():
+            os.close(self._dir)
+            self._stop.set()
             return
         self._thread = threading.Thread(target=self._run, name=f"listeners-{pid}", daemon=True)
         self._thread.start()

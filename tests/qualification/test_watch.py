@@ -115,3 +115,12 @@ def test_residue_tells_a_reused_pid_from_the_baseline_process(state: StateDir) -
     finally:
         child.kill()
         child.wait()
+
+
+def test_listener_watch_does_not_watch_a_pid_whose_pinned_process_is_gone() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        # The PID is ours and listening, but the pinned process it stood for has exited.
+        watch = ListenerWatch(os.getpid(), server.getsockname()[1], alive=lambda: False)
+
+        assert not watch.poll_once()
+        assert watch.stop() == ([], 0)
