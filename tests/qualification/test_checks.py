@@ -209,6 +209,14 @@ def test_cleanup(audit: object, res: Residue, message: str) -> None:
     assert check.status == "failed" and message in check.evidence
 
 
+def test_cleanup_without_a_stop_audit_claims_only_what_the_host_scan_looked_at() -> None:
+    scanned = checks.check_cleanup(None, Residue())
+
+    assert scanned.status == "passed" and scanned.evidence.startswith("host scan: no process")
+    assert "listener" not in scanned.evidence
+    assert "listener" in checks.check_cleanup(make_audit(), Residue()).evidence
+
+
 def test_link_remaps_while_serving() -> None:
     assert checks.check_link_remaps([]).status == "passed"
     check = checks.check_link_remaps(["link_remap.1", "link_remap.2"])
