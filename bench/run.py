@@ -25,7 +25,7 @@ from bench.tally import Recorder, judge_targets
 from bench.workload import Answer, ColdServer, ensure_model, first_correct, host_connect
 from bench.workload import launch_options as fixture_options
 from snapctl.activation.copy import start_copies, start_copy
-from snapctl.activation.donor import new_session, start_donor
+from snapctl.activation.donor import ActivationReport, new_session, start_donor
 from snapctl.activation.launch import (
     fixture_command,
     launch_in_sandbox,
@@ -127,15 +127,21 @@ class Runner:
             return self._images[size_mb]
         path = self.images / f"retained-{size_mb}mb"
         self.say(f"capturing an image with {size_mb} MB retained")
-        session, _, _ = start_donor(
-            fixture_options(size_mb), image=path, force=True, criu=self.criu,
+        self.capture(size_mb, path, force=True)
+        image = Image(size_mb, path, sum(p.stat().st_size for p in image_files(path)))
+        self._images[size_mb] = image
+        return image
+
+    def capture(self, size_mb: int, path: Path, *, force: bool) -> ActivationReport:
+        """Publish an image of the fixture retaining ``size_mb`` at ``path``; the donor is only
+        captured, never activated, and is stopped before this returns."""
+        session, report, _ = start_donor(
+            fixture_options(size_mb), image=path, force=force, criu=self.criu,
             native=NoNativeStep(), publish=None, state=self.state, progress=lambda _: None,
             activate_donor=False,
         )  # fmt: skip
         session.stop()
-        image = Image(size_mb, path, sum(p.stat().st_size for p in image_files(path)))
-        self._images[size_mb] = image
-        return image
+        return report
 
     def drop_image(self, size_mb: int) -> None:
         image = self._images.pop(size_mb, None)
@@ -376,12 +382,7 @@ class Runner:
     def snapctl_donor(self, size_mb: int) -> tuple[float, float]:
         path = self.scratch / f"donor-{uuid.uuid4().hex[:8]}"
         try:
-            session, report, _ = start_donor(
-                fixture_options(size_mb), image=path, force=False, criu=self.criu,
-                native=NoNativeStep(), publish=None, state=self.state, progress=lambda _: None,
-                activate_donor=False,
-            )  # fmt: skip
-            session.stop()
+            report = self.capture(size_mb, path, force=False)
             assert report.dump_stats is not None
             return report.dump_stats.frozen_time_us / 1e6, report.timings_s["dump"]
         finally:

@@ -206,10 +206,12 @@ def _digest_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> s
 
 
 def check_image_unchanged(
-    before: Mapping[str, FileEntry], after: Mapping[str, FileEntry] | None
+    before: Mapping[str, FileEntry] | None, after: Mapping[str, FileEntry] | None
 ) -> Check:
     """Every image file has the same size, sha256 and hard links after the run as before."""
     name = "image unchanged"
+    if before is None:
+        return failed(name, "the image could not be hashed before the run")
     if after is None:
         return failed(name, "the image could not be hashed after the run")
     missing = sorted(set(before) - set(after))
@@ -240,11 +242,16 @@ def check_cleanup(audit: CleanupAudit | None, residue: Residue, how: str | None 
         problems.append(residue.describe())
     if problems:
         return failed(name, "; ".join(problems))
-    scope = "stop audit and host scan" if audit is not None else "host scan"
     stopped = f"{how}; " if how else ""
+    if audit is None:
+        # Without a session there is no published port to look at: the scan has no listeners.
+        return passed(
+            name, f"{stopped}host scan: no process, mount, directory, link remap or /dev/shm file"
+        )
     return passed(
         name,
-        f"{stopped}{scope}: no process, listener, mount, directory, link remap or /dev/shm file",
+        f"{stopped}stop audit and host scan: no process, listener, mount, directory, link remap "
+        "or /dev/shm file",
     )
 
 
@@ -289,7 +296,7 @@ def check_retained_memory(
     name = "retained memory = " + baseline_name
     if read is None:
         return failed(name, "not read: the pages never completed")
-    if read.status == 404:
+    if read.status == 404 and (baseline is None or baseline.status == 404):
         return skipped(name, "skipped (endpoint absent)")
     if read.status != 200 or read.sha256 is None:
         return failed(name, f"the read answered {read.status or 'nothing'}: {read.error}")
@@ -411,11 +418,15 @@ def check_never_validated(phases: list[str]) -> Check:
     return passed(name, f"status phases seen: {shown}")
 
 
-def check_exited(exited: bool, exit_s: float | None, timeout_s: float) -> Check:
-    """The tree exited on its own after error.json (before anyone signalled it)."""
+def check_exited(exited: bool, exit_s: float | None, waited_s: float | None) -> Check:
+    """The tree exited on its own after error.json (before anyone signalled it).
+    ``waited_s``: how long the run waited for that exit (None: it never waited, because the
+    activation validated and so would never exit by itself)."""
     name = "tree exited by itself"
+    if waited_s is None:
+        return failed(name, "not waited for: the activation validated, so it kept running")
     if not exited or exit_s is None:
-        return failed(name, f"still running {timeout_s:g} s after error.json (it was killed)")
+        return failed(name, f"still running {waited_s:g} s after error.json (it was killed)")
     return passed(name, f"the root exited {exit_s * 1000:.0f} ms after error.json, unsignalled")
 
 

@@ -5,10 +5,12 @@ image must still restore)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import os
 import shutil
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 from snapctl.activation.copy import start_copy
 from snapctl.activation.donor import start_donor
@@ -24,7 +26,7 @@ from snapctl.qualification.runs import (
     image_hashes,
     save_new_logs,
 )
-from snapctl.qualification.watch import residue, take_baseline
+from snapctl.qualification.watch import Baseline, Residue, residue, take_baseline
 from snapctl.qualification.workload import Client
 
 CRIU_DUMP_FAULT = "1"  # CRIU's FI_DUMP_EARLY: the dump fails before writing an image
@@ -74,15 +76,7 @@ def run_criu_dump_fault(ctx: RunContext) -> RunResult:
     ]
     if before is not None:
         found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
-    return RunResult(
-        name="criu-dump-fault",
-        kind="criu-dump-fault",
-        activation_ids=save_new_logs(ctx, baseline, "criu-dump-fault"),
-        checks=found,
-        wall_s=time.monotonic() - started,
-        residue=res,
-        artifacts=artifacts_dir(ctx, "criu-dump-fault"),
-    )
+    return _result(ctx, "criu-dump-fault", found, baseline, res, started)
 
 
 def run_criu_restore_fault(ctx: RunContext) -> RunResult:
@@ -138,20 +132,31 @@ def run_criu_restore_fault(ctx: RunContext) -> RunResult:
             )
     except SnapctlError as failure:
         again_error = failure.message
+    except (OSError, http.client.HTTPException) as failure:  # the next copy's HTTP answer
+        again_error = f"GET /v1/models failed: {type(failure).__name__}: {failure}"
     found = [
         checks.check_failed_with(error, "criu restore failed", "restore"),
         checks.check_cleanup(None, res),
         checks.check_image_restores(again_error, evidence),
+        checks.check_image_unchanged(before, image_hashes(ctx.image)),
     ]
-    if before is not None:
-        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
+    return _result(ctx, "criu-restore-fault", found, baseline, res, started, timings)
+
+
+def _result(
+    ctx: RunContext, run: Literal["criu-dump-fault", "criu-restore-fault"],
+    found: list[checks.Check], baseline: Baseline, res: Residue, started: float,
+    timings: Timings | None = None,
+) -> RunResult:  # fmt: skip
+    """A CRIU fault run's result. The failed activation never reached the run as a session, so
+    every activation's logs are found by their log directories."""
     return RunResult(
-        name="criu-restore-fault",
-        kind="criu-restore-fault",
-        activation_ids=save_new_logs(ctx, baseline, "criu-restore-fault"),
+        name=run,
+        kind=run,
+        activation_ids=save_new_logs(ctx, baseline, run),
         checks=found,
-        timings=timings,
+        timings=timings or Timings(),
         wall_s=time.monotonic() - started,
         residue=res,
-        artifacts=artifacts_dir(ctx, "criu-restore-fault"),
+        artifacts=artifacts_dir(ctx, run),
     )

@@ -53,6 +53,7 @@ from snapctl.qualification.runs import (
     save_new_logs,
 )
 from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
+from snapctl.supervision.process import PinnedProcess
 
 FaultMode = Literal["changed", "unreadable"]
 FAULT_FILE = ".snapctl-qualify-fault-weights"
@@ -77,6 +78,7 @@ class FailClosedSeen:
     error_to_exit_s: float | None = None
     listeners: list[str] = field(default_factory=list)
     polls: int = 0
+    exit_wait_s: float | None = None  # how long the run waited for the tree to exit by itself
     how: str = ""
     audit: CleanupAudit | None = None
     shutdown_s: float | None = None
@@ -91,7 +93,7 @@ def _observe_fail_closed(
     """Drive the handshake, watch the tree end by itself, save its files, stop, audit."""
     assert session.root is not None
     seen.activation_id = session.activation_id
-    watch = ListenerWatch(session.root.pid, session.port)
+    watch = ListenerWatch(session.root.pid, session.port, alive=session.root.alive)
     try:
         started = time.monotonic()
         try:
@@ -109,8 +111,9 @@ def _observe_fail_closed(
                 seen.phases.append(status.phase)
         if "validated" not in seen.phases:
             # Give it the time to exit on its own; a server that validated never would.
+            seen.exit_wait_s = min(ctx.options.timeout_s, EXIT_TIMEOUT_S)
             waited = time.monotonic()
-            seen.exited = session.root.wait(min(ctx.options.timeout_s, EXIT_TIMEOUT_S))
+            seen.exited = session.root.wait(seen.exit_wait_s)
             if seen.exited:
                 seen.error_to_exit_s = time.monotonic() - waited
     finally:
@@ -178,10 +181,9 @@ def _restore_failing(
             *judge(),
             checks.check_never_validated(seen.phases),
             checks.check_no_listener(seen.listeners, seen.polls),
-            checks.check_exited(seen.exited, seen.error_to_exit_s, EXIT_TIMEOUT_S),
+            checks.check_exited(seen.exited, seen.error_to_exit_s, seen.exit_wait_s),
         ]
-    if before is not None:
-        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
+    found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     found.append(checks.check_cleanup(seen.audit, res, seen.how or None))
     return RunResult(
         name=run,
@@ -214,11 +216,23 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _nsenter(pid: int, *argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", *argv],
-        capture_output=True, text=True, check=False, timeout=60,
-    )  # fmt: skip
+def _nsenter(root: PinnedProcess, *argv: str) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` in ``root``'s mount namespace. The namespace is opened by PID, then the
+    pidfd is asked whether the process still runs: only then is it the copy's namespace and not
+    that of a later process given the same PID; nsenter enters it through that descriptor."""
+    try:
+        namespace = os.open(f"/proc/{root.pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as error:
+        raise SnapctlError(f"cannot open the mount namespace of {root.pid}: {error}") from error
+    try:
+        if not root.alive():
+            raise SnapctlError(f"the copy's root {root.pid} exited before the fault was injected")
+        return subprocess.run(
+            ["nsenter", f"--mount=/proc/self/fd/{namespace}", "--", *argv],
+            capture_output=True, text=True, check=False, timeout=60, pass_fds=(namespace,),
+        )  # fmt: skip
+    finally:
+        os.close(namespace)
 
 
 @dataclass
@@ -233,7 +247,7 @@ def inject_weights_fault(
     """Make ``weights`` changed (one byte flipped) or unreadable in this activation's mount
     namespace only, by a bind mount made from outside; the host's file is not touched."""
     assert session.root is not None
-    pid = session.root.pid
+    root = session.root
     record.host_before = _sha256(weights)
     if mode == "changed":
         # The copy sees its own /dev/shm (this host directory): stage the changed file there.
@@ -249,14 +263,14 @@ def inject_weights_fault(
     else:
         source = "/dev/null"
     try:
-        proc = _nsenter(pid, "mount", "--bind", source, weights)
+        proc = _nsenter(root, "mount", "--bind", source, weights)
         if proc.returncode != 0:
             raise SnapctlError(f"bind mount over {weights} failed: {proc.stderr.strip()}")
     finally:
         if mode == "changed":
             # The mount keeps the inode; the copy's /dev/shm shows nothing of ours.
             (session.dirs.shm / FAULT_FILE).unlink(missing_ok=True)
-    proc = _nsenter(pid, "sha256sum", weights)
+    proc = _nsenter(root, "sha256sum", weights)
     if proc.returncode == 0 and proc.stdout.split():
         record.inside = proc.stdout.split()[0]
 
@@ -317,41 +331,33 @@ def _replay_drive(ctx: RunContext, manifest: Manifest, earlier: Challenge) -> Dr
 
     def drive(session: Session) -> list[str]:
         assert session.root is not None
+        alive = session.root.alive
         deadline = time.monotonic() + ctx.options.timeout_s
+
+        def send(payload: Activation | Release, *answers: ControlFile) -> object:
+            session.control.write(payload)
+            _, answer = watcher.wait_for(answers, deadline - time.monotonic(), alive=alive)
+            return answer
+
         with ControlDirWatcher(session.control) as watcher:
-            session.control.write(
-                Activation(
-                    capture_id=manifest.capture_id,
-                    activation_id=session.activation_id,
-                    kind="copy",
-                    native_complete=True,
-                    host=session.host,
-                    port=session.port,
-                )
-            )
-            _, model = watcher.wait_for(
-                (ControlFile.CHALLENGE, ControlFile.ERROR), deadline - time.monotonic(),
-                alive=session.root.alive,
+            activation = Activation(
+                capture_id=manifest.capture_id, activation_id=session.activation_id,
+                kind="copy", native_complete=True, host=session.host, port=session.port,
             )  # fmt: skip
-            if isinstance(model, ErrorReport):
-                raise ActivationError(f"error.json before the challenge: {model.error}")
-            assert isinstance(model, Challenge)
+            challenge = send(activation, ControlFile.CHALLENGE, ControlFile.ERROR)
+            if isinstance(challenge, ErrorReport):
+                raise ActivationError(f"error.json before the challenge: {challenge.error}")
+            assert isinstance(challenge, Challenge)
             # Only the nonce differs from the live challenge: only the nonce check can refuse.
-            session.control.write(
-                Release(
-                    capture_id=model.capture_id,
-                    activation_id=model.activation_id,
-                    nonce=earlier.nonce,
-                )
-            )
-            _, model = watcher.wait_for(
-                (ControlFile.ERROR, ControlFile.STATUS), deadline - time.monotonic(),
-                alive=session.root.alive,
+            replayed = Release(
+                capture_id=challenge.capture_id, activation_id=challenge.activation_id,
+                nonce=earlier.nonce,
             )  # fmt: skip
-            if isinstance(model, ErrorReport):
-                raise ActivationError(f"server refused: {model.error}", report=model)
-            assert isinstance(model, Status)
-            return [model.phase]
+            answer = send(replayed, ControlFile.ERROR, ControlFile.STATUS)
+            if isinstance(answer, ErrorReport):
+                raise ActivationError(f"server refused: {answer.error}", report=answer)
+            assert isinstance(answer, Status)
+            return [answer.phase]
 
     return drive
 

@@ -99,7 +99,7 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
     seen.session = session
     daemon = session.lazy.daemon
     seen.daemon_pid = daemon.pid
-    watch = ListenerWatch(session.root.pid, session.port)
+    watch = ListenerWatch(session.root.pid, session.port, alive=session.root.alive)
     try:
         try:
             # Our child, but the watcher thread reaps it the moment it exits: pin it, and
@@ -204,8 +204,7 @@ def run_lazy_fault(ctx: RunContext) -> RunResult:
             ),
             checks.check_no_listener(seen.listeners, seen.polls),
         ]
-    if before is not None:
-        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
+    found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     found.append(checks.check_image_usable(_image_usable(ctx)))
     found.append(checks.check_cleanup(audit, res, how or None))
     return RunResult(

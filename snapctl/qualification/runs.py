@@ -256,8 +256,12 @@ def _serving_checks(
     before: dict[str, FileEntry] | None,
     res: Residue,
     compare: bool = True,
+    expect_lazy: bool = False,
     lazy: LazyPages | None = None,
 ) -> list[Check]:
+    """Judge one serving activation. ``compare``: against the reference and the image (every
+    run but the reference itself); ``expect_lazy``: the copy was asked for lazy pages, so a
+    copy restored without a lazy-pages daemon fails rather than skipping the page checks."""
     found: list[Check] = [checks.check_completed(served.error)]
     observation = served.observation
     if observation is not None:
@@ -271,19 +275,18 @@ def _serving_checks(
         baseline = ctx.reference.digests if (compare and ctx.reference) else []
         found.append(checks.check_digests_stable(observation.digests, baseline))
         found.append(checks.check_digests_match_model(observation.digests, ctx.model_digests))
-    if lazy is not None:
+    if expect_lazy or lazy is not None:
         found.append(
             checks.check_pages_complete(
-                served.pages, daemon_pid=lazy.lazy_pages_pid,
-                complete_when_ready=lazy.complete_when_ready,
+                served.pages, daemon_pid=lazy.lazy_pages_pid if lazy else None,
+                complete_when_ready=lazy.complete_when_ready if lazy else None,
             )
         )  # fmt: skip
         if observation is not None:
             source, retained = ctx.retained_baseline or ("donor", None)
             found.append(checks.check_retained_memory(observation.retained, retained, source))
-    if before is not None:
-        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
     if compare:
+        found.append(checks.check_image_unchanged(before, image_hashes(ctx.image)))
         found.append(checks.check_link_remaps(served.remaps))
     found.append(checks.check_cleanup(served.audit, res, served.how))
     return found
@@ -380,11 +383,14 @@ def _served_result(
     """Judge a donor or copy that served (its residue scanned now) into its result."""
     res = residue(ctx.state, baseline, load_manifest(ctx.image).shm_files)
     pages = _lazy_pages(report, served.pages)
+    expect_lazy = kind == "copy" and ctx.lazy
     return RunResult(
         name=run,
         kind=kind,
         activation_ids=[report.activation_id],
-        checks=_serving_checks(ctx, served, before=before, res=res, lazy=pages),
+        checks=_serving_checks(
+            ctx, served, before=before, res=res, expect_lazy=expect_lazy, lazy=pages
+        ),
         timings=_activation_timings(report, served.shutdown_s),
         lazy=report.lazy,
         pages=pages,

@@ -219,7 +219,7 @@ def _run_all(plan: Plan, ctx: RunContext, argv: list[str], cwd: Path) -> list[Ru
         ctx.progress(f"{name}: starting")
         started = time.monotonic()
         try:
-            found = _one(name, plan, ctx)
+            found = _perform(name, plan, ctx)
         except Exception as error:  # a run's own bug must not hide the others' evidence
             detail = f"{type(error).__name__}: {error}"
             found = [RunResult(
@@ -244,7 +244,8 @@ _KINDS: dict[str, RunKind] = {
 }
 
 
-def _one(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
+def _perform(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
+    """Perform the run called ``name`` (one result, or two for ``stale``)."""
     if name == "donor":
         return [run_donor(ctx)]
     if name.startswith("copy-"):

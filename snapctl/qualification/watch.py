@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,6 @@ import psutil
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.namespaces import mounts
-from snapctl.supervision.process import wait_gone
 from snapctl.supervision.state import StateDir
 
 HOST_SHM = Path("/dev/shm")
@@ -53,7 +53,8 @@ class Baseline:
     activations: frozenset[str]
     logs: frozenset[str]
     shm: frozenset[str]
-    descendants: frozenset[int]
+    # (PID, start time): a PID reused by one of the run's processes is still the run's.
+    descendants: frozenset[tuple[int, float]]
 
     def new_logs(self, state: StateDir) -> list[str]:
         """Activation ids whose log directories appeared since (the run's activations)."""
@@ -81,8 +82,32 @@ def take_baseline(state: StateDir) -> Baseline:
         activations=frozenset(_listdir(state.activations)),
         logs=frozenset(_listdir(state.logs)),
         shm=frozenset(_listdir(HOST_SHM)),
-        descendants=frozenset(p.pid for p in _descendants()),
+        descendants=frozenset(_identities(_descendants())),
     )
+
+
+def _identities(processes: list[psutil.Process]) -> list[tuple[int, float]]:
+    found = []
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found.append(_identity(proc))
+    return found
+
+
+def _identity(process: psutil.Process) -> tuple[int, float]:
+    return process.pid, process.create_time()
+
+
+def _still_running(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until none of ``processes`` runs; those still running at the deadline.
+    ``is_running`` compares start times, so a PID reused meanwhile is not mistaken for one."""
+    deadline = time.monotonic() + timeout_s
+    left = processes
+    while True:
+        left = [proc for proc in left if proc.is_running()]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
 
 
 def residue(
@@ -90,14 +115,16 @@ def residue(
 ) -> Residue:
     """Processes of ours still running, new activation directories, mounts under them, and
     host /dev/shm files that are ours (named like the activation's) or new link remaps."""
-    new = [p for p in _descendants() if p.pid not in baseline.descendants]
+    new = []
+    for proc in _descendants():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if _identity(proc) not in baseline.descendants:
+                new.append(proc)
     # A namespace's other processes are reaped asynchronously after its PID 1 died.
-    left = set(wait_gone([p.pid for p in new], grace_s))
     processes = []
-    for proc in new:
-        if proc.pid in left:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                processes.append(f"{proc.pid} {proc.name()}")
+    for proc in _still_running(new, grace_s):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            processes.append(f"{proc.pid} {proc.name()}")
     ours = set(shm_names)
     shm = sorted(
         name
@@ -136,10 +163,18 @@ class ListenerWatch:
     """Polls the TCP tables of ``pid``'s network namespace for a listener on ``port``.
 
     The tables are read through a descriptor of ``/proc/PID/net`` opened at start, so a later
-    process reusing the PID is never looked at; polling ends when the process is gone.
+    process reusing the PID is never looked at; polling ends when the process is gone. With
+    ``alive`` (a pinned process's), the descriptor is only kept if the process still ran once
+    it was opened: otherwise the PID may already name another process.
     """
 
-    def __init__(self, pid: int, port: int, interval_s: float = 0.002) -> None:
+    def __init__(
+        self,
+        pid: int,
+        port: int,
+        interval_s: float = 0.002,
+        alive: Callable[[], bool] | None = None,
+    ) -> None:
         self.port = port
         self.interval_s = interval_s
         self.polls = 0
@@ -149,6 +184,10 @@ class ListenerWatch:
             self._dir = os.open(f"/proc/{pid}/net", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             self._stop.set()  # already gone: zero polls, which the check reports
+            return
+        if alive is not None and not alive():
+            os.close(self._dir)
+            self._stop.set()
             return
         self._thread = threading.Thread(target=self._run, name=f"listeners-{pid}", daemon=True)
         self._thread.start()

@@ -183,6 +183,8 @@ def test_image_unchanged() -> None:
     more = make_files() | {"criu/extra.img": make_files()["criu/pages-1.img"]}
     assert checks.check_image_unchanged(before, more).evidence == "criu/extra.img appeared"
     assert checks.check_image_unchanged(before, None).status == "failed"
+    unhashed = checks.check_image_unchanged(None, make_files())
+    assert unhashed.status == "failed" and "before the run" in unhashed.evidence
 
 
 @pytest.mark.parametrize(
@@ -205,6 +207,14 @@ def test_cleanup(audit: object, res: Residue, message: str) -> None:
     check = checks.check_cleanup(audit, res)  # type: ignore[arg-type]
 
     assert check.status == "failed" and message in check.evidence
+
+
+def test_cleanup_without_a_stop_audit_claims_only_what_the_host_scan_looked_at() -> None:
+    scanned = checks.check_cleanup(None, Residue())
+
+    assert scanned.status == "passed" and scanned.evidence.startswith("host scan: no process")
+    assert "listener" not in scanned.evidence
+    assert "listener" in checks.check_cleanup(make_audit(), Residue()).evidence
 
 
 def test_link_remaps_while_serving() -> None:
@@ -247,6 +257,11 @@ def test_fail_closed_observations() -> None:
     assert checks.check_exited(True, 0.2, 30).status == "passed"
     killed = checks.check_exited(False, None, 30)
     assert killed.status == "failed" and killed.evidence.startswith("still running 30 s")
+    # A short --timeout bounds the wait: the evidence names the wait that was made.
+    short = checks.check_exited(False, None, 5)
+    assert short.evidence.startswith("still running 5 s")
+    unwaited = checks.check_exited(False, None, None)
+    assert unwaited.status == "failed" and "validated" in unwaited.evidence
 
     assert checks.check_no_listener([], 12).status == "passed"
     listening = checks.check_no_listener(["00000000:8000"], 12)
@@ -325,6 +340,9 @@ def test_retained_memory_equals_the_donors() -> None:
     )
     absent = make_retained(status=404, sha256=None, mb=None)
     assert checks.check_retained_memory(absent, absent, "reference").status == "skipped"
+    # The endpoint answered for the donor: a copy answering 404 lost it, which is no skip.
+    lost = checks.check_retained_memory(absent, make_retained(), "donor")
+    assert lost.status == "failed" and "answered 404" in lost.evidence
     unread = checks.check_retained_memory(None, make_retained(), "donor")
     assert unread.status == "failed" and "the pages never completed" in unread.evidence
     unknown = checks.check_retained_memory(make_retained(), None, "donor")

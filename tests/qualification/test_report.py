@@ -16,7 +16,7 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.cli import exit_status_for, main
 from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus
-from snapctl.qualification import checks
+from snapctl.qualification import checks, suite
 from snapctl.qualification.report import (
     Report,
     environment,
@@ -24,7 +24,7 @@ from snapctl.qualification.report import (
     render_timings,
     write_report,
 )
-from snapctl.qualification.runs import LazyPages, RunResult, Timings
+from snapctl.qualification.runs import LazyPages, RunContext, RunResult, Timings
 from snapctl.qualification.suite import (
     DEFAULT_RUNS,
     LAZY_RETAINED_MB,
@@ -37,6 +37,7 @@ from snapctl.qualification.suite import (
     require_passed,
     retained_mb_for,
 )
+from snapctl.supervision.state import StateDir
 from tests.qualification.factories import make_audit, make_observation
 
 CRIU = CriuBinary(path=Path("/opt/snapctl/criu/bin/criu"), version="4.2.1", source="prefix")
@@ -102,6 +103,37 @@ def test_require_passed_names_the_first_failure_and_maps_to_verify_failed() -> N
         "qualification failed: copy-1: auth: auth differs | here (and 1 more)"
     )
     assert exit_status_for(info.value) is ExitStatus.VERIFY_FAILED
+
+
+def test_a_report_with_no_run_fails() -> None:
+    empty = make_report().model_copy(update={"runs": []})
+
+    with pytest.raises(QualificationFailed, match="ran nothing"):
+        require_passed(empty)
+    assert not empty.passed
+
+
+def test_a_run_that_raises_becomes_a_failed_check_and_the_next_run_still_happens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def perform(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
+        if name == "fault":
+            raise RuntimeError("a bug in the run")
+        return [RunResult(name=name, kind="stale", checks=[checks.check_completed(None)], wall_s=0)]
+
+    monkeypatch.setattr(suite, "_perform", perform)
+    plan = Plan(options=LaunchOptions(), criu=CRIU, native=NoNativeStep(), runs=("fault", "stale"))
+    ctx = RunContext(
+        options=plan.options, criu=CRIU, native=plan.native, state=StateDir(tmp_path),
+        image=tmp_path / "image", work=tmp_path, progress=lambda _: None,
+    )  # fmt: skip
+
+    results = suite._run_all(plan, ctx, [], tmp_path)
+
+    assert [run.name for run in results] == ["fault", "stale"]
+    assert results[0].checks[0].status == "failed"
+    assert results[0].checks[0].evidence == "RuntimeError: a bug in the run"
+    assert results[1].passed
 
 
 def test_run_names_keep_the_fixed_order() -> None:

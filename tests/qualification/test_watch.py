@@ -3,6 +3,7 @@ leftover process, activation directory and /dev/shm file of ours, and nothing el
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -97,3 +98,29 @@ def test_link_remaps_lists_only_remap_files(tmp_path: Path) -> None:
 
     assert link_remaps(tmp_path) == ["link_remap.1", "link_remap.12"]
     assert link_remaps(tmp_path / "absent") == []
+
+
+def test_residue_tells_a_reused_pid_from_the_baseline_process(state: StateDir) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        before = take_baseline(state)
+        # The same PID with another start time: an earlier process whose PID the run reused.
+        reused = dataclasses.replace(
+            before,
+            descendants=frozenset((pid, start - 1.0) for pid, start in before.descendants),
+        )
+
+        assert residue(state, before, grace_s=0).clean
+        assert residue(state, reused, grace_s=0).processes[0].startswith(f"{child.pid} ")
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_listener_watch_does_not_watch_a_pid_whose_pinned_process_is_gone() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        # The PID is ours and listening, but the pinned process it stood for has exited.
+        watch = ListenerWatch(os.getpid(), server.getsockname()[1], alive=lambda: False)
+
+        assert not watch.poll_once()
+        assert watch.stop() == ([], 0)
