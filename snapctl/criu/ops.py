@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import shlex
@@ -109,6 +110,9 @@ class LazyPagesDaemon:
         self.process = process
         self.log_path = log_path
         self.pid = process.pid
+        # Pinned before anyone can reap it: the watcher thread reaps it in ``wait`` while
+        # ``kill`` may run in another, and a signal by PID in between could hit a reused PID.
+        self._pidfd: int | None = os.pidfd_open(process.pid)
         self.start_time = psutil.Process(process.pid).create_time()
 
     def poll(self) -> int | None:
@@ -123,9 +127,14 @@ class LazyPagesDaemon:
 
     def kill(self) -> None:
         """SIGKILL and reap: once its tree is gone the daemon holds nothing worth a grace."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
+        if self._pidfd is not None:
+            # ESRCH: it already exited (reaped or not), which is what killing wants.
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
         self.process.wait()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def describe_exit(self, status: int) -> str:
         if status < 0:

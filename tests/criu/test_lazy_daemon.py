@@ -134,3 +134,21 @@ def test_stop_is_not_a_failure(
     assert status.state == "stopped" and failures == [] and done == [status]
     assert daemon.poll() is not None
     assert not [t for t in threading.enumerate() if t.name == f"lazy-pages-{daemon.pid}"]
+
+
+def test_kill_signals_through_the_pidfd_never_by_pid(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The watcher thread reaps the daemon while kill() may run in another: a signal sent by PID
+    # after that reap could reach whatever process reused the PID.
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    daemon = start(fake, tmp_path)
+    transfer, _, _ = watch(daemon)
+
+    def no_kill_by_pid(pid: int, signum: int) -> None:
+        raise AssertionError(f"signal {signum} sent to PID {pid} by number")
+
+    monkeypatch.setattr("os.kill", no_kill_by_pid)
+    status = transfer.stop()
+    assert status.state == "stopped" and daemon.poll() == -signal.SIGKILL
+    daemon.kill()  # again, once reaped: nothing to signal and no error
