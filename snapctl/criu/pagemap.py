@@ -126,13 +126,22 @@ def eager_small_view(images_dir: Path, target: Path, eager_below: int = EAGER_BE
     Returns how many bytes were made eager."""
     target.mkdir(mode=0o700)
     eager = 0
-    for path in sorted(images_dir.iterdir()):
+    # Absolute targets: a relative link would resolve against ``target``, not the image.
+    for path in sorted(images_dir.absolute().iterdir()):
         link = target / path.name
         if path.name.startswith("pagemap-") and path.name.endswith(".img"):
             lazy = lazy_bytes(path, stop_at=eager_below)
             if 0 < lazy < eager_below:
-                link.write_bytes(without_lazy(path))
+                _write_new(link, without_lazy(path))
                 eager += lazy
                 continue
         os.symlink(path, link)
     return eager
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    # A new file only: an existing name (a link into the image) fails instead of being written
+    # through, so the view can never change the image it points at.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)

@@ -90,3 +90,13 @@ def test_a_pagemap_it_cannot_read_fails_the_view(tmp_path: Path) -> None:
     (image / "pagemap-1.img").write_bytes(b"\x01\x02\x03\x04" + SMALL[4:])
     with pytest.raises(PagemapError, match="not a CRIU pagemap image"):
         lazy_bytes(image / "pagemap-1.img")
+
+
+def test_view_of_a_relative_image_path_links_to_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "criu").mkdir()
+    (tmp_path / "criu" / "core-1.img").write_bytes(b"core")
+    monkeypatch.chdir(tmp_path)
+    eager_small_view(Path("criu"), tmp_path / "view")
+    assert (tmp_path / "view" / "core-1.img").read_bytes() == b"core"
