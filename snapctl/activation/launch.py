@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +21,7 @@ from snapctl.errors import ProcessExitedError, SnapctlError, WaitTimeoutError
 from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR, ActivationDirs, SandboxSpec
 from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
 from snapctl.protocol.waiter import wait_for
-from snapctl.supervision.process import PinnedProcess
+from snapctl.supervision.process import PinnedProcess, ProcessGoneError
 from snapctl.supervision.state import StateDir
 
 SECRET_FLAGS = ("--api-key", "--token", "--hf-token", "--password")
@@ -83,11 +85,19 @@ def fixture_command(options: LaunchOptions, state: StateDir) -> tuple[list[str],
     model = state.models / f"fixture-{options.fixture_params_mb}mb"
     if not (model / "config.json").exists():
         tmp = state.models / f".{model.name}.{uuid.uuid4().hex[:8]}"
-        subprocess.run(
+        built = subprocess.run(
             [sys.executable, "-m", "fixtures", "build-model", "--out", str(tmp),
              "--params-mb", str(options.fixture_params_mb)],
-            cwd=root, check=True, capture_output=True,
+            cwd=root, check=False, capture_output=True,
         )  # fmt: skip
+        if built.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise LaunchError(
+                f"building the fixture model failed (status {built.returncode})",
+                phase="launch",
+                path=model,
+                log_tail=built.stderr.decode(errors="replace")[-LOG_TAIL_CHARS:],
+            )
         try:
             os.rename(tmp, model)
         except OSError:
@@ -152,8 +162,28 @@ def launch_in_sandbox(
         )  # fmt: skip
     finally:
         launcher_log.close()
-    root_pid = _find_namespace_root(unshare, 10.0)
-    return unshare, PinnedProcess(root_pid)
+    try:
+        return unshare, PinnedProcess(_find_namespace_root(unshare, 10.0))
+    except BaseException:
+        # The caller never gets ``unshare``, so no session can stop it: end it here.
+        _end_launch(unshare)
+        raise
+
+
+def _end_launch(unshare: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launch that failed half-way: the namespace's PID 1 (which takes the whole
+    namespace along) if unshare forked it already, then unshare itself, reaped."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(unshare.pid).children():
+            with contextlib.suppress(ProcessGoneError):
+                pinned = PinnedProcess(child.pid)
+                # Still unshare's child (unshare is not reaped, so its PID is not reused).
+                if psutil.Process(child.pid).ppid() == unshare.pid:
+                    pinned.signal(signal.SIGKILL)
+                    pinned.wait(10.0)
+                pinned.close()
+    unshare.kill()
+    unshare.wait()
 
 
 def snapshot_config_arg(timeout_s: float) -> str:

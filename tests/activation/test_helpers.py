@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 import click
+import psutil
 import pytest
 
-from snapctl.activation.launch import redact_argv
+from snapctl.activation import launch
+from snapctl.activation.launch import LaunchError, LaunchOptions, fixture_command, redact_argv
 from snapctl.activation.native import CudaCheckpoint, NativeStepError, native_step
 from snapctl.cli._activation_options import parse_publish
+from snapctl.namespaces.layout import ActivationDirs
+from snapctl.supervision.process import wait_gone
+from snapctl.supervision.state import StateDir
 
 
 def test_redact_argv_hides_secret_values() -> None:
@@ -75,3 +82,41 @@ def test_native_step_names() -> None:
     assert native_step("none").name == "none"
     with pytest.raises(NativeStepError):
         native_step("bogus")
+
+
+def test_fixture_model_that_cannot_be_built_is_a_launch_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = StateDir(tmp_path / "state")
+    state.ensure()
+    monkeypatch.setattr(launch.sys, "executable", "/bin/false")
+    with pytest.raises(LaunchError, match="building the fixture model failed") as info:
+        fixture_command(LaunchOptions(fixture_params_mb=1), state)
+    assert info.value.phase == "launch"
+    assert list(state.models.iterdir()) == []  # its half-built directory is gone too
+
+
+@pytest.mark.criu
+def test_a_launch_failing_half_way_leaves_no_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[tuple[subprocess.Popen[bytes], int]] = []
+
+    def root_found_too_late(unshare: subprocess.Popen[bytes], timeout_s: float) -> int:
+        parent = psutil.Process(unshare.pid)
+        while not parent.children():
+            time.sleep(0.01)  # until the namespace's PID 1 exists, then fail anyway
+        seen.append((unshare, parent.children()[0].pid))
+        raise LaunchError("injected: no namespace root")
+
+    monkeypatch.setattr(launch, "_find_namespace_root", root_found_too_late)
+    dirs = ActivationDirs(root=tmp_path / "activation", logs=tmp_path / "logs")
+    dirs.create()
+    try:
+        with pytest.raises(LaunchError, match="injected"):
+            launch.launch_in_sandbox(["sleep", "60"], tmp_path, dirs, LaunchOptions(), {})
+        [(unshare, namespace_root)] = seen
+        assert unshare.returncode is not None  # killed and reaped
+        assert wait_gone([namespace_root], 10.0) == []
+    finally:
+        dirs.remove()
