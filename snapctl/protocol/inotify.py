@@ -62,10 +62,14 @@ class DirectoryWatch:
         select.select([self.fd], [], [], timeout_s)
 
     def close(self) -> None:
-        """Remove the watch and give the descriptor back to the pool (it stays open)."""
+        """Remove the watch and give the descriptor back to the pool (it stays open); a second
+        call does nothing: pooled twice, one descriptor would serve two watches at once."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
         # Fails harmlessly when the directory is gone: the kernel dropped the watch already.
-        _libc.inotify_rm_watch(self.fd, self.wd)
-        _release(self.fd)
+        _libc.inotify_rm_watch(fd, self.wd)
+        _release(fd)
 
 
 def _release(fd: int) -> None:

@@ -13,6 +13,7 @@ import pytest
 from snapctl.errors import ProcessExitedError, ProtocolError, WaitTimeoutError
 from snapctl.protocol import waiter
 from snapctl.protocol.controldir import ControlDir
+from snapctl.protocol.inotify import DirectoryWatch
 from snapctl.protocol.models import ControlFile
 from snapctl.protocol.waiter import ControlDirWatcher, wait_for
 from tests.protocol.factories import make_control_dir, make_error, make_ready, make_status
@@ -263,3 +264,15 @@ def test_one_watcher_serves_a_sequence_of_waits(
 def test_watcher_must_be_entered(control: ControlDir) -> None:
     with pytest.raises(RuntimeError, match="with block"):
         ControlDirWatcher(control).wait_for(ControlFile.STATUS, 1)
+
+
+def test_a_watch_closed_twice_gives_its_descriptor_back_once(tmp_path: Path) -> None:
+    watch = DirectoryWatch(tmp_path)
+    watch.close()
+    watch.close()
+    first, second = DirectoryWatch(tmp_path), DirectoryWatch(tmp_path)
+    try:
+        assert first.fd != second.fd
+    finally:
+        first.close()
+        second.close()
