@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import SnapctlError, WaitTimeoutError
 from snapctl.namespaces.netns import NetnsConnector
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import Activation, Challenge, ControlFile, ErrorReport, Release, Status
@@ -17,6 +17,9 @@ from snapctl.protocol.waiter import ControlDirWatcher
 
 # Without inotify, how often a "recovering" status.json is re-read.
 STATUS_REPOLL_S = 0.05
+# What a wait gets once the deadline has passed: one last look, then WaitTimeoutError
+# (a wait refuses a timeout of zero or less as a programming error).
+LAST_LOOK_S = 1e-3
 
 
 class ActivationError(SnapctlError):
@@ -71,11 +74,15 @@ def activate(
         port=port,
     )
     deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        return max(deadline - time.monotonic(), LAST_LOOK_S)
+
     with ControlDirWatcher(control) as watcher:
         started = time.monotonic()
         control.write(activation)
         name, challenge = watcher.wait_for(
-            (ControlFile.CHALLENGE, ControlFile.ERROR), deadline - time.monotonic(), alive=alive
+            (ControlFile.CHALLENGE, ControlFile.ERROR), left(), alive=alive
         )
         _fail_on_error(name, challenge)
         timings.challenge_ms = (time.monotonic() - started) * 1000
@@ -88,7 +95,7 @@ def activate(
         control.write(Release.answering(challenge))
         while True:
             name, model = watcher.wait_for(
-                (ControlFile.ERROR, ControlFile.STATUS), deadline - time.monotonic(), alive=alive
+                (ControlFile.ERROR, ControlFile.STATUS), left(), alive=alive
             )
             _fail_on_error(name, model)
             assert isinstance(model, Status)
@@ -99,8 +106,17 @@ def activate(
             if model.phase == "validated":
                 break
             # "recovering": the next change is validated or error.json; status.json exists
-            # already, so wait_for would return at once: sleep until the directory changes.
-            watcher.wait_for_change(min(STATUS_REPOLL_S, deadline - time.monotonic()))
+            # already, so wait_for would return at once (and never time out): the deadline is
+            # ours to check, then sleep until the directory changes.
+            if time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"the server was still recovering after {timeout_s:g} s "
+                    f"(status.json in {control.path})",
+                    awaited=("status.json validated",),
+                    phase="recover",
+                    path=control.path,
+                )
+            watcher.wait_for_change(min(STATUS_REPOLL_S, left()))
         timings.validated_ms = (time.monotonic() - started) * 1000
     return timings
 
