@@ -20,6 +20,8 @@ STATUS_REPOLL_S = 0.05
 # What a wait gets once the deadline has passed: one last look, then WaitTimeoutError
 # (a wait refuses a timeout of zero or less as a programming error).
 LAST_LOOK_S = 1e-3
+# The longest one readiness probe may wait for an answer before it tries again.
+PROBE_TRY_S = 2.0
 
 
 class ActivationError(SnapctlError):
@@ -167,7 +169,9 @@ def probe_http_ready(
         if alive is not None and not alive():
             raise ActivationError("server exited before its public port answered", phase="serve")
         try:
-            status, body = http_get(connector, host, port, path, api_key, timeout_s=2.0)
+            # Each try ends by the deadline: the probe's timeout is the whole probe's.
+            each_s = min(PROBE_TRY_S, max(deadline - time.monotonic(), LAST_LOOK_S))
+            status, body = http_get(connector, host, port, path, api_key, timeout_s=each_s)
             if status == 200:
                 return time.monotonic() - started
             if status in (401, 403):

@@ -141,9 +141,15 @@ def launch_in_sandbox(
     options: LaunchOptions,
     env: dict[str, str],
 ) -> tuple[subprocess.Popen[bytes], PinnedProcess]:
-    """Start ``argv`` as PID 1 (and session leader) of new pid/net/ipc/uts/mount namespaces."""
+    """Start ``argv`` as PID 1 (and session leader) of new pid/net/ipc/uts/mount namespaces.
+
+    A bare program name is looked up on ``env``'s PATH here: the sandbox's init execs a path.
+    """
+    program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
+    if program is None:
+        raise LaunchError(f"{argv[0]}: no such program on PATH", phase="launch")
     spec = SandboxSpec(
-        argv=argv,
+        argv=[program, *argv[1:]],
         cwd=str(cwd),
         env=env,
         binds=dirs.binds(),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -14,7 +16,7 @@ from snapctl.activation import launch
 from snapctl.activation.launch import LaunchError, LaunchOptions, fixture_command, redact_argv
 from snapctl.activation.native import CudaCheckpoint, NativeStepError, native_step
 from snapctl.cli._activation_options import parse_publish
-from snapctl.namespaces.layout import ActivationDirs
+from snapctl.namespaces.layout import ActivationDirs, SandboxSpec
 from snapctl.supervision.process import wait_gone
 from snapctl.supervision.state import StateDir
 
@@ -114,9 +116,22 @@ def test_a_launch_failing_half_way_leaves_no_process(
     dirs.create()
     try:
         with pytest.raises(LaunchError, match="injected"):
-            launch.launch_in_sandbox(["sleep", "60"], tmp_path, dirs, LaunchOptions(), {})
+            launch.launch_in_sandbox(
+                ["sleep", "60"], tmp_path, dirs, LaunchOptions(), {"PATH": os.environ["PATH"]}
+            )
         [(unshare, namespace_root)] = seen
         assert unshare.returncode is not None  # killed and reaped
         assert wait_gone([namespace_root], 10.0) == []
+        # The bare name was looked up on PATH: the sandbox's init execs a path.
+        spec = SandboxSpec.model_validate_json((dirs.root / "sandbox.json").read_text())
+        assert spec.argv == [shutil.which("sleep"), "60"]
     finally:
         dirs.remove()
+
+
+def test_a_program_not_on_path_fails_before_anything_starts(tmp_path: Path) -> None:
+    dirs = ActivationDirs(root=tmp_path / "activation", logs=tmp_path / "logs")
+    with pytest.raises(LaunchError, match="no-such-server: no such program on PATH"):
+        launch.launch_in_sandbox(
+            ["no-such-server", "serve"], tmp_path, dirs, LaunchOptions(), {"PATH": "/usr/bin"}
+        )
