@@ -234,7 +234,12 @@ class Session:
             self.connector = None
         if self.root is not None:
             self.remember_tree()
-            how = self.root.stop(stop_timeout_s)
+            try:
+                how = self.root.stop(stop_timeout_s)
+            except SnapctlError as error:
+                # Unkillable (stuck in the kernel): the rest must still be torn down, and the
+                # audit below lists the survivor.
+                how = error.message
             with self._lock:
                 self.root.close()
         leftover_daemon: list[int] = []

@@ -1,0 +1,35 @@
+"""Session.stop's teardown, with stand-ins for the parts a real tree would need CRIU for."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from snapctl.activation.donor import new_session
+from snapctl.errors import SnapctlError
+from snapctl.supervision.process import PinnedProcess
+from snapctl.supervision.state import StateDir
+
+
+@pytest.mark.criu  # root: the activation's directories are tmpfs mounts
+def test_a_root_that_survives_sigkill_does_not_stop_the_teardown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = StateDir(tmp_path / "state")
+    state.ensure()
+    session = new_session(state, "copy", "stuck")
+    server = subprocess.Popen(["sleep", "60"])
+    session.root = PinnedProcess(server.pid)
+    session.tree_pids = [server.pid]
+
+    def unkillable(stop_timeout_s: float = 10.0, kill_timeout_s: float = 10.0) -> str:
+        server.kill()  # gone after all, but stop() reports it stuck, as for a D-state process
+        server.wait()
+        raise SnapctlError(f"process {server.pid} survived SIGKILL for 10 s", pid=server.pid)
+
+    monkeypatch.setattr(session.root, "stop", unkillable)
+    how, audit = session.stop(stop_timeout_s=1.0)
+    assert "survived SIGKILL" in how
+    assert session.stopped and audit.clean and not session.dirs.root.exists()
