@@ -230,9 +230,6 @@ def _report(
     assert session.root is not None
     stats = read_restore_stats(session.dirs.work)
     pages = session.pages
-    published = None
-    if session.publisher is not None:
-        published = "{}:{}".format(*session.publisher.address)
     return ActivationReport(
         name=session.name,
         kind="copy",
@@ -243,7 +240,7 @@ def _report(
         pids=tree_pids(session.root.pid),
         host=options.host,
         port=options.port,
-        published=published,
+        published=session.published,
         logs=str(session.dirs.logs),
         timings_s={k: round(v, 6) for k, v in timings.items()},
         image_bytes=manifest.total_bytes,

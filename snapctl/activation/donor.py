@@ -262,7 +262,7 @@ def start_donor(
             pids=tree_pids(session.root.pid),
             host=options.host,
             port=options.port,
-            published=_published(session),
+            published=session.published,
             logs=str(session.dirs.logs),
             timings_s={k: round(v, 6) for k, v in timings.items()},
             image_bytes=captured.manifest.total_bytes,
@@ -277,12 +277,6 @@ def start_donor(
             error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
             error.args = (error.message,)
         raise
-
-
-def _published(session: Session) -> str | None:
-    if session.publisher is None:
-        return None
-    return "{}:{}".format(*session.publisher.address)
 
 
 def activate_and_probe(

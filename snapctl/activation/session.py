@@ -139,6 +139,13 @@ class Session:
     def alive(self) -> bool:
         return self.root is not None and self.root.alive()
 
+    @property
+    def published(self) -> str | None:
+        """``HOST:PORT`` where the host side publishes the server, or None."""
+        if self.publisher is None:
+            return None
+        return "{}:{}".format(*self.publisher.address)
+
     def remember_tree(self) -> None:
         """Record every PID of the tree now, to audit them after the stop."""
         if self.root is None:
@@ -194,9 +201,6 @@ class Session:
         assert self.root is not None
         me = psutil.Process()
         pages = self.pages
-        published = None
-        if self.publisher is not None:
-            published = "{}:{}".format(*self.publisher.address)
         self.state.save_record(
             ActivationRecord(
                 name=self.name,
@@ -211,7 +215,7 @@ class Session:
                 logs_dir=str(self.dirs.logs),
                 host=self.host,
                 port=self.port,
-                published=published,
+                published=self.published,
                 created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 lazy=self.lazy is not None,
                 lazy_pages_pid=None if self.lazy is None else self.lazy.daemon.pid,
@@ -225,7 +229,7 @@ class Session:
     def stop(self, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
         """Stop the tree (TERM, wait, KILL), tear down, and audit. Safe to call twice."""
         how = "not started"
-        published = self.publisher.address if self.publisher else None
+        listening = self.publisher.address if self.publisher else None
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
@@ -271,8 +275,8 @@ class Session:
             processes=left,
             mounts=mounts.mounts_under(self.dirs.root) if self.dirs.root.exists() else [],
             directories=[str(self.dirs.root)] if self.dirs.root.exists() else [],
-            listeners=[f"{published[0]}:{published[1]}"]
-            if published and _port_open(published)
+            listeners=[f"{listening[0]}:{listening[1]}"]
+            if listening and _port_open(listening)
             else [],
             shm_files=sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name)),
         )
