@@ -52,6 +52,9 @@ def criu_version(path: Path, timeout_s: float = 10.0) -> str:
         )
     except OSError as error:
         raise CriuNotFound(f"cannot run {path}: {error.strerror}", path=str(path)) from error
+    except subprocess.TimeoutExpired as error:
+        message = f"{path} --version did not answer within {timeout_s:g} s"
+        raise CriuNotFound(message, path=str(path)) from error
     match = re.search(r"^Version:\s*(\S+)", proc.stdout, re.MULTILINE)
     if proc.returncode != 0 or match is None:
         raise CriuNotFound(f"{path} --version failed: {proc.stderr.strip()}", path=str(path))

@@ -99,7 +99,10 @@ def _fields(data: bytes) -> dict[int, int | bytes]:
 
 
 def _entry(path: Path, which: int) -> dict[str, int]:
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise StatsFormatError(f"cannot read {path}: {error.strerror}", path=str(path)) from error
     if len(raw) < 12:
         raise StatsFormatError(f"{path} is too short for a CRIU stats image", path=str(path))
     (length,) = struct.unpack_from("<I", raw, 8)

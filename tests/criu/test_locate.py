@@ -140,6 +140,15 @@ def test_unreadable_version_is_an_error(tmp_path: Path) -> None:
         criu_version(broken)
 
 
+def test_a_version_that_never_comes_is_an_error(tmp_path: Path) -> None:
+    stuck = tmp_path / "criu"
+    stuck.write_text("#!/bin/sh\nexec sleep 30\n")
+    stuck.chmod(0o755)
+
+    with pytest.raises(CriuNotFound, match=r"did not answer within 0\.2 s"):
+        criu_version(stuck, timeout_s=0.2)
+
+
 def test_not_executable_is_an_error(tmp_path: Path) -> None:
     plain = tmp_path / "criu"
     plain.write_text("not a program\n")

@@ -90,6 +90,12 @@ def test_missing_entry_is_an_error(tmp_path: Path) -> None:
         read_restore_stats(tmp_path)
 
 
+def test_missing_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(StatsFormatError, match=r"cannot read .*stats-restore") as info:
+        read_restore_stats(tmp_path)
+    assert info.value.path == tmp_path / "stats-restore"
+
+
 def test_short_file_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "stats-dump").write_bytes(MAGICS)
 
