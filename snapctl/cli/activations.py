@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 @json_option
 def ps(as_json: bool) -> None:
     """List running activations."""
+    from snapctl.supervision.process import is_same_process
     from snapctl.supervision.state import StateDir
 
     rows = []
     for record in StateDir().load_records():
-        alive = _same_process(record.root_pid, record.root_start_time)
-        supervised = _same_process(record.supervisor_pid, record.supervisor_start_time)
+        alive = is_same_process(record.root_pid, record.root_start_time)
+        supervised = is_same_process(record.supervisor_pid, record.supervisor_start_time)
         rows.append({**record.model_dump(mode="json"), "running": alive, "supervised": supervised})
     if as_json:
         emit_json(rows)
@@ -47,15 +48,6 @@ def _pages(row: dict[str, object]) -> str:
     if not row["pages_complete"]:
         return "transferring"
     return f"complete ({row['pages_complete_s']:.2f} s)"
-
-
-def _same_process(pid: int, start_time: float) -> bool:
-    import psutil
-
-    try:
-        return abs(psutil.Process(pid).create_time() - start_time) < 0.05
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _find(name: str) -> ActivationRecord:
@@ -84,7 +76,7 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
     if as_json:
         emit_json({"name": record.name, "stopped": how, "audit": audit.model_dump()})
     else:
-        stdout().print(f"{record.name}: {how}; cleanup: {audit.describe()}")
+        stdout().print(f"{record.name}: {how}; cleanup: {audit.describe()}", markup=False)
     if not audit.clean:
         raise SnapctlError(f"cleanup incomplete after stopping {record.name}: {audit.describe()}")
 

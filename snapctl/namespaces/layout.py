@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from snapctl.namespaces import mounts
 from snapctl.protocol.atomic import write_json_atomic
+from snapctl.supervision.process import is_same_process
 
 SANDBOX_CONTROL_DIR = "/run/snapctl/control"
 SANDBOX_LOGS_DIR = "/run/snapctl/logs"
@@ -70,10 +71,7 @@ class ActivationOwner(BaseModel):
         return cls(pid=os.getpid(), start_time=psutil.Process().create_time())
 
     def alive(self) -> bool:
-        try:
-            return abs(psutil.Process(self.pid).create_time() - self.start_time) < 0.05
-        except psutil.NoSuchProcess:
-            return False
+        return is_same_process(self.pid, self.start_time)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ import psutil
 from snapctl.errors import SnapctlError
 
 PR_SET_CHILD_SUBREAPER = 36
+# psutil derives a start time from boot time and clock ticks: the same process can read a few
+# milliseconds apart, while a PID reused by another process differs by far more.
+START_TIME_TOLERANCE_S = 0.05
 
 
 class ProcessGoneError(SnapctlError):
@@ -27,10 +30,19 @@ def become_subreaper() -> None:
 
 
 def start_time(pid: int) -> float:
+    """When ``pid`` started (seconds since the epoch, as psutil reads it)."""
     try:
         return psutil.Process(pid).create_time()
     except psutil.NoSuchProcess as error:
         raise ProcessGoneError(f"process {pid} does not exist", pid=pid) from error
+
+
+def is_same_process(pid: int, expected_start: float) -> bool:
+    """True while ``pid`` is still the process that started at ``expected_start``."""
+    try:
+        return abs(start_time(pid) - expected_start) <= START_TIME_TOLERANCE_S
+    except ProcessGoneError:
+        return False
 
 
 class PinnedProcess:
@@ -45,7 +57,10 @@ class PinnedProcess:
         # Read the start time after the pidfd exists: if it still matches, the pidfd
         # refers to the recorded process and not to a later one with the same PID.
         self.start_time = start_time(pid)
-        if expected_start is not None and abs(self.start_time - expected_start) > 0.05:
+        if (
+            expected_start is not None
+            and abs(self.start_time - expected_start) > START_TIME_TOLERANCE_S
+        ):
             self.close()
             raise ProcessGoneError(
                 f"pid {pid} now belongs to another process (start time differs)", pid=pid
