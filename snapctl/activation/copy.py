@@ -161,7 +161,12 @@ def _restore(
         progress("starting the lazy-pages daemon")
         started = time.monotonic()
         images = session.dirs.work / "images"
-        eager_small_view(image / "criu", images)
+        try:
+            eager_small_view(image / "criu", images)
+        except (SnapctlError, OSError) as error:
+            raise RestoreError(
+                f"cannot build the lazy restore's image view: {error}", phase="restore", path=images
+            ) from error
         timings["lazy_view"] = time.monotonic() - started
         started = time.monotonic()
         try:
@@ -170,11 +175,8 @@ def _restore(
                 timeout_s=options.timeout_s,
             )  # fmt: skip
         except SnapctlError as error:
-            raise RestoreError(
-                f"criu lazy-pages failed to start: {error}",
-                phase="restore",
-                path=session.dirs.logs / "lazy-pages.log",
-                log_tail=getattr(error, "tail", None),
+            raise _criu_failed(
+                "criu lazy-pages failed to start", error, session, "lazy-pages"
             ) from error
         timings["lazy_pages_start"] = time.monotonic() - started
     progress("restoring with CRIU")
@@ -203,12 +205,7 @@ def _restore(
             # Its daemon ends with the failed restore: a consequence, not the cause.
             session.lazy.stop()
             session.failure = None
-        raise RestoreError(
-            f"criu restore failed: {error}",
-            phase="restore",
-            path=session.dirs.logs / "restore.log",
-            log_tail=getattr(error, "tail", None),
-        ) from error
+        raise _criu_failed("criu restore failed", error, session, "restore") from error
     timings["restore"] = time.monotonic() - started
     session.root = PinnedProcess(int(pidfile.read_text().strip()))
     session.remember_tree()
@@ -217,6 +214,16 @@ def _restore(
     elif session.lazy.status.state == "failed":
         # It died before we could pin the tree, so its watcher had nothing to kill yet.
         session.kill_unsafe(session.lazy.status.failure or "lazy-pages daemon failed")
+
+
+def _criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> RestoreError:
+    """The restore's error for a CRIU step that failed, pointing at that step's log."""
+    return RestoreError(
+        f"{what}: {error}",
+        phase="restore",
+        path=session.dirs.logs / f"{log}.log",
+        log_tail=getattr(error, "tail", None),
+    )
 
 
 def _report(
