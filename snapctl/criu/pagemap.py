@@ -26,6 +26,7 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from snapctl.criu.wire import read_varint
 from snapctl.errors import SnapctlError
 
 # Below this much lazy memory a process is restored eagerly (about 50 ms of restore on this VM).
@@ -38,18 +39,6 @@ PE_LAZY = 1 << 1
 
 class PagemapError(SnapctlError):
     """A pagemap image this module cannot read (not CRIU's pagemap format as it knows it)."""
-
-
-def _varint(data: bytes, at: int, end: int) -> tuple[int, int]:
-    value = shift = 0
-    while at < end:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-    raise ValueError("truncated varint")
 
 
 def _entries(data: bytes) -> Iterator[tuple[dict[int, int], int | None]]:
@@ -69,12 +58,12 @@ def _entries(data: bytes) -> Iterator[tuple[dict[int, int], int | None]]:
         fields: dict[int, int] = {}
         flags_at = None
         while at < end:
-            key, at = _varint(data, at, end)
+            key, at = read_varint(data, at, end)
             if key & 7 != 0:
                 raise ValueError(f"field {key >> 3} is not a varint")
             if key >> 3 == _FLAGS:
                 flags_at = at
-            fields[key >> 3], at = _varint(data, at, end)
+            fields[key >> 3], at = read_varint(data, at, end)
         if not first:
             yield fields, flags_at
         first = False

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.criu.wire import read_varint
 from snapctl.errors import SnapctlError
 
 _DUMP_FIELD, _RESTORE_FIELD = 1, 2
@@ -69,16 +70,10 @@ class StatsFormatError(SnapctlError):
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(data):
-            raise StatsFormatError("truncated varint in CRIU stats image")
-        byte = data[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
+    try:
+        return read_varint(data, pos)
+    except ValueError as error:
+        raise StatsFormatError(f"{error} in CRIU stats image") from error
 
 
 def _fields(data: bytes) -> dict[int, int | bytes]:
