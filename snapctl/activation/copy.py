@@ -296,4 +296,15 @@ def start_copies(
             return error
 
     with ThreadPoolExecutor(max_workers=count) as pool:
-        return list(pool.map(one, range(count)))
+        futures = [pool.submit(one, index) for index in range(count)]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            # Interrupted (Ctrl-C reaches only this thread), or a start raised something
+            # unexpected: the copies that started are returned to no one, so stop them here.
+            for future in futures:
+                with contextlib.suppress(BaseException):
+                    started = future.result()  # after that start ended, one way or another
+                    if isinstance(started, tuple):
+                        started[0].stop()
+            raise
