@@ -178,8 +178,13 @@ def stop_recorded(
     except ProcessGoneError:
         root = None
     if root is not None:
-        how = root.stop(stop_timeout_s)
-        root.close()
+        try:
+            how = root.stop(stop_timeout_s)
+        except SnapctlError as error:
+            # Stuck in the kernel: still clean up the rest; the audit lists what is left.
+            how = error.message
+        finally:
+            root.close()
     if supervisor is not None:
         # The supervisor sees the tree gone, cleans up and drops the record; give it the time.
         deadline = time.monotonic() + stop_timeout_s
