@@ -11,7 +11,12 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.donor import ActivationReport, activate_and_probe, new_session
+from snapctl.activation.donor import (
+    ActivationReport,
+    activate_and_probe,
+    activation_report,
+    new_session,
+)
 from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
 from snapctl.activation.lazy import LazyTransfer
@@ -115,7 +120,7 @@ def start_copy(
             raise
         if session.failure is not None:
             raise RestoreError(session.failure, phase="lazy-pages")
-        return session, _report(session, image, manifest, options, timings, phases)
+        return session, _report(session, manifest, timings, phases)
     except BaseException as error:
         if session.root is None and pidfile.exists():
             # Interrupted after CRIU restored the tree but before we pinned it.
@@ -227,38 +232,18 @@ def _criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> 
 
 
 def _report(
-    session: Session,
-    image: Path,
-    manifest: Manifest,
-    options: LaunchOptions,
-    timings: dict[str, float],
-    phases: list[str],
+    session: Session, manifest: Manifest, timings: dict[str, float], phases: list[str]
 ) -> ActivationReport:
-    assert session.root is not None
-    stats = read_restore_stats(session.dirs.work)
     pages = session.pages
-    return ActivationReport(
-        name=session.name,
-        kind="copy",
-        image=str(image),
-        image_id=manifest.image_id,
-        activation_id=session.activation_id,
-        root_pid=session.root.pid,
-        pids=tree_pids(session.root.pid),
-        host=options.host,
-        port=options.port,
-        published=session.published,
-        logs=str(session.dirs.logs),
-        timings_s={k: round(v, 6) for k, v in timings.items()},
-        image_bytes=manifest.total_bytes,
-        restore_stats=stats.model_dump(),
-        handshake_phases=phases,
+    return activation_report(
+        session, manifest, timings, phases,
+        restore_stats=read_restore_stats(session.dirs.work).model_dump(),
         lazy=pages is not None,
         lazy_pages_pid=None if session.lazy is None else session.lazy.daemon.pid,
         pages_complete=None if pages is None else pages.state == "complete",
         pages_complete_s=None if pages is None else pages.complete_s,
         pages_complete_at=None if pages is None else pages.complete_at,
-    )
+    )  # fmt: skip
 
 
 def start_copies(

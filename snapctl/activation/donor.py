@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 from pydantic import BaseModel, ConfigDict
@@ -252,22 +253,8 @@ def start_donor(
         if activate_donor:
             progress("activating the donor")
             phases = activate_and_probe(session, ready.capture_id, options, publish, timings)
-        report = ActivationReport(
-            name=session.name,
-            kind="donor",
-            image=str(captured.image),
-            image_id=captured.manifest.image_id,
-            activation_id=session.activation_id,
-            root_pid=session.root.pid,
-            pids=tree_pids(session.root.pid),
-            host=options.host,
-            port=options.port,
-            published=session.published,
-            logs=str(session.dirs.logs),
-            timings_s={k: round(v, 6) for k, v in timings.items()},
-            image_bytes=captured.manifest.total_bytes,
-            dump_stats=captured.manifest.dump_stats,
-            handshake_phases=phases,
+        report = activation_report(
+            session, captured.manifest, timings, phases, dump_stats=captured.manifest.dump_stats
         )
         return session, report, None
     except BaseException as error:
@@ -277,6 +264,35 @@ def start_donor(
             error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
             error.args = (error.message,)
         raise
+
+
+def activation_report(
+    session: Session,
+    manifest: Manifest,
+    timings: dict[str, float],
+    phases: list[str],
+    **details: Any,
+) -> ActivationReport:
+    """The report of an activation that serves: what every kind has, read from its session
+    and image, plus ``details``, the fields of its own kind."""
+    assert session.root is not None
+    return ActivationReport(
+        name=session.name,
+        kind=session.kind,
+        image=None if session.image is None else str(session.image),
+        image_id=manifest.image_id,
+        activation_id=session.activation_id,
+        root_pid=session.root.pid,
+        pids=tree_pids(session.root.pid),
+        host=session.host,
+        port=session.port,
+        published=session.published,
+        logs=str(session.dirs.logs),
+        timings_s={k: round(v, 6) for k, v in timings.items()},
+        image_bytes=manifest.total_bytes,
+        handshake_phases=phases,
+        **details,
+    )
 
 
 def activate_and_probe(
