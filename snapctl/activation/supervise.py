@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -93,7 +94,11 @@ def detach(
     pid = os.fork()
     if pid:
         os.close(write_fd)
-        return _relay(read_fd, on_progress)
+        try:
+            return _relay(read_fd, on_progress)
+        except DetachedStartError:
+            os.waitpid(pid, 0)  # it exits right after reporting its error: reap it
+            raise
     os.close(read_fd)
     os.setsid()
     writer = os.fdopen(write_fd, "w")
@@ -119,6 +124,15 @@ def detach(
                 "log_tail": error.log_tail or getattr(error, "tail", None),
             }
         )
+        os._exit(1)
+    except Exception as error:  # a bug: say so in the parent instead of "exited early"
+        traceback.print_exc()
+        send(
+            {
+                "error": f"unexpected {type(error).__name__} in the supervisor: {error}",
+                "status": int(ExitStatus.ERROR), "phase": None, "path": None, "log_tail": None,
+            }
+        )  # fmt: skip
         os._exit(1)
     send({"report": report.model_dump(mode="json") if hasattr(report, "model_dump") else report})
     with contextlib.suppress(OSError):

@@ -105,6 +105,8 @@ def logs(name: str, follow: bool) -> None:
         log = state.logs / name / "server.log"  # a stopped activation, by id
     if log is None:
         raise SnapctlError(f"no activation named {name!r} (see snapctl ps)")
+    if not log.exists():
+        raise SnapctlError(f"{name} has no server log yet", path=log)
     if not follow or record_path is None:
         click.echo(log.read_text(errors="replace"), nl=False)
         return

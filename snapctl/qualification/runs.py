@@ -303,8 +303,8 @@ def run_reference(ctx: RunContext, argv: list[str], cwd: Path) -> RunResult:
         )  # fmt: skip
     except SnapctlError as error:
         return _failed_start(ctx, "reference", "reference", error, baseline, started)
-    assert session.publisher is not None
-    published = "{}:{}".format(*session.publisher.address)
+    published = session.published
+    assert published is not None
     served = _serve_and_stop(ctx, session, published, "reference")
     ctx.reference = served.observation
     if served.observation is not None and served.observation.retained is not None:
