@@ -293,3 +293,37 @@ def start_copies(
                     if isinstance(started, tuple):
                         started[0].stop()
             raise
+
+
+def start_all_copies(
+    image: Path,
+    options: LaunchOptions,
+    count: int,
+    *,
+    criu: CriuBinary,
+    native: NativeStep,
+    publish_base: tuple[str, int] | None,
+    state: StateDir,
+    progress_for: Callable[[str], Progress],
+    lazy: bool = False,
+) -> tuple[list[Session], CopiesReport]:
+    """``copy --count N``: all or nothing. If any copy fails, the others are stopped and one
+    error says how many failed and why the first did."""
+    started = time.monotonic()
+    results = start_copies(
+        image, options, count, criu=criu, native=native, publish_base=publish_base,
+        state=state, progress_for=progress_for, lazy=lazy,
+    )  # fmt: skip
+    total_s = time.monotonic() - started
+    sessions = [result[0] for result in results if isinstance(result, tuple)]
+    failures = [result for result in results if isinstance(result, SnapctlError)]
+    if failures:
+        for session in sessions:
+            session.stop()
+        first = failures[0]
+        raise SnapctlError(
+            f"{len(failures)} of {count} copies failed (the others were stopped): {first}",
+            phase=first.phase, path=first.path,
+        )  # fmt: skip
+    reports = [result[1] for result in results if isinstance(result, tuple)]
+    return sessions, CopiesReport(copies=reports, total_s=round(total_s, 6))

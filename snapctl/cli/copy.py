@@ -118,30 +118,11 @@ def start_many(
     image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
     progress_for: Any, lazy: bool = False,
 ) -> tuple[list[Any], Any]:  # fmt: skip
-    """Start the copies; all or nothing: if one fails, the others are stopped too."""
-    import time
-
-    from snapctl.activation.copy import CopiesReport, start_copies
-    from snapctl.errors import SnapctlError
+    """Start the copies, all or nothing (see ``start_all_copies``)."""
+    from snapctl.activation.copy import start_all_copies
     from snapctl.supervision.state import StateDir
 
-    started = time.monotonic()
-    results = start_copies(
+    return start_all_copies(
         image, options, count, criu=criu, native=native, publish_base=common.publish,
-        state=StateDir(),
-        progress_for=progress_for,
-        lazy=lazy,
+        state=StateDir(), progress_for=progress_for, lazy=lazy,
     )  # fmt: skip
-    total_s = time.monotonic() - started
-    sessions = [result[0] for result in results if isinstance(result, tuple)]
-    failures = [result for result in results if isinstance(result, SnapctlError)]
-    if failures:
-        for session in sessions:
-            session.stop()
-        first = failures[0]
-        raise SnapctlError(
-            f"{len(failures)} of {count} copies failed (the others were stopped): {first}",
-            phase=first.phase, path=first.path,
-        )  # fmt: skip
-    reports = [result[1] for result in results if isinstance(result, tuple)]
-    return sessions, CopiesReport(copies=reports, total_s=round(total_s, 6))

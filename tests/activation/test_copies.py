@@ -46,3 +46,29 @@ def test_copies_started_are_stopped_when_another_start_breaks(
             publish_base=None, state=StateDir(tmp_path), progress_for=lambda label: print,
         )  # fmt: skip
     assert [session.stopped for session in started] == [True]
+
+
+def test_all_or_nothing_stops_the_copies_that_started_and_names_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from snapctl.activation.copy import RestoreError
+
+    started: list[FakeSession] = []
+
+    def start_copy(image: Path, options: LaunchOptions, **kwargs: Any) -> tuple[FakeSession, None]:
+        if options.name == "c-2":
+            raise RestoreError("criu restore failed", phase="restore")
+        session = FakeSession()
+        started.append(session)
+        return session, None
+
+    monkeypatch.setattr(copy, "verify_image", lambda *args, **kwargs: None)
+    monkeypatch.setattr(copy, "start_copy", start_copy)
+    criu = CriuBinary(path=Path("/bin/false"), version="4.2.1", source="option")
+    with pytest.raises(copy.SnapctlError, match=r"1 of 3 copies failed.*criu restore") as info:
+        copy.start_all_copies(
+            tmp_path, LaunchOptions(name="c"), 3, criu=criu, native=None,  # type: ignore[arg-type]
+            publish_base=None, state=StateDir(tmp_path), progress_for=lambda label: print,
+        )  # fmt: skip
+    assert info.value.phase == "restore"
+    assert len(started) == 2 and all(session.stopped for session in started)
