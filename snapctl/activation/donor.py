@@ -149,9 +149,18 @@ def capture(
                 action_script=action,
                 timeout_s=options.timeout_s,
             )
-        finally:
+        except BaseException as dump_error:
             timings["dump"] = time.monotonic() - started
-            native.after_dump(pids, options.timeout_s)
+            try:
+                native.after_dump(pids, options.timeout_s)
+            except SnapctlError as native_error:
+                # Both failed: the dump's error stays the primary one, the native one is named.
+                if isinstance(dump_error, SnapctlError):
+                    dump_error.message += f"; then the native restore failed too: {native_error}"
+                    dump_error.args = (dump_error.message,)
+            raise
+        timings["dump"] = time.monotonic() - started
+        native.after_dump(pids, options.timeout_s)
         stats = read_dump_stats(staging.dir / "criu")
         started = time.monotonic()
         files = hash_tree(staging.dir)

@@ -13,7 +13,7 @@ import pytest
 from snapctl.activation.copy import RestoreError, start_copy
 from snapctl.activation.donor import CaptureError, start_donor
 from snapctl.activation.handshake import ActivationError
-from snapctl.activation.native import NoNativeStep
+from snapctl.activation.native import NativeStepError, NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary
 from snapctl.images import ImageError, verify_image
@@ -204,6 +204,27 @@ def test_error_json_after_donor_activation_is_reported(
         )  # fmt: skip
     assert info.value.phase is not None and info.value.phase.startswith("recovery")
     assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
+    assert leftovers(state) == []
+
+
+class FailingUnlock(NoNativeStep):
+    """A device step whose restore/unlock after the dump fails."""
+
+    def after_dump(self, pids: object, timeout_s: float) -> None:
+        raise NativeStepError("cuda-checkpoint --action unlock failed", phase="native")
+
+
+def test_dump_and_native_unlock_both_failing_name_both(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CRIU_FAULT", "1")  # the dump fails early
+    with pytest.raises(CaptureError, match="criu dump") as info:
+        start_donor(
+            options(), image=tmp_path / "image", force=False, criu=criu_binary,
+            native=FailingUnlock(), publish=None, state=state, progress=lambda step: None,
+        )  # fmt: skip
+    assert "native restore failed too: cuda-checkpoint --action unlock failed" in str(info.value)
+    assert "cleanup: clean" in str(info.value)
     assert leftovers(state) == []
 
 
