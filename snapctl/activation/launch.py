@@ -202,6 +202,12 @@ def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: flo
     from snapctl.protocol.controldir import ControlDir
 
     control = ControlDir(dirs.control)
+
+    def failed(message: str) -> LaunchError:
+        return LaunchError(
+            message, phase="launch", path=dirs.server_log, log_tail=log_tail(dirs.server_log)
+        )
+
     try:
         _, model = wait_for(
             control, (ControlFile.CAPTURE_READY, ControlFile.ERROR), timeout_s, alive=root.alive
@@ -209,25 +215,12 @@ def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: flo
     except ProcessExitedError as error:
         report = control.read(ControlFile.ERROR)
         detail = f"; error.json: {report.phase}: {report.error}" if report else ""
-        raise LaunchError(
-            f"server exited before capture-ready{detail}",
-            phase="launch",
-            path=dirs.server_log,
-            log_tail=log_tail(dirs.server_log),
-        ) from error
+        raise failed(f"server exited before capture-ready{detail}") from error
     except WaitTimeoutError as error:
-        raise LaunchError(
-            f"capture-ready.json did not appear within {timeout_s:g} s",
-            phase="launch",
-            path=dirs.server_log,
-            log_tail=log_tail(dirs.server_log),
-        ) from error
+        raise failed(f"capture-ready.json did not appear within {timeout_s:g} s") from error
     if isinstance(model, ErrorReport):
-        raise LaunchError(
-            f"server failed before capture: {model.phase}: {model.error_type}: {model.error}",
-            phase="launch",
-            path=dirs.server_log,
-            log_tail=log_tail(dirs.server_log),
+        raise failed(
+            f"server failed before capture: {model.phase}: {model.error_type}: {model.error}"
         )
     assert isinstance(model, CaptureReady)
     return model
