@@ -7,14 +7,19 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from snapctl.activation.copy import start_copy
+from snapctl.activation.donor import ActivationReport, start_donor
 from snapctl.activation.launch import LaunchOptions
+from snapctl.activation.native import NativeStep, NoNativeStep
 from snapctl.activation.session import Session
+from snapctl.criu import CriuBinary
 from snapctl.namespaces import mounts
 from snapctl.supervision.state import StateDir
 
 API_KEY = "test-key-123"
 API_KEY_ENV = "SNAPCTL_TEST_API_KEY"
 PROMPT = "The capital of"
+PUBLISH = ("127.0.0.1", 0)  # an ephemeral host port
 
 
 def options(**changes: object) -> LaunchOptions:
@@ -69,3 +74,37 @@ def leftovers(state: StateDir, activation_ids: list[str] = []) -> list[str]:  # 
 
 def image_files(image: Path) -> list[str]:
     return sorted(str(p.relative_to(image)) for p in image.rglob("*") if p.is_file())
+
+
+def launch_donor(
+    image: Path,
+    state: StateDir,
+    criu: CriuBinary,
+    *,
+    publish: tuple[str, int] | None = None,
+    native: NativeStep | None = None,
+    activate: bool = True,
+    **changes: object,
+) -> tuple[Session, ActivationReport]:
+    """``start_donor`` with the tests' defaults: ``options(**changes)``, no native step, no
+    ``--force``, no progress output."""
+    session, report, _ = start_donor(
+        options(**changes), image=image, force=False, criu=criu, native=native or NoNativeStep(),
+        publish=publish, state=state, progress=lambda step: None, activate_donor=activate,
+    )  # fmt: skip
+    return session, report
+
+
+def restore_copy(
+    image: Path,
+    state: StateDir,
+    criu: CriuBinary,
+    *,
+    publish: tuple[str, int] | None = None,
+    **changes: object,
+) -> tuple[Session, ActivationReport]:
+    """``start_copy`` with the tests' defaults: ``options(**changes)``, no native step."""
+    return start_copy(
+        image, options(**changes), criu=criu, native=NoNativeStep(), publish=publish,
+        state=state, progress=lambda step: None,
+    )  # fmt: skip

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.copy import RestoreError, start_copy
-from snapctl.activation.donor import CaptureError, start_donor
+from snapctl.activation.copy import RestoreError
+from snapctl.activation.donor import CaptureError
 from snapctl.activation.launch import LaunchError
 from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
@@ -24,7 +24,17 @@ from snapctl.images import ImageError, verify_image
 from snapctl.images.store import hash_tree
 from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR
 from snapctl.supervision.state import StateDir
-from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, get, options, stop_clean
+from tests.activation.criu_helpers import (
+    API_KEY,
+    API_KEY_ENV,
+    PUBLISH,
+    complete,
+    get,
+    launch_donor,
+    options,
+    restore_copy,
+    stop_clean,
+)
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -40,10 +50,7 @@ def test_donor_then_two_copies_serve_identically(
     tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
 ) -> None:
     image = tmp_path / "image"
-    donor, report, _ = start_donor(
-        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-    )  # fmt: skip
+    donor, report = launch_donor(image, state, criu_binary, publish=PUBLISH)
     running.append(donor)
     assert report.published and report.dump_stats is not None
     assert report.dump_stats.pages_written > 0
@@ -60,10 +67,7 @@ def test_donor_then_two_copies_serve_identically(
     stop_clean(donor)
 
     for _ in range(2):
-        copy, copy_report = start_copy(
-            image, options(), criu=criu_binary, native=NoNativeStep(),
-            publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-        )  # fmt: skip
+        copy, copy_report = restore_copy(image, state, criu_binary, publish=PUBLISH)
         running.append(copy)
         assert copy_report.published and copy_report.handshake_phases[-1] == "validated"
         assert complete(copy_report.published) == reference
@@ -76,15 +80,9 @@ def test_copy_while_donor_runs_shares_no_state(
     tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
 ) -> None:
     image = tmp_path / "image"
-    donor, report, _ = start_donor(
-        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-    )  # fmt: skip
+    donor, report = launch_donor(image, state, criu_binary, publish=PUBLISH)
     running.append(donor)
-    copy, copy_report = start_copy(
-        image, options(), criu=criu_binary, native=NoNativeStep(),
-        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-    )  # fmt: skip
+    copy, copy_report = restore_copy(image, state, criu_binary, publish=PUBLISH)
     running.append(copy)
     assert report.published and copy_report.published
     # Each sees its own control tmpfs where the server expects its control directory.
@@ -133,10 +131,7 @@ def test_dump_fault_publishes_nothing_and_cleans_up(
         monkeypatch.setattr("snapctl.criu.ops.ACTION_SCRIPT", FAILING_ACTION_SCRIPT)
     image = tmp_path / "image"
     with pytest.raises(CaptureError, match="no image published") as info:
-        start_donor(
-            options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-            publish=None, state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(image, state, criu_binary)
     assert "cleanup: clean" in str(info.value)
     assert not image.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".image")] == []
@@ -148,26 +143,17 @@ def test_failed_restore_leaves_nothing_and_image_stays_usable(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     image = tmp_path / "image"
-    donor, _, _ = start_donor(
-        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=None, state=state, progress=lambda step: None,
-    )  # fmt: skip
+    donor, _ = launch_donor(image, state, criu_binary)
     running.append(donor)
     stop_clean(donor)
     monkeypatch.setenv("CRIU_FAULT", "4")  # opening a link remap fails on restore
     with pytest.raises(RestoreError, match="criu restore failed") as info:
-        start_copy(
-            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
-            state=state, progress=lambda step: None,
-        )  # fmt: skip
+        restore_copy(image, state, criu_binary)
     assert "cleanup: clean" in str(info.value)
     assert list(state.activations.iterdir()) == []
     monkeypatch.delenv("CRIU_FAULT")
     verify_image(image)
-    copy, copy_report = start_copy(
-        image, options(), criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0),
-        state=state, progress=lambda step: None,
-    )  # fmt: skip
+    copy, copy_report = restore_copy(image, state, criu_binary, publish=PUBLISH)
     running.append(copy)
     assert copy_report.published and get(copy_report.published, "/v1/models")[0] == 200
     stop_clean(copy)
@@ -177,10 +163,7 @@ def test_corrupted_image_is_refused_before_criu(
     tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
 ) -> None:
     image = tmp_path / "image"
-    donor, _, _ = start_donor(
-        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=None, state=state, progress=lambda step: None,
-    )  # fmt: skip
+    donor, _ = launch_donor(image, state, criu_binary)
     running.append(donor)
     stop_clean(donor)
     pages = max((image / "criu").glob("pages-*.img"), key=lambda p: p.stat().st_size)
@@ -188,10 +171,7 @@ def test_corrupted_image_is_refused_before_criu(
     data[100] ^= 0xFF
     pages.write_bytes(bytes(data))
     with pytest.raises(ImageError, match=pages.name):
-        start_copy(
-            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
-            state=state, progress=lambda step: None,
-        )  # fmt: skip
+        restore_copy(image, state, criu_binary)
     assert not state.activations.exists() or list(state.activations.iterdir()) == []
 
 
@@ -200,10 +180,7 @@ def test_existing_image_refused(tmp_path: Path, state: StateDir, criu_binary: Cr
     image.mkdir()
     (image / "keep").write_text("precious")
     with pytest.raises(ImageError, match="already exists"):
-        start_donor(
-            options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-            publish=None, state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(image, state, criu_binary)
     assert (image / "keep").read_text() == "precious"
     assert list(state.activations.iterdir()) == []
 
@@ -221,11 +198,7 @@ def test_server_that_never_gets_ready(
 ) -> None:  # fmt: skip
     argv = [sys.executable, "-c", code]
     with pytest.raises(LaunchError, match=match) as info:
-        start_donor(
-            options(server_argv=argv, timeout_s=timeout_s), image=tmp_path / "image",
-            force=False, criu=criu_binary, native=NoNativeStep(), publish=None, state=state,
-            progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(tmp_path / "image", state, criu_binary, server_argv=argv, timeout_s=timeout_s)
     assert "cleanup: clean" in str(info.value)
     assert not (tmp_path / "image").exists()
     assert os.listdir(state.activations) == []
@@ -237,10 +210,7 @@ def test_four_concurrent_copies_all_serve(
     from snapctl.activation.copy import start_copies
 
     image = tmp_path / "image"
-    donor, report, _ = start_donor(
-        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-    )  # fmt: skip
+    donor, report = launch_donor(image, state, criu_binary, publish=PUBLISH)
     running.append(donor)
     assert report.published
     reference = complete(report.published)
@@ -264,10 +234,7 @@ def test_recovery_fault_in_a_copy_fails_closed(
     from snapctl.activation.handshake import ActivationError
 
     image = tmp_path / "image"
-    donor, _, _ = start_donor(
-        options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=None, state=state, progress=lambda step: None,
-    )  # fmt: skip
+    donor, _ = launch_donor(image, state, criu_binary)
     running.append(donor)
     stop_clean(donor)
     weights = next(state.models.glob("fixture-*/model.safetensors"))
@@ -277,18 +244,12 @@ def test_recovery_fault_in_a_copy_fails_closed(
     weights.write_bytes(bytes(changed))
     try:
         with pytest.raises(ActivationError, match="recovery") as info:
-            start_copy(
-                image, options(), criu=criu_binary, native=NoNativeStep(),
-                publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-            )  # fmt: skip
+            restore_copy(image, state, criu_binary, publish=PUBLISH)
         assert info.value.phase is not None and info.value.phase.startswith("recovery")
         assert "cleanup: clean" in str(info.value)
     finally:
         weights.write_bytes(original)
-    copy, copy_report = start_copy(
-        image, options(), criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0),
-        state=state, progress=lambda step: None,
-    )  # fmt: skip
+    copy, copy_report = restore_copy(image, state, criu_binary, publish=PUBLISH)
     running.append(copy)
     assert copy_report.published and get(copy_report.published, "/v1/models")[0] == 200
     stop_clean(copy)

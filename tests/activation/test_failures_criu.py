@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.copy import RestoreError, start_copy
-from snapctl.activation.donor import CaptureError, start_donor
+from snapctl.activation.copy import RestoreError
+from snapctl.activation.donor import CaptureError
 from snapctl.activation.handshake import ActivationError
 from snapctl.activation.native import NativeStepError, NoNativeStep
 from snapctl.activation.session import Session
@@ -22,10 +22,12 @@ from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import (
     API_KEY,
     API_KEY_ENV,
+    PUBLISH,
     get,
     image_files,
+    launch_donor,
     leftovers,
-    options,
+    restore_copy,
     stop_clean,
 )
 
@@ -45,10 +47,7 @@ def image(
 ) -> Path:
     """One captured fixture image shared by the restore-failure tests (restores only read it)."""
     path = tmp_path_factory.mktemp("images") / "image"
-    donor, _, _ = start_donor(
-        options(), image=path, force=False, criu=criu_binary, native=NoNativeStep(),
-        publish=None, state=state, progress=lambda step: None, activate_donor=False,
-    )  # fmt: skip
+    donor, _ = launch_donor(path, state, criu_binary, activate=False)
     stop_clean(donor)
     return path
 
@@ -68,10 +67,7 @@ def small_mount(tmp_path: Path) -> Iterator[Path]:
 def assert_restores(image: Path, state: StateDir, criu: CriuBinary) -> None:
     """The image still verifies and a copy from it serves."""
     verify_image(image)
-    session, report = start_copy(
-        image, options(), criu=criu, native=NoNativeStep(), publish=("127.0.0.1", 0),
-        state=state, progress=lambda step: None,
-    )  # fmt: skip
+    session, report = restore_copy(image, state, criu, publish=PUBLISH)
     try:
         assert report.published and get(report.published, "/v1/models")[0] == 200
     finally:
@@ -96,10 +92,7 @@ def test_interrupt_after_restore_before_pin_leaves_nothing(
 
     monkeypatch.setattr(copy_module, "restore_tree", restore_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
-        start_copy(
-            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
-            state=state, progress=lambda step: None,
-        )  # fmt: skip
+        restore_copy(image, state, criu_binary)
     assert restored, "the restore ran"
     assert leftovers(state, restored) == []
 
@@ -121,10 +114,7 @@ def test_missing_staged_file_fails_restore_and_image_stays_usable(
     monkeypatch.setattr(copy_module, "stage_shm_copy", stage_then_lose_a_file)
     before = image_files(image)
     with pytest.raises(RestoreError, match="criu restore failed") as info:
-        start_copy(
-            image, options(), criu=criu_binary, native=NoNativeStep(), publish=None,
-            state=state, progress=lambda step: None,
-        )  # fmt: skip
+        restore_copy(image, state, criu_binary)
     assert removed and info.value.phase == "restore"
     assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
     assert leftovers(state) == []
@@ -157,11 +147,14 @@ def test_public_port_that_never_answers_fails_in_phase_serve(
     script.write_text(NEVER_BINDS)
     image = tmp_path / "image"
     with pytest.raises(ActivationError, match="port") as info:
-        start_donor(
-            options(server_argv=[sys.executable, str(script)], timeout_s=3.0), image=image,
-            force=False, criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0),
-            state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(
+            image,
+            state,
+            criu_binary,
+            publish=PUBLISH,
+            server_argv=[sys.executable, str(script)],
+            timeout_s=3.0,
+        )
     assert info.value.phase == "serve"
     assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
     assert leftovers(state) == []
@@ -197,11 +190,14 @@ def test_error_json_after_donor_activation_is_reported(
     script = tmp_path / "fails_recovery.py"
     script.write_text(FAILS_RECOVERY)
     with pytest.raises(ActivationError, match="weights file vanished") as info:
-        start_donor(
-            options(server_argv=[sys.executable, str(script)], timeout_s=30.0),
-            image=tmp_path / "image", force=False, criu=criu_binary, native=NoNativeStep(),
-            publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(
+            tmp_path / "image",
+            state,
+            criu_binary,
+            publish=PUBLISH,
+            server_argv=[sys.executable, str(script)],
+            timeout_s=30.0,
+        )
     assert info.value.phase is not None and info.value.phase.startswith("recovery")
     assert "cleanup: clean" in str(info.value) and "logs:" in str(info.value)
     assert leftovers(state) == []
@@ -219,10 +215,7 @@ def test_dump_and_native_unlock_both_failing_name_both(
 ) -> None:
     monkeypatch.setenv("CRIU_FAULT", "1")  # the dump fails early
     with pytest.raises(CaptureError, match="criu dump") as info:
-        start_donor(
-            options(), image=tmp_path / "image", force=False, criu=criu_binary,
-            native=FailingUnlock(), publish=None, state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(tmp_path / "image", state, criu_binary, native=FailingUnlock())
     assert "native restore failed too: cuda-checkpoint --action unlock failed" in str(info.value)
     assert "cleanup: clean" in str(info.value)
     assert leftovers(state) == []
@@ -233,10 +226,7 @@ def test_disk_full_publishes_nothing(
 ) -> None:
     image = small_mount / "image"
     with pytest.raises(CaptureError, match="no image published") as info:
-        start_donor(
-            options(), image=image, force=False, criu=criu_binary, native=NoNativeStep(),
-            publish=None, state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(image, state, criu_binary)
     assert info.value.phase == "capture" and "cleanup: clean" in str(info.value)
     assert list(small_mount.iterdir()) == []  # no image, no staging directory
     assert leftovers(state) == []
@@ -247,10 +237,7 @@ def test_unwritable_image_path_refused_before_launch(
 ) -> None:
     mounts.mount("none", small_mount, None, mounts.MS_REMOUNT | mounts.MS_RDONLY)
     with pytest.raises(ImageError, match="cannot create a staging directory") as info:
-        start_donor(
-            options(), image=small_mount / "image", force=False, criu=criu_binary,
-            native=NoNativeStep(), publish=None, state=state, progress=lambda step: None,
-        )  # fmt: skip
+        launch_donor(small_mount / "image", state, criu_binary)
     assert "Read-only file system" in str(info.value)
     assert leftovers(state) == []
 
@@ -262,19 +249,14 @@ def test_lo_address_serves_in_donor_and_copy(
     image = tmp_path / "image"
     running: list[Session] = []
     try:
-        donor, report, _ = start_donor(
-            options(lo_addresses=[address], host=address), image=image, force=False,
-            criu=criu_binary, native=NoNativeStep(), publish=("127.0.0.1", 0), state=state,
-            progress=lambda step: None,
-        )  # fmt: skip
+        donor, report = launch_donor(
+            image, state, criu_binary, publish=PUBLISH, lo_addresses=[address], host=address
+        )
         running.append(donor)
         assert report.host == address and report.published
         assert get(report.published, "/v1/models")[0] == 200
         stop_clean(donor)
-        copy, copy_report = start_copy(
-            image, options(host=address), criu=criu_binary, native=NoNativeStep(),
-            publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
-        )  # fmt: skip
+        copy, copy_report = restore_copy(image, state, criu_binary, publish=PUBLISH, host=address)
         running.append(copy)
         assert copy_report.published and get(copy_report.published, "/v1/models")[0] == 200
         stop_clean(copy)
