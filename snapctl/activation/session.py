@@ -99,6 +99,22 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     return members()
 
 
+def remove_activation(dirs: ActivationDirs, left: list[int], timeout_s: float) -> CleanupAudit:
+    """The end of every stop: end stragglers, then unmount and delete the activation's
+    directories unless a process (``left`` or a straggler) survived; audit what remains.
+    Listeners and /dev/shm files are for the caller to add: only a session knows them."""
+    left = sorted({*left, *end_stragglers(dirs, timeout_s)})
+    if not left and dirs.root.exists():
+        dirs.remove()
+    remains = dirs.root.exists()
+    return CleanupAudit(
+        processes=left,
+        mounts=mounts.mounts_under(dirs.root) if remains else [],
+        directories=[str(dirs.root)] if remains else [],
+        listeners=[],
+    )
+
+
 def _port_open(address: tuple[str, int]) -> bool:
     with socket.socket() as probe:
         probe.settimeout(0.2)
@@ -261,9 +277,7 @@ class Session:
         shm_names = self._shm_names()
         # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
         left = wait_gone(self.tree_pids, stop_timeout_s) + leftover_daemon
-        left = sorted({*left, *end_stragglers(self.dirs, stop_timeout_s)})
-        if not left and self.dirs.root.exists():
-            self.dirs.remove()
+        audit = remove_activation(self.dirs, left, stop_timeout_s)
         with self._lock:
             self.stopped = True
             self.state.drop_record(self.name)
@@ -271,16 +285,11 @@ class Session:
             # The logs outlive the activation: say there why it was stopped.
             with contextlib.suppress(OSError):
                 (self.dirs.logs / "failure.txt").write_text(self.failure + "\n")
-        audit = CleanupAudit(
-            processes=left,
-            mounts=mounts.mounts_under(self.dirs.root) if self.dirs.root.exists() else [],
-            directories=[str(self.dirs.root)] if self.dirs.root.exists() else [],
-            listeners=[f"{listening[0]}:{listening[1]}"]
-            if listening and _port_open(listening)
-            else [],
-            shm_files=sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name)),
+        listeners = (
+            [f"{listening[0]}:{listening[1]}"] if listening and _port_open(listening) else []
         )
-        return how, audit
+        shm_files = sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name))
+        return how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
 
     def _shm_names(self) -> set[str]:
         """What this activation had in its /dev/shm, and what its image saved from there."""

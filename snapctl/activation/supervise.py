@@ -16,9 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.session import CleanupAudit, Session, end_stragglers
+from snapctl.activation.session import CleanupAudit, Session, remove_activation
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
 from snapctl.supervision.state import ActivationRecord, StateDir
@@ -217,17 +216,9 @@ def stop_recorded(
     dirs = ActivationDirs(
         root=state.activations / record.activation_id, logs=state.logs / record.activation_id
     )
-    if dirs.root.exists():
-        left += end_stragglers(dirs, stop_timeout_s)
-    if dirs.root.exists() and not left:
-        dirs.remove()
+    audit = remove_activation(dirs, left, stop_timeout_s)
     state.drop_record(record.name)
-    return how, CleanupAudit(
-        processes=left,
-        mounts=mounts.mounts_under(dirs.root) if dirs.root.exists() else [],
-        directories=[str(dirs.root)] if dirs.root.exists() else [],
-        listeners=[],
-    )
+    return how, audit
 
 
 class CollectedActivation(BaseModel):
@@ -263,9 +254,7 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
                 tree_root.stop(stop_timeout_s)
                 ended.append(record.root_pid)
         ended += dirs.processes()
-        left = end_stragglers(dirs, stop_timeout_s)
-        if not left:
-            dirs.remove()
+        audit = remove_activation(dirs, [], stop_timeout_s)
         for record in mine:
             state.drop_record(record.name)
         collected.append(
@@ -273,12 +262,7 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
                 activation_id=root.name,
                 names=[r.name for r in mine],
                 processes_ended=sorted(set(ended)),
-                audit=CleanupAudit(
-                    processes=left,
-                    mounts=mounts.mounts_under(root) if root.exists() else [],
-                    directories=[str(root)] if root.exists() else [],
-                    listeners=[],
-                ),
+                audit=audit,
             )
         )
     return collected
