@@ -13,6 +13,7 @@ import pytest
 from snapctl.activation.lazy import LazyTransfer, PagesStatus
 from snapctl.criu import CriuBinary, CriuError
 from snapctl.criu.ops import LazyPagesDaemon, start_lazy_pages_daemon
+from tests.criu.fakes import install_fake_criu
 
 # A fake criu: records its argv, then as FAKE_MODE says: "ready" writes the status byte to the
 # --status-fd descriptor and exits FAKE_EXIT after FAKE_SLEEP seconds; "fail" exits 1 at once;
@@ -36,13 +37,10 @@ esac
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CriuBinary:
-    path = tmp_path / "criu"
-    path.write_text(FAKE_CRIU)
-    path.chmod(0o755)
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
     monkeypatch.setenv("FAKE_SLEEP", "30")
     monkeypatch.setenv("FAKE_EXIT", "0")
-    return CriuBinary(path=path, version="4.2.1", source="option")
+    return install_fake_criu(tmp_path, FAKE_CRIU)
 
 
 def start(fake: CriuBinary, tmp_path: Path, timeout_s: float = 10) -> LazyPagesDaemon:

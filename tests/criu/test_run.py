@@ -9,6 +9,7 @@ import pytest
 
 from snapctl.criu import CriuBinary, CriuError, run_criu
 from snapctl.criu.ops import dump_tree
+from tests.criu.fakes import install_fake_criu
 
 # A fake criu: records its argv and environment, writes a log to --log-file, then behaves as
 # FAKE_MODE says (ok, fail, hang).
@@ -36,11 +37,8 @@ exit 42
 
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CriuBinary:
-    path = tmp_path / "criu"
-    path.write_text(FAKE_CRIU)
-    path.chmod(0o755)
     monkeypatch.setenv("FAKE_DIR", str(tmp_path))
-    return CriuBinary(path=path, version="4.2.1", source="option")
+    return install_fake_criu(tmp_path, FAKE_CRIU)
 
 
 def test_success_records_the_exact_argv_beside_the_log(fake: CriuBinary, tmp_path: Path) -> None:
