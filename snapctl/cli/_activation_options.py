@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -96,3 +97,32 @@ def shared_options(
         return wrapper
 
     return decorate
+
+
+def capture_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The options of a command that captures (``donor``, ``bake``): the image to publish
+    (``image``), ``force`` and the sandbox's extra loopback addresses (``lo_addresses``)."""
+    for decorator in reversed(
+        (
+            click.option(
+                "--image",
+                required=True,
+                type=click.Path(file_okay=False, path_type=Path),
+                help="Directory to publish the image into (must not exist unless --force).",
+            ),
+            click.option(
+                "--force",
+                is_flag=True,
+                help="Replace an existing image (not while a copy holds it).",
+            ),
+            click.option(
+                "--lo-address",
+                "lo_addresses",
+                multiple=True,
+                metavar="ADDR",
+                help="Extra address on the sandbox's loopback (repeatable).",
+            ),
+        )
+    ):
+        function = decorator(function)
+    return function

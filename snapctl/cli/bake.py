@@ -6,26 +6,11 @@ from pathlib import Path
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, shared_options
+from snapctl.cli._activation_options import CommonOptions, capture_options, shared_options
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option(
-    "--image",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Directory to publish the image into (must not exist unless --force).",
-)
-@click.option(
-    "--force", is_flag=True, help="Replace an existing image (not while a copy holds it)."
-)
-@click.option(
-    "--lo-address",
-    "lo_addresses",
-    multiple=True,
-    metavar="ADDR",
-    help="Extra address on the sandbox's loopback (repeatable).",
-)
+@capture_options
 @shared_options(exclude=frozenset({"name", "publish", "detach"}))
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tuple[str, ...],

@@ -7,25 +7,12 @@ from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, activation_options
+from snapctl.cli._activation_options import CommonOptions, activation_options, capture_options
 from snapctl.cli.serving import Progress, serve
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
-@click.option(
-    "--image",
-    required=True,
-    type=click.Path(file_okay=False, path_type=Path),
-    help="Directory to publish the image into (must not exist unless --force).",
-)
-@click.option("--force", is_flag=True, help="Replace an existing image directory.")
-@click.option(
-    "--lo-address",
-    "lo_addresses",
-    multiple=True,
-    metavar="ADDR",
-    help="Extra address on the sandbox's loopback (repeatable).",
-)
+@capture_options
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tuple[str, ...],
