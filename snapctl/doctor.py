@@ -226,7 +226,7 @@ def check_criu(system: System, explicit: str | None) -> tuple[Check, CriuBinary 
 def check_criu_check(system: System, criu: CriuBinary | None) -> Check:
     if criu is None:
         return Check(name="criu check", status="fail", detail="not run: no usable CRIU")
-    passed, output = _run_probe(system, [str(criu.path), "check"], timeout_s=60)
+    passed, output = _run_probe(system, [*criu.argv, "check"], timeout_s=60)
     if passed:
         return Check(name="criu check", status="ok", detail=_last_line(output))
     return Check(
@@ -242,7 +242,7 @@ def check_lazy_restore(system: System, criu: CriuBinary | None) -> Check:
     name = "lazy restore"
     if criu is None:
         return Check(name=name, status="warn", detail="not run: no usable CRIU")
-    argv = [str(criu.path), "check", "--feature", "uffd-noncoop"]
+    argv = [*criu.argv, "check", "--feature", "uffd-noncoop"]
     passed, output = _run_probe(system, argv, timeout_s=30)
     if passed:
         return Check(name=name, status="ok", detail="userfaultfd (uffd-noncoop) supported")

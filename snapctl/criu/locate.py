@@ -1,4 +1,10 @@
-"""Find a usable CRIU: explicit option, ``SNAPCTL_CRIU``, the private prefix, then PATH."""
+"""Find a usable CRIU: explicit option, ``SNAPCTL_CRIU``, the private prefix, then PATH.
+
+A CRIU unpacked by ``scripts/install-criu`` is a shell wrapper that runs the real binary through
+its own unpacked loader. The installer also writes :data:`LAUNCH_FILE` beside ``bin/``, the
+same command as data, so snapctl runs the loader directly: the wrapper's shell, ``readlink`` and
+two ``dirname`` cost about 5 ms per CRIU process, and a lazy copy waits for two of them.
+"""
 
 from __future__ import annotations
 
@@ -9,15 +15,33 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from snapctl.errors import SnapctlError
 
 MINIMUM_VERSION = (4, 2)
 DEFAULT_PREFIX = Path("/opt/snapctl/criu")
 INSTALL_HINT = "run scripts/install-criu as root to install CRIU >= 4.2 into /opt/snapctl/criu"
+LAUNCH_FILE = "snapctl-launch.json"
 
 
 class CriuNotFound(SnapctlError):
     """No usable CRIU binary was found (or the one named is unusable)."""
+
+
+class PrefixLaunch(BaseModel):
+    """``snapctl-launch.json`` of an unpacked CRIU prefix: how its wrapper runs CRIU, with
+    paths relative to the prefix."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    loader: str
+    library_path: list[str]
+    program: str
+
+    def command(self, prefix: Path) -> tuple[str, ...]:
+        libraries = ":".join(str(prefix / part) for part in self.library_path)
+        return (str(prefix / self.loader), "--library-path", libraries, str(prefix / self.program))
 
 
 @dataclass(frozen=True)
@@ -27,6 +51,13 @@ class CriuBinary:
     path: Path
     version: str
     source: str  # "option", "env", "prefix" or "path": where it was found
+    # What runs it when not ``path`` itself (the loader of an unpacked prefix; see above).
+    command: tuple[str, ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        """The argv prefix that runs this CRIU: ``argv + ("restore", ...)``."""
+        return self.command or (str(self.path),)
 
     @property
     def version_tuple(self) -> tuple[int, ...]:
@@ -35,7 +66,7 @@ class CriuBinary:
     def check(self, timeout_s: float = 60.0) -> tuple[bool, str]:
         """Run ``criu check``; return (passed, combined output)."""
         proc = subprocess.run(
-            [str(self.path), "check"],
+            [*self.argv, "check"],
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -83,7 +114,7 @@ def find_criu(explicit: str | os.PathLike[str] | None = None) -> CriuBinary:
                 raise CriuNotFound(f"CRIU given by {source} does not exist: {path}", path=str(path))
             continue
         version = criu_version(path)
-        binary = CriuBinary(path=path, version=version, source=source)
+        binary = CriuBinary(path=path, version=version, source=source, command=direct_command(path))
         if binary.version_tuple[:2] >= MINIMUM_VERSION:
             return binary
         if source in ("option", "env"):
@@ -91,3 +122,18 @@ def find_criu(explicit: str | os.PathLike[str] | None = None) -> CriuBinary:
         rejected.append(f"{path} is {version}")
     detail = f" ({'; '.join(rejected)})" if rejected else ""
     raise CriuNotFound(f"no CRIU >= 4.2 found{detail}; {INSTALL_HINT}")
+
+
+def direct_command(wrapper: Path) -> tuple[str, ...]:
+    """The loader command of the unpacked prefix that ``wrapper`` (``PREFIX/bin/criu``) belongs
+    to, or ``()`` to run ``wrapper`` itself (any other CRIU, or a prefix without a usable
+    launch file: the wrapper always works, it is only slower)."""
+    prefix = wrapper.resolve().parent.parent
+    try:
+        launch = PrefixLaunch.model_validate_json((prefix / LAUNCH_FILE).read_bytes())
+    except (OSError, ValidationError):
+        return ()
+    command = launch.command(prefix)
+    if not all(os.access(part, os.X_OK) for part in (command[0], command[-1])):
+        return ()
+    return command

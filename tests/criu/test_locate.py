@@ -164,3 +164,51 @@ def test_check_reports_the_exit_status_and_output(
     criu = CriuBinary(make_criu(tmp_path / "criu", check_rc=check_rc), "4.2.1", "option")
 
     assert criu.check() == (passed, f"check says {check_rc}")
+
+
+def unpacked_prefix(prefix: Path, launch: str | None) -> Path:
+    """A prefix as scripts/install-criu leaves it: bin/criu wrapper, an executable "loader"
+    and "program" (here: shell scripts), and ``launch`` as snapctl-launch.json."""
+    wrapper = make_criu(prefix / "bin" / "criu")
+    loader = prefix / "usr" / "lib" / "ld.so"
+    loader.parent.mkdir(parents=True)
+    # Runs "program" the way the real loader would: skip --library-path and its value.
+    loader.write_text('#!/bin/sh\nshift 2\nexec "$@"\n')
+    loader.chmod(0o755)
+    make_criu(prefix / "usr" / "sbin" / "criu", check_rc=3)
+    if launch is not None:
+        (prefix / "snapctl-launch.json").write_text(launch)
+    return wrapper
+
+
+LAUNCH = (
+    '{"loader": "usr/lib/ld.so", "library_path": ["usr/lib", "lib"], "program": "usr/sbin/criu"}'
+)
+
+
+def test_an_unpacked_prefix_runs_through_its_loader_without_the_wrapper(
+    places: dict[str, Path],
+) -> None:
+    prefix = places["prefix"].parent.parent
+    unpacked_prefix(prefix, LAUNCH)
+    found = find_criu()
+    assert found.path == places["prefix"]
+    assert found.argv == (
+        str(prefix / "usr/lib/ld.so"), "--library-path", f"{prefix}/usr/lib:{prefix}/lib",
+        str(prefix / "usr/sbin/criu"),
+    )  # fmt: skip
+    # check goes through the loader to the program (exit 3), not through the wrapper (exit 0).
+    assert found.check() == (False, "check says 3")
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [None, "{not json", '{"loader": "usr/lib/ld.so"}', LAUNCH.replace("usr/lib/ld.so", "gone")],
+)
+def test_a_prefix_without_a_usable_launch_file_runs_its_wrapper(
+    places: dict[str, Path], launch: str | None
+) -> None:
+    unpacked_prefix(places["prefix"].parent.parent, launch)
+    found = find_criu()
+    assert found.argv == (str(places["prefix"]),)
+    assert found.check() == (True, "check says 0")
