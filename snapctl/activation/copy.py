@@ -22,9 +22,9 @@ from snapctl.activation.launch import LaunchOptions, log_tail
 from snapctl.activation.lazy import LazyTransfer
 from snapctl.activation.native import NativeStep, tree_pids
 from snapctl.activation.session import Session
-from snapctl.criu import CriuBinary, read_restore_stats
-from snapctl.criu.ops import restore_tree, start_lazy_pages_daemon
-from snapctl.criu.pagemap import eager_small_view
+from snapctl.criu import CriuBinary, CriuError, read_restore_stats
+from snapctl.criu.ops import LazyPagesDaemon, restore_tree, restore_tree_lazily
+from snapctl.criu.pagemap import lazy_view
 from snapctl.errors import SnapctlError
 from snapctl.images import ImageError, Manifest, stage_shm_copy, verify_image
 from snapctl.images.lock import hold_image
@@ -149,69 +149,28 @@ def _restore(
 ) -> None:
     """Stage the copy's directories and restore its tree (pinned as ``session.root``).
 
-    Lazy: start the copy's own lazy-pages daemon on its own work dir first, restore with
-    ``--lazy-pages``, and leave the daemon to ``session.lazy``. Both read the image through a
-    view in the work dir in which processes with little memory are restored eagerly (see
-    :mod:`snapctl.criu.pagemap`). Plain: every page is in place when CRIU returns, so the image
-    is let go at once.
+    Lazy: see :func:`_restore_lazily`. Plain: every page is in place when CRIU returns, so the
+    image is let go at once.
     """
     pidfile = session.dirs.work / "root.pid"
     progress("staging the copy's directories")
     started = time.monotonic()
     stage_shm_copy(image / "shm", session.dirs.shm)
     timings["stage"] = time.monotonic() - started
-    daemon = None
-    images = image / "criu"
+    external_dirs = {k: session.dirs.host_dir_for(k) for k in manifest.external_mounts}
     if lazy:
-        progress("starting the lazy-pages daemon")
-        started = time.monotonic()
-        images = session.dirs.work / "images"
-        try:
-            eager_small_view(image / "criu", images)
-        except (SnapctlError, OSError) as error:
-            raise RestoreError(
-                f"cannot build the lazy restore's image view: {error}", phase="restore", path=images
-            ) from error
-        timings["lazy_view"] = time.monotonic() - started
+        _restore_lazily(session, image, criu, options, timings, progress, pidfile, external_dirs)
+    else:
+        progress("restoring with CRIU")
         started = time.monotonic()
         try:
-            daemon = start_lazy_pages_daemon(
-                criu, images, session.dirs.work, session.dirs.logs / "lazy-pages.log",
-                timeout_s=options.timeout_s,
+            restore_tree(
+                criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
+                pidfile, external_dirs=external_dirs, timeout_s=options.timeout_s,
             )  # fmt: skip
         except SnapctlError as error:
-            raise _criu_failed(
-                "criu lazy-pages failed to start", error, session, "lazy-pages"
-            ) from error
-        timings["lazy_pages_start"] = time.monotonic() - started
-    progress("restoring with CRIU")
-    started = time.monotonic()
-    if daemon is not None:
-        # Watch from now on: a daemon that dies during the restore fails it too.
-        session.lazy = LazyTransfer(
-            daemon,
-            restore_started=started,
-            on_failure=session.kill_unsafe,
-            on_done=session.pages_done,
-        )
-    try:
-        restore_tree(
-            criu,
-            images,
-            session.dirs.work,
-            session.dirs.logs / "restore.log",
-            pidfile,
-            external_dirs={k: session.dirs.host_dir_for(k) for k in manifest.external_mounts},
-            timeout_s=options.timeout_s,
-            lazy=lazy,
-        )
-    except SnapctlError as error:
-        if session.lazy is not None:
-            # Its daemon ends with the failed restore: a consequence, not the cause.
-            session.lazy.stop()
-            session.failure = None
-        raise _criu_failed("criu restore failed", error, session, "restore") from error
-    timings["restore"] = time.monotonic() - started
+            raise _criu_failed("criu restore failed", error, session, "restore") from error
+        timings["restore"] = time.monotonic() - started
     session.root = PinnedProcess(int(pidfile.read_text().strip()))
     session.remember_tree()
     if session.lazy is None:
@@ -219,6 +178,58 @@ def _restore(
     elif session.lazy.status.state == "failed":
         # It died before we could pin the tree, so its watcher had nothing to kill yet.
         session.kill_unsafe(session.lazy.status.failure or "lazy-pages daemon failed")
+
+
+def _restore_lazily(
+    session: Session,
+    image: Path,
+    criu: CriuBinary,
+    options: LaunchOptions,
+    timings: dict[str, float],
+    progress: Progress,
+    pidfile: Path,
+    external_dirs: dict[str, Path],
+) -> None:
+    """Restore with ``--lazy-pages`` and the copy's own lazy-pages daemon on its own work dir,
+    started together (:func:`restore_tree_lazily`); ``session.lazy`` watches the daemon from
+    the moment it listens. Both read the image through a view in the work dir in which only big
+    runs of memory stay lazy (see :mod:`snapctl.criu.pagemap`)."""
+    progress("restoring with CRIU")
+    started = time.monotonic()
+    view = session.dirs.work / "images"
+    try:
+        lazy_view(image / "criu", view)
+    except (SnapctlError, OSError) as error:
+        raise RestoreError(
+            f"cannot build the lazy restore's image view: {error}", phase="restore", path=view
+        ) from error
+    timings["lazy_view"] = time.monotonic() - started
+
+    def watch(daemon: LazyPagesDaemon) -> None:
+        # From now on a daemon that dies, during the restore or after, fails the copy.
+        timings["lazy_pages_start"] = time.monotonic() - started
+        session.lazy = LazyTransfer(
+            daemon, restore_started=started, on_failure=session.kill_unsafe,
+            on_done=session.pages_done,
+        )  # fmt: skip
+
+    started = time.monotonic()
+    try:
+        restore_tree_lazily(
+            criu, view, session.dirs.work, session.dirs.logs, pidfile,
+            external_dirs=external_dirs, timeout_s=options.timeout_s, on_daemon_ready=watch,
+        )  # fmt: skip
+    except SnapctlError as error:
+        if isinstance(error, CriuError) and error.action == "lazy-pages":
+            raise _criu_failed(
+                "criu lazy-pages failed to start", error, session, "lazy-pages"
+            ) from error
+        if session.lazy is not None:
+            # Its daemon ends with the failed restore: a consequence, not the cause.
+            session.lazy.stop()
+            session.failure = None
+        raise _criu_failed("criu restore failed", error, session, "restore") from error
+    timings["restore"] = time.monotonic() - started
 
 
 def _criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> RestoreError:

@@ -2,25 +2,38 @@
 
 from __future__ import annotations
 
+import array
 import contextlib
+import fcntl
 import os
 import select
 import shlex
 import signal
 import subprocess
+import termios
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import psutil
 
 from snapctl.criu.locate import CriuBinary
-from snapctl.criu.run import CriuError, CriuResult, log_tail, run_criu, spawn_criu
+from snapctl.criu.run import (
+    CriuError,
+    CriuProcess,
+    CriuResult,
+    log_tail,
+    run_criu,
+    spawn_criu,
+    start_criu,
+)
 
 # CRIU writes its dump log while the tree is frozen, and its debug lines cost frozen time: 8% at
 # 64 MB and 14% at 512 MB retained, against 4% at info level (python -m bench, donor pause).
 # Info level still logs every step, warning and error; rerun the recorded argv with -v4 to debug.
 DUMP_LOG_LEVEL = 3
+INVENTORY = "inventory.img"
+GATE_POLL_S = 0.0005
 
 # Options shared by dump and restore: the tree's loopback TCP connection (a TCPStore-like
 # peer) and Unix sockets, glibc named semaphores (link remaps), file locks; no iptables
@@ -91,29 +104,64 @@ def restore_tree(
     """``criu restore`` detached into new namespaces; the image directory is only read.
 
     With ``lazy``, private anonymous memory is left to the lazy-pages daemon already listening
-    in ``work_dir`` (see :func:`start_lazy_pages_daemon`): the tree runs as soon as CRIU returns.
+    in ``work_dir`` (see :func:`start_lazy_pages_daemon`; :func:`restore_tree_lazily` starts
+    both at once): the tree runs as soon as CRIU returns.
     """
+    args = _restore_args(work_dir, pidfile, external_dirs, lazy=lazy)
+    return run_criu(criu, "restore", images_dir, log_path, args, timeout_s=timeout_s, env=env)
+
+
+def _restore_args(
+    work_dir: Path, pidfile: Path, external_dirs: Mapping[str, Path], *, lazy: bool
+) -> list[str]:
     args = ["--work-dir", str(work_dir), "--restore-detached", "--root", "/"]
     args += ["--pidfile", str(pidfile), *TREE_OPTIONS]
     if lazy:
         args.append("--lazy-pages")
     for key, directory in external_dirs.items():
         args += ["--external", f"mnt[{key}]:{directory}"]
-    return run_criu(criu, "restore", images_dir, log_path, args, timeout_s=timeout_s, env=env)
+    return args
 
 
 class LazyPagesDaemon:
     """A ``criu lazy-pages`` process, our own child, serving one restore's page faults and then
     pushing the remaining pages; it exits 0 once every page was copied into the tree."""
 
-    def __init__(self, process: subprocess.Popen[bytes], log_path: Path) -> None:
+    def __init__(
+        self, process: subprocess.Popen[bytes], log_path: Path, ready_fd: int | None = None
+    ) -> None:
         self.process = process
         self.log_path = log_path
         self.pid = process.pid
+        # Read end of its --status-fd pipe until wait_ready has seen the ready byte.
+        self._ready_fd = ready_fd
         # Pinned before anyone can reap it: the watcher thread reaps it in ``wait`` while
         # ``kill`` may run in another, and a signal by PID in between could hit a reused PID.
         self._pidfd: int | None = os.pidfd_open(process.pid)
         self.start_time = psutil.Process(process.pid).create_time()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Return once the daemon listens; otherwise kill it and raise :class:`CriuError`."""
+        read_fd, self._ready_fd = self._ready_fd, None
+        if read_fd is None:
+            return
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CriuError("lazy-pages", None, self.log_path, log_tail(self.log_path))
+                if select.select([read_fd], [], [], left)[0]:
+                    break
+            if os.read(read_fd, 1) != b"\0":
+                # The pipe closed without the ready byte: the daemon failed to start.
+                status = self.wait(timeout_s)
+                raise CriuError("lazy-pages", status, self.log_path, log_tail(self.log_path))
+        except BaseException:
+            self.kill()
+            raise
+        finally:
+            os.close(read_fd)
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -127,6 +175,9 @@ class LazyPagesDaemon:
 
     def kill(self) -> None:
         """SIGKILL and reap: once its tree is gone the daemon holds nothing worth a grace."""
+        if self._ready_fd is not None:
+            os.close(self._ready_fd)
+            self._ready_fd = None
         if self._pidfd is not None:
             # ESRCH: it already exited (reaped or not), which is what killing wants.
             with contextlib.suppress(ProcessLookupError):
@@ -142,15 +193,11 @@ class LazyPagesDaemon:
         return f"exited with status {status}"
 
 
-def start_lazy_pages_daemon(
-    criu: CriuBinary,
-    images_dir: Path,
-    work_dir: Path,
-    log_path: Path,
-    *,
-    timeout_s: float,
+def spawn_lazy_pages_daemon(
+    criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path
 ) -> LazyPagesDaemon:
-    """Start ``criu lazy-pages`` for one restore and return once it listens.
+    """Start ``criu lazy-pages`` for one restore; :meth:`LazyPagesDaemon.wait_ready` says when
+    it listens.
 
     The daemon and ``criu restore --lazy-pages`` meet at ``lazy-pages.socket`` in their shared
     work dir (CRIU binds the relative name after ``chdir`` to ``-W``), so every restore needs
@@ -162,24 +209,133 @@ def start_lazy_pages_daemon(
     try:
         args = ["--work-dir", str(work_dir), "--status-fd", str(write_fd)]
         process = spawn_criu(criu, "lazy-pages", images_dir, log_path, args, pass_fds=[write_fd])
-    finally:
-        os.close(write_fd)
-    daemon = LazyPagesDaemon(process, log_path)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CriuError("lazy-pages", None, log_path, log_tail(log_path))
-            if select.select([read_fd], [], [], left)[0]:
-                break
-        if os.read(read_fd, 1) != b"\0":
-            # The pipe closed without the ready byte: the daemon failed to start.
-            status = daemon.wait(timeout_s)
-            raise CriuError("lazy-pages", status, log_path, log_tail(log_path))
     except BaseException:
-        daemon.kill()
+        os.close(read_fd)
         raise
     finally:
-        os.close(read_fd)
+        os.close(write_fd)
+    return LazyPagesDaemon(process, log_path, ready_fd=read_fd)
+
+
+def start_lazy_pages_daemon(
+    criu: CriuBinary,
+    images_dir: Path,
+    work_dir: Path,
+    log_path: Path,
+    *,
+    timeout_s: float,
+) -> LazyPagesDaemon:
+    """Start ``criu lazy-pages`` for one restore and return once it listens (or raise
+    :class:`CriuError`, the daemon gone)."""
+    daemon = spawn_lazy_pages_daemon(criu, images_dir, work_dir, log_path)
+    daemon.wait_ready(timeout_s)
     return daemon
+
+
+class InventoryGate:
+    """Holds a ``criu restore`` right after its kernel probe, until we let it go.
+
+    ``criu restore --lazy-pages`` connects to its lazy-pages daemon early and fails if the
+    daemon does not listen yet, so the daemon must be up first; but each CRIU process spends
+    its first 25-40 ms here starting and probing the kernel (``kerndat``: no cache without a
+    tmpfs /run), which a lazy copy would pay twice in a row. The gate lets both start at once:
+    the restore reads its images through a view whose ``inventory.img`` is a FIFO, and
+    ``inventory.img`` is the first image CRIU 4.2 reads (``cr_restore_tasks`` checks it before
+    it reads the process tree or connects to the daemon). We hold the FIFO open, so the
+    restore's ``open`` returns and its ``read`` waits; :meth:`release` writes the real
+    inventory once the daemon listens (and keeps the FIFO open until it was read).
+    :meth:`close` without release hands the restore an empty inventory, on which it fails.
+    The restore never waits on a gate that nobody holds: if snapctl dies, the FIFO's last
+    writer is gone and the read returns.
+    """
+
+    def __init__(self, fifo: Path, inventory: Path) -> None:
+        self._content = inventory.read_bytes()
+        if len(self._content) > select.PIPE_BUF:
+            # Larger than one atomic pipe write: release could block on a restore that died.
+            raise ValueError(f"{inventory} is {len(self._content)} bytes, too big for a gate")
+        os.mkfifo(fifo, 0o600)
+        # O_RDWR: opening never blocks us, and the restore's open finds a writer at once.
+        self._fd: int | None = os.open(fifo, os.O_RDWR | os.O_CLOEXEC)
+
+    def release(self, reader_alive: Callable[[], bool], timeout_s: float) -> None:
+        """Write the inventory, then close once the restore has read it: a FIFO's unread data
+        is discarded when its last descriptor closes, and the restore may not have opened it
+        yet (the daemon can be ready first). Gives up when the restore died or after
+        ``timeout_s`` (the restore's own deadline ends it then)."""
+        assert self._fd is not None
+        os.write(self._fd, self._content)
+        deadline = time.monotonic() + timeout_s
+        unread = array.array("i", [0])
+        while reader_alive() and time.monotonic() < deadline:
+            fcntl.ioctl(self._fd, termios.FIONREAD, unread)
+            if unread[0] == 0:
+                break
+            time.sleep(GATE_POLL_S)
+        self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def gated_view(view: Path, target: Path) -> InventoryGate:
+    """Create ``target``: every entry of the image ``view`` linked, but ``inventory.img`` a FIFO
+    held by the returned gate (see :class:`InventoryGate`)."""
+    target.mkdir(mode=0o700)
+    for entry in view.absolute().iterdir():
+        if entry.name != INVENTORY:
+            os.symlink(entry, target / entry.name)
+    return InventoryGate(target / INVENTORY, view / INVENTORY)
+
+
+def restore_tree_lazily(
+    criu: CriuBinary,
+    view: Path,
+    work_dir: Path,
+    logs: Path,
+    pidfile: Path,
+    *,
+    external_dirs: Mapping[str, Path],
+    timeout_s: float,
+    on_daemon_ready: Callable[[LazyPagesDaemon], None],
+    env: Mapping[str, str] | None = None,
+) -> tuple[CriuResult, LazyPagesDaemon]:
+    """Start a copy's lazy-pages daemon and its ``criu restore --lazy-pages`` together, the
+    restore held at an :class:`InventoryGate` until the daemon listens; return once the restore
+    is done.
+
+    ``view`` is the image as both read it; logs are ``lazy-pages.log`` and ``restore.log`` in
+    ``logs``. ``on_daemon_ready`` takes the daemon over as soon as it listens (to watch it while
+    the restore runs); if it was not called, a failure here leaves no daemon behind, and in no
+    case a restore process. A daemon that fails to start raises its own :class:`CriuError`
+    (action ``lazy-pages``), not the restore's that follows from it.
+    """
+    try:
+        gate = gated_view(view, work_dir / "restore-images")
+    except (OSError, ValueError) as error:
+        reason = f"could not be prepared: {error}"
+        raise CriuError("restore", None, logs / "restore.log", "", reason=reason) from error
+    daemon: LazyPagesDaemon | None = None
+    restore: CriuProcess | None = None
+    handed_over = False
+    try:
+        daemon = spawn_lazy_pages_daemon(criu, view, work_dir, logs / "lazy-pages.log")
+        args = _restore_args(work_dir, pidfile, external_dirs, lazy=True)
+        restore = start_criu(
+            criu, "restore", work_dir / "restore-images", logs / "restore.log", args, env=env
+        )
+        daemon.wait_ready(timeout_s)
+        gate.release(lambda: restore.process.poll() is None, timeout_s)
+        on_daemon_ready(daemon)
+        handed_over = True
+        return restore.finish(timeout_s), daemon
+    finally:
+        gate.close()
+        if restore is not None and restore.process.returncode is None:
+            # Failed before the restore finished: with the gate closed it fails on its own.
+            with contextlib.suppress(CriuError):
+                restore.finish(timeout_s)
+        if daemon is not None and not handed_over:
+            daemon.kill()

@@ -63,7 +63,7 @@ def criu_argv(
 ) -> tuple[str, ...]:
     """The full argv of ``criu ACTION``, also written to ``<log>.argv`` beside the log."""
     argv = (
-        str(criu.path),
+        *criu.argv,
         action,
         "--images-dir",
         str(images_dir),
@@ -104,6 +104,74 @@ def spawn_criu(
         )
 
 
+class CriuProcess:
+    """A started ``criu ACTION`` that runs to completion (dump, restore): :meth:`finish` waits
+    for it and raises :class:`CriuError` unless it succeeded."""
+
+    def __init__(
+        self, criu: CriuBinary, action: str, images_dir: Path, log_path: Path,
+        args: Sequence[str], *, env: Mapping[str, str] | None, pass_fds: Sequence[int],
+        log_level: int,
+    ) -> None:  # fmt: skip
+        self.action = action
+        self.log_path = log_path
+        self.argv = criu_argv(criu, action, images_dir, log_path, args, log_level)
+        self.started = time.monotonic()
+        # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt in finish
+        # waits for CRIU to finish: killed half-way, it leaves a frozen tree or an unknown
+        # restored one.
+        self.process = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            pass_fds=tuple(pass_fds),
+            start_new_session=True,
+        )
+
+    def finish(self, timeout_s: float) -> CriuResult:
+        """Wait until CRIU exits (killing it after ``timeout_s`` from its start)."""
+        proc, action, log_path = self.process, self.action, self.log_path
+        interrupted: BaseException | None = None
+        deadline = self.started + timeout_s
+        while True:
+            try:
+                output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0))
+                break
+            except subprocess.TimeoutExpired as error:
+                proc.kill()
+                proc.communicate()
+                raise CriuError(action, None, log_path, log_tail(log_path)) from error
+            except KeyboardInterrupt as error:
+                interrupted = error
+        if interrupted is not None:
+            raise interrupted
+        seconds = time.monotonic() - self.started
+        if proc.returncode != 0:
+            printed = output.decode(errors="replace").strip()
+            tail = log_tail(log_path)
+            raise CriuError(action, proc.returncode, log_path, f"{printed}\n{tail}".strip())
+        return CriuResult(action=action, argv=self.argv, log_path=log_path, seconds=seconds)
+
+
+def start_criu(
+    criu: CriuBinary,
+    action: str,
+    images_dir: Path,
+    log_path: Path,
+    args: Sequence[str] = (),
+    *,
+    env: Mapping[str, str] | None = None,
+    pass_fds: Sequence[int] = (),
+    log_level: int = DEFAULT_LOG_LEVEL,
+) -> CriuProcess:
+    """Start ``criu ACTION``; the caller must :meth:`CriuProcess.finish` it."""
+    return CriuProcess(
+        criu, action, images_dir, log_path, args, env=env, pass_fds=pass_fds, log_level=log_level
+    )
+
+
 def run_criu(
     criu: CriuBinary,
     action: str,
@@ -119,36 +187,7 @@ def run_criu(
     """Run ``criu ACTION`` to completion; raise :class:`CriuError` unless it succeeds."""
     if not (timeout_s > 0 and timeout_s < float("inf")):
         raise ValueError("timeout_s must be positive and finite")
-    argv = criu_argv(criu, action, images_dir, log_path, args, log_level)
-    started = time.monotonic()
-    # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt here waits for
-    # CRIU to finish: killed half-way, it leaves a frozen tree or an unknown restored one.
-    proc = subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **(env or {})},
-        pass_fds=tuple(pass_fds),
-        start_new_session=True,
+    started = start_criu(
+        criu, action, images_dir, log_path, args, env=env, pass_fds=pass_fds, log_level=log_level
     )
-    interrupted: BaseException | None = None
-    deadline = started + timeout_s
-    while True:
-        try:
-            output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0))
-            break
-        except subprocess.TimeoutExpired as error:
-            proc.kill()
-            proc.communicate()
-            raise CriuError(action, None, log_path, log_tail(log_path)) from error
-        except KeyboardInterrupt as error:
-            interrupted = error
-    if interrupted is not None:
-        raise interrupted
-    seconds = time.monotonic() - started
-    if proc.returncode != 0:
-        printed = output.decode(errors="replace").strip()
-        tail = log_tail(log_path)
-        raise CriuError(action, proc.returncode, log_path, f"{printed}\n{tail}".strip())
-    return CriuResult(action=action, argv=argv, log_path=log_path, seconds=seconds)
+    return started.finish(timeout_s)

@@ -1,4 +1,4 @@
-"""The eager/lazy view of an image: pagemaps of small processes lose PE_LAZY, the rest is linked."""
+"""The lazy view of an image: small processes and short runs lose PE_LAZY, the rest is linked."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from snapctl.criu.pagemap import (
     PAGE_SIZE,
     PE_LAZY,
     PagemapError,
-    eager_small_view,
-    lazy_bytes,
-    without_lazy,
+    ViewSummary,
+    eager_entries,
+    lazy_view,
+    read_pagemap,
 )
 
 PE_PRESENT = 1 << 2
@@ -43,53 +44,104 @@ def pagemap(*entries: tuple[int, int, int]) -> bytes:
 
 
 LAZY = PE_LAZY | PE_PRESENT
+MIB_PAGES = 256
+# A small process: 266 lazy pages in two contiguous entries.
 SMALL = pagemap((0x1000, 1, PE_PRESENT), (0x7F0000000000, 256, LAZY), (0x7F0000100000, 10, LAZY))
-BIG = pagemap((0x1000, 1, PE_PRESENT), *((0x7E0000000000 + i * 2**20, 256, LAZY) for i in range(3)))
+# A big process: a 3-entry run of 3 MiB (a buffer), a 2-page run (heap), and a non-lazy entry.
+BIG_RUN = [(0x7E0000000000 + i * 2**20, MIB_PAGES, LAZY) for i in range(3)]
+BIG = pagemap((0x1000, 1, PE_PRESENT), (0x2000, 2, LAZY), *BIG_RUN)
 
 
-def test_lazy_bytes_counts_only_lazy_entries(tmp_path: Path) -> None:
-    (tmp_path / "pagemap-1.img").write_bytes(SMALL)
-    assert lazy_bytes(tmp_path / "pagemap-1.img") == 266 * PAGE_SIZE
+def write(tmp_path: Path, name: str, data: bytes) -> Path:
+    (tmp_path / name).write_bytes(data)
+    return tmp_path / name
 
 
-def test_without_lazy_clears_the_flag_and_keeps_everything_else(tmp_path: Path) -> None:
-    (tmp_path / "pagemap-1.img").write_bytes(SMALL)
-    eager = without_lazy(tmp_path / "pagemap-1.img")
+def test_read_pagemap_reads_every_entry_but_the_head(tmp_path: Path) -> None:
+    entries = read_pagemap(write(tmp_path, "pagemap-1.img", BIG)).entries
+    assert [(e.vaddr, e.nr_pages, e.flags) for e in entries] == [
+        (0x1000, 1, PE_PRESENT), (0x2000, 2, LAZY), *BIG_RUN,
+    ]  # fmt: skip
+    assert BIG[entries[1].flags_at] == LAZY
+
+
+def test_compat_nr_pages_counts_when_nr_pages_is_absent(tmp_path: Path) -> None:
+    old = MAGICS + message((1, 3)) + message((1, 0x1000), (2, 7), (4, LAZY))
+    assert read_pagemap(write(tmp_path, "pagemap-1.img", old)).lazy_bytes == 7 * PAGE_SIZE
+
+
+def test_lazy_runs_split_where_addresses_are_not_contiguous(tmp_path: Path) -> None:
+    pagemap_ = read_pagemap(write(tmp_path, "pagemap-1.img", BIG))
+    assert [[e.vaddr for e in run] for run in pagemap_.lazy_runs()] == [
+        [0x2000], [v for v, _, _ in BIG_RUN],
+    ]  # fmt: skip
+    assert pagemap_.lazy_bytes == (2 + 3 * MIB_PAGES) * PAGE_SIZE
+
+
+def test_a_small_process_is_eager_whole(tmp_path: Path) -> None:
+    pagemap_ = read_pagemap(write(tmp_path, "pagemap-1.img", SMALL))
+    eager = eager_entries(pagemap_, process_below=300 * PAGE_SIZE, run_below=PAGE_SIZE)
+    assert [e.vaddr for e in eager] == [0x7F0000000000, 0x7F0000100000]
+
+
+def test_a_big_process_keeps_only_its_long_runs_lazy(tmp_path: Path) -> None:
+    pagemap_ = read_pagemap(write(tmp_path, "pagemap-4.img", BIG))
+    # The 3 MiB run is one run although each of its entries is only 1 MiB.
+    eager = eager_entries(pagemap_, process_below=PAGE_SIZE, run_below=2 * 2**20)
+    assert [e.vaddr for e in eager] == [0x2000]
+    assert eager_entries(pagemap_, process_below=PAGE_SIZE, run_below=4 * 2**20) == [
+        e for e in pagemap_.entries if e.lazy
+    ]
+
+
+def test_with_eager_clears_the_flag_and_keeps_everything_else(tmp_path: Path) -> None:
+    pagemap_ = read_pagemap(write(tmp_path, "pagemap-1.img", SMALL))
+    eager = pagemap_.with_eager(pagemap_.entries[1:2])
     expected = pagemap(
-        (0x1000, 1, PE_PRESENT), (0x7F0000000000, 256, PE_PRESENT), (0x7F0000100000, 10, PE_PRESENT)
+        (0x1000, 1, PE_PRESENT), (0x7F0000000000, 256, PE_PRESENT), (0x7F0000100000, 10, LAZY)
     )
     assert eager == expected
-    (tmp_path / "eager.img").write_bytes(eager)
-    assert lazy_bytes(tmp_path / "eager.img") == 0
+    assert read_pagemap(write(tmp_path, "eager.img", eager)).lazy_bytes == 10 * PAGE_SIZE
 
 
-def test_view_makes_small_processes_eager_and_links_the_rest(tmp_path: Path) -> None:
+def test_view_rewrites_what_it_makes_eager_and_links_the_rest(tmp_path: Path) -> None:
     image = tmp_path / "criu"
     image.mkdir()
-    (image / "pagemap-1.img").write_bytes(SMALL)
-    (image / "pagemap-4.img").write_bytes(BIG)
-    (image / "pages-1.img").write_bytes(b"\0" * PAGE_SIZE)
-    (image / "core-1.img").write_bytes(b"core")
+    write(image, "pagemap-1.img", SMALL)
+    write(image, "pagemap-4.img", BIG)
+    write(image, "pagemap-5.img", pagemap((0x1000, 1, PE_PRESENT)))
+    write(image, "pages-1.img", b"\0" * PAGE_SIZE)
+    write(image, "core-1.img", b"core")
     view = tmp_path / "view"
-    assert eager_small_view(image, view, eager_below=300 * PAGE_SIZE) == 266 * PAGE_SIZE
+    summary = lazy_view(image, view, process_below=300 * PAGE_SIZE, run_below=2 * 2**20)
+    assert summary == ViewSummary(eager_bytes=268 * PAGE_SIZE, lazy_bytes=3 * 2**20)
     assert sorted(p.name for p in view.iterdir()) == sorted(p.name for p in image.iterdir())
-    assert not (view / "pagemap-1.img").is_symlink()
-    assert lazy_bytes(view / "pagemap-1.img") == 0
-    for name in ("pagemap-4.img", "pages-1.img", "core-1.img"):
+    assert read_pagemap(view / "pagemap-1.img").lazy_bytes == 0
+    assert read_pagemap(view / "pagemap-4.img").lazy_bytes == 3 * 2**20
+    for name in ("pagemap-5.img", "pages-1.img", "core-1.img"):
         assert (view / name).readlink() == image / name
+    for name in ("pagemap-1.img", "pagemap-4.img"):
+        assert not (view / name).is_symlink()
     # The image itself is untouched.
     assert (image / "pagemap-1.img").read_bytes() == SMALL
+    assert (image / "pagemap-4.img").read_bytes() == BIG
 
 
 def test_a_pagemap_it_cannot_read_fails_the_view(tmp_path: Path) -> None:
     image = tmp_path / "criu"
     image.mkdir()
-    (image / "pagemap-1.img").write_bytes(SMALL[:-3])
+    write(image, "pagemap-1.img", SMALL[:-3])
     with pytest.raises(PagemapError, match=r"pagemap-1\.img: truncated entry"):
-        eager_small_view(image, tmp_path / "view")
-    (image / "pagemap-1.img").write_bytes(b"\x01\x02\x03\x04" + SMALL[4:])
+        lazy_view(image, tmp_path / "view")
+    write(image, "pagemap-1.img", b"\x01\x02\x03\x04" + SMALL[4:])
     with pytest.raises(PagemapError, match="not a CRIU pagemap image"):
-        lazy_bytes(image / "pagemap-1.img")
+        read_pagemap(image / "pagemap-1.img")
+    write(image, "pagemap-1.img", MAGICS + message((1, 3)) + struct.pack("<I", 2) + b"\x0a\x00")
+    with pytest.raises(PagemapError, match="field 1 is not a varint"):
+        read_pagemap(image / "pagemap-1.img")
+    write(image, "pagemap-1.img", MAGICS + message((1, 3)) + struct.pack("<I", 2) + b"\x08\x80")
+    with pytest.raises(PagemapError, match="truncated varint"):
+        read_pagemap(image / "pagemap-1.img")
 
 
 def test_view_of_a_relative_image_path_links_to_the_image(
@@ -98,5 +150,5 @@ def test_view_of_a_relative_image_path_links_to_the_image(
     (tmp_path / "criu").mkdir()
     (tmp_path / "criu" / "core-1.img").write_bytes(b"core")
     monkeypatch.chdir(tmp_path)
-    eager_small_view(Path("criu"), tmp_path / "view")
+    lazy_view(Path("criu"), tmp_path / "view")
     assert (tmp_path / "view" / "core-1.img").read_bytes() == b"core"
