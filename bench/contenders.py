@@ -56,6 +56,8 @@ class Sample:
     pages_complete_s: float | None = None
     # snapctl only: when every page of the copy was in place (plain: criu restore returned).
     pages_present_s: float | None = None
+    # Lazy only: from the start of the restore until its daemon listened (the two overlap).
+    daemon_ready_s: float | None = None
 
 
 @dataclass
@@ -179,6 +181,7 @@ class SnapctlCopy:
             all_pages_restored=pages_complete is None,
             pages_complete_s=pages_complete,
             pages_present_s=pages_present,
+            daemon_ready_s=timings.get("lazy_pages_start"),
         )
 
 
@@ -187,29 +190,28 @@ def copy_phases(
 ) -> dict[str, float]:
     """start_copy's wall time up to validated, split into its phases.
 
-    ``timings_s`` times verify, the identity check, stage, the eager/lazy view of the image and
-    the lazy-pages daemon's start (lazy only), restore and handshake; the progress marks place
-    them on one clock, so the untimed work between them (image hold, directories and tmpfs,
-    pinning and inspecting the restored tree) shows up too instead of vanishing from the sum.
+    ``timings_s`` times verify, the identity check, stage, the lazy view of the image (lazy
+    only), restore and handshake; the progress marks place them on one clock, so the untimed
+    work between them (image hold, directories and tmpfs, pinning and inspecting the restored
+    tree) shows up too instead of vanishing from the sum. A lazy copy's daemon starts together
+    with its restore, so its start is within ``criu`` (``Sample.daemon_ready_s``).
     """
     at = {step: when for step, when in marks}
     staging = at["staging the copy's directories"]
     restoring = at["restoring with CRIU"]
     activating = at["activating the copy"]
     checks = timings["verify"] + timings.get("identity", 0.0)
-    view, daemon = timings.get("lazy_view"), timings.get("lazy_pages_start")
+    view = timings.get("lazy_view")
     phases = {
         "verify": timings["verify"],
         "identity": timings.get("identity", 0.0),
         "setup": staging - started - checks,
-        "stage": restoring - staging - (view or 0.0) - (daemon or 0.0),
+        "stage": restoring - staging,
     }
     if view is not None:
         phases["lazy view"] = view
-    if daemon is not None:
-        phases["lazy-pages daemon"] = daemon
     phases["criu"] = timings["restore"]
-    phases["after restore"] = activating - restoring - timings["restore"]
+    phases["after restore"] = activating - restoring - (view or 0.0) - timings["restore"]
     phases["handshake"] = timings["handshake"]
     return phases
 

@@ -253,6 +253,8 @@ class Runner:
             add("pages_complete_s", name, size, sample.pages_complete_s, "s")
         if sample.pages_present_s is not None:
             add("pages_present_s", name, size, sample.pages_present_s, "s")
+        if sample.daemon_ready_s is not None:
+            add("lazy_pages_ready_s", name, size, sample.daemon_ready_s, "s")
         if "criu" in sample.phases and sample.all_pages_restored:
             add("restore_MBps", name, size, image.criu_bytes / MIB / sample.phases["criu"], "MB/s")
         if sample.handshake_s is not None:

@@ -207,11 +207,20 @@ def test_dev_shm_that_is_not_tmpfs_is_a_warning(mounts: str, detail: str) -> Non
     assert report.ready and status == "warn" and detail in seen
 
 
-def test_run_that_is_not_tmpfs_is_a_warning_about_criu_start_time() -> None:
+def test_run_that_is_not_tmpfs_is_handled_with_a_private_run() -> None:
     report = run_doctor(system=FakeSystem(mounts="proc /proc proc rw 0 0\n"))
 
     status, seen = by_name(report)["CRIU kdat cache"]
-    assert report.ready and status == "warn" and "/run is not a mount point" in seen
+    assert status == "ok" and "/run is not a mount point" in seen and "private /run" in seen
+
+
+def test_run_that_is_not_tmpfs_without_unshare_warns_about_criu_start_time() -> None:
+    system = FakeSystem(
+        mounts="proc /proc proc rw 0 0\n", tools={"unshare": None, "cuda-checkpoint": None}
+    )
+
+    status, seen = by_name(run_doctor(system=system))["CRIU kdat cache"]
+    assert status == "warn" and "probes the kernel" in seen
 
 
 def test_cuda_checkpoint_is_informational() -> None:

@@ -23,6 +23,7 @@ from snapctl.activation.lazy import LazyTransfer
 from snapctl.activation.native import NativeStep, tree_pids
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, CriuError, read_restore_stats
+from snapctl.criu.kdat import with_private_run
 from snapctl.criu.ops import LazyPagesDaemon, restore_tree, restore_tree_lazily
 from snapctl.criu.pagemap import lazy_view
 from snapctl.errors import SnapctlError
@@ -106,6 +107,8 @@ def start_copy(
     session.host, session.port = options.host, options.port
     pidfile = session.dirs.work / "root.pid"
     try:
+        # Restores (and lazy-pages daemons) skip CRIU's kernel probe with a cache for this boot.
+        criu = with_private_run(criu, state.criu)
         _restore(session, image, manifest, criu, options, timings, progress, lazy=lazy)
         assert session.root is not None
         native.after_restore(tree_pids(session.root.pid), options.timeout_s)
@@ -198,7 +201,7 @@ def _restore_lazily(
     started = time.monotonic()
     view = session.dirs.work / "images"
     try:
-        lazy_view(image / "criu", view)
+        lazy_view(image / "criu", view, cache_dir=session.state.views)
     except (SnapctlError, OSError) as error:
         raise RestoreError(
             f"cannot build the lazy restore's image view: {error}", phase="restore", path=view

@@ -71,6 +71,16 @@ class StateDir:
     def models(self) -> Path:
         return self.root / "models"
 
+    @property
+    def views(self) -> Path:
+        """Pagemaps as lazy copies see them, by content (see ``snapctl.criu.pagemap``)."""
+        return self.root / "views"
+
+    @property
+    def criu(self) -> Path:
+        """CRIU's kernel probe cache where /run is not a tmpfs (see ``snapctl.criu.kdat``)."""
+        return self.root / "criu"
+
     def ensure(self) -> None:
         for path in (self.activations, self.logs, self.records, self.verified, self.models):
             path.mkdir(parents=True, mode=0o700, exist_ok=True)

@@ -30,6 +30,7 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.activation.supervise import run_until_stopped
 from snapctl.criu import CriuBinary
+from snapctl.criu.kdat import run_is_tmpfs
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import complete, get, leftovers
@@ -155,6 +156,10 @@ def test_lazy_copy_serves_and_its_memory_equals_the_donors(
     assert complete(published(session)) == donor.completion
     # The image is free again once every page arrived, while the copy still serves.
     hold_image(donor.image, exclusive=True).release()
+    if not run_is_tmpfs():
+        # Both CRIU processes found the kernel probe cache in their private /run.
+        for log in ("restore.log", "lazy-pages.log"):
+            assert "Loaded kdat cache from /run/criu.kdat" in (session.dirs.logs / log).read_text()
     stop_clean(session)
 
 

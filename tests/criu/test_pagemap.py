@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from snapctl.criu import pagemap as pagemap_module
 from snapctl.criu.pagemap import (
     PAGE_SIZE,
     PE_LAZY,
@@ -152,3 +153,32 @@ def test_view_of_a_relative_image_path_links_to_the_image(
     monkeypatch.chdir(tmp_path)
     lazy_view(Path("criu"), tmp_path / "view")
     assert (tmp_path / "view" / "core-1.img").read_bytes() == b"core"
+
+
+def test_a_cached_view_is_the_same_without_parsing_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = tmp_path / "criu"
+    image.mkdir()
+    write(image, "pagemap-1.img", SMALL)
+    write(image, "pagemap-4.img", BIG)
+    write(image, "pagemap-5.img", pagemap((0x1000, 1, PE_PRESENT)))
+    cache = tmp_path / "cache"
+    first = lazy_view(image, tmp_path / "view-1", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+
+    def no_parsing(data: bytes) -> None:
+        raise AssertionError("parsed a pagemap whose view is cached")
+
+    monkeypatch.setattr(pagemap_module, "_entries", no_parsing)
+    second = lazy_view(image, tmp_path / "view-2", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+    assert second == first
+    for name in ("pagemap-1.img", "pagemap-4.img", "pagemap-5.img"):
+        one, two = tmp_path / "view-1" / name, tmp_path / "view-2" / name
+        assert one.is_symlink() == two.is_symlink() and one.read_bytes() == two.read_bytes()
+    # Other thresholds are another view; a broken cache entry is not one.
+    with pytest.raises(AssertionError, match="parsed"):
+        lazy_view(image, tmp_path / "view-3", 300 * PAGE_SIZE, 4 * 2**20, cache_dir=cache)
+    for entry in cache.glob("*.json"):
+        entry.write_text("{")
+    with pytest.raises(AssertionError, match="parsed"):
+        lazy_view(image, tmp_path / "view-4", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
