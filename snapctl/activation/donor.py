@@ -313,6 +313,8 @@ def activate_and_probe(
 ) -> list[str]:
     """Handshake, then probe public HTTP through the activation's netns, then publish."""
     assert session.root is not None
+    # Its thread enters the netns while the server validates, not after.
+    session.connect_network()
     started = time.monotonic()
     handshake = activate(
         session.control,
@@ -325,7 +327,6 @@ def activate_and_probe(
         alive=session.root.alive,
     )
     timings["handshake"] = time.monotonic() - started
-    session.attach_network(publish)
     assert session.connector is not None
     timings["validated_to_http_200"] = probe_http_ready(
         session.connector,
@@ -335,6 +336,7 @@ def activate_and_probe(
         timeout_s=options.timeout_s,
         alive=session.root.alive,
     )
+    session.publish(publish)
     session.remember_tree()
     session.save_record()
     return handshake.phases

@@ -196,8 +196,19 @@ class Session:
             self._save_record_if_kept()
 
     def attach_network(self, publish: tuple[str, int] | None) -> None:
+        self.connect_network()
+        self.publish(publish)
+
+    def connect_network(self) -> None:
+        """Enter the tree's network namespace (a thread of ours) for probes and publishing."""
         assert self.root is not None
-        self.connector = NetnsConnector(self.root.pid)
+        if self.connector is None:
+            self.connector = NetnsConnector(self.root.pid)
+
+    def publish(self, publish: tuple[str, int] | None) -> None:
+        """Forward a host port to the server's (once it serves: a client connecting earlier
+        would reach nothing)."""
+        assert self.connector is not None
         if publish is not None:
             self.publisher = Publisher(
                 self.connector, publish[0], publish[1], (self.host or "127.0.0.1", self.port)
