@@ -48,10 +48,11 @@ Contenders:
   shm staging, `criu restore` with `-v4` logs, pinning the restored tree, the v1 handshake
   through `ControlDir`, the HTTP probe, then a host port published through the copy's
   namespace; the completion goes through that published port.
-- **snapctl copy --lazy**: the same with `lazy=True`: a view of the image in which processes
-  with under 64 MiB of memory are restored eagerly (`lazy view`), its own `criu lazy-pages`
-  daemon, a `--lazy-pages` restore, serving while pages still arrive; each run waits until the
-  daemon has pushed every page before the next contender starts (and reports when that was).
+- **snapctl copy --lazy**: the same with `lazy=True`: a view of the image in which only runs
+  of 16 MiB or more stay lazy (`lazy view`), its own `criu lazy-pages` daemon started together
+  with the `--lazy-pages` restore (held at its inventory until the daemon listens), serving
+  while pages still arrive; each run waits until the daemon has pushed every page before the
+  next contender starts (and reports when that was).
 
 Restore-to-validated is measured from the contender's "go" to `status.json` = validated.
 snapctl's phases come from `report.timings_s`, placed on one clock by its progress callbacks,
@@ -173,19 +174,20 @@ def _lazy_ready_note(results: Results, name: str, size: int) -> str:
         for a in ("HTTP probe", "rest of start_copy", "first completion")
     )
     plain = _median(results, "ready_s", PLAIN, size)
-    view, daemon, criu = (_ms(phase(p)) for p in ("lazy view", "lazy-pages daemon", "criu"))
+    view, criu = _ms(phase("lazy view")), _ms(phase("criu"))
+    daemon = _ms(_median(results, "lazy_pages_ready_s", LAZY, size))
     handshake, plain_handshake = _ms(phase("handshake")), _ms(phase("handshake", PLAIN))
     return (
         f"- *{name}*: the lazy copy's time is fixed costs that do not shrink with memory "
         f"(medians): snapctl's checks and staging {_ms(checks)}, the image view {view}, "
-        f"starting the lazy-pages daemon {daemon}, `criu restore --lazy-pages` {criu}, the "
-        f"handshake {handshake} (plain: {plain_handshake}; the server's recovery faults its "
-        "heap in page by page while the daemon streams the rest on this 2-core machine), then "
-        f"probe, report "
-        f"and completion {_ms(after)}. Each of the two CRIU processes spends about 20-30 ms "
-        "probing the kernel because /run is not a tmpfs on this VM, so CRIU cannot keep its "
-        "`/run/criu.kdat` cache (`criu check`: about 50 ms here, 10-30 ms with the cache in a "
-        f"tmpfs /run). A plain copy's time grows with memory ({_ms(plain)} here), which is all "
+        f"`criu restore --lazy-pages` {criu} (its daemon starts alongside and listens after "
+        f"{daemon}; both read CRIU's kernel probe from snapctl's per-boot cache), the handshake "
+        f"{handshake} (plain: {plain_handshake}), then probe, report and completion "
+        f"{_ms(after)} while the daemon streams the rest on one of the 2 cores. The restore "
+        "brings about 50 MB of small memory in eagerly (interpreter heaps and arenas, which the "
+        "recovery touches at once; faulting them in one by one costs more, see docs/lazy.md), "
+        "and on this VM memory freed shortly before is handed back to the host and is slow to "
+        f"fill again. A plain copy's time grows with memory ({_ms(plain)} here), which is all "
         "the ratio can gain from."
     )
 
@@ -193,13 +195,10 @@ def _lazy_ready_note(results: Results, name: str, size: int) -> str:
 def _lazy_pages_note(results: Results, name: str, size: int) -> str:
     lazy = results.find("pages_present_s", LAZY, size)
     plain = results.find("pages_present_s", PLAIN, size)
-    daemon = _median(results, "phase:lazy-pages daemon", LAZY, size)
     note = (
-        f"- *{name}*: lazy {cell(lazy)} against plain {cell(plain)}. A lazy copy first starts "
-        f"its daemon ({_ms(daemon)}, a second CRIU process), and its background transfer shares "
-        "the 2 cores with the copy's own recovery and first requests, one page fault at a time "
-        "between the daemon's chunks, where a plain restore copies every page in one pass "
-        "before the server runs."
+        f"- *{name}*: lazy {cell(lazy)} against plain {cell(plain)}. A lazy copy's background "
+        "transfer shares the 2 cores with the copy's own recovery and first requests, where a "
+        "plain restore copies every page in one pass before the server runs."
     )
     alone_lazy = results.find("at_once_pages_present_s", f"{LAZY}, 1 at once", size)
     alone_plain = results.find("at_once_pages_present_s", f"{PLAIN}, 1 at once", size)
