@@ -3,6 +3,7 @@ a verified image, then activate the continuing original."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -313,8 +314,10 @@ def activate_and_probe(
 ) -> list[str]:
     """Handshake, then probe public HTTP through the activation's netns, then publish."""
     assert session.root is not None
-    # Its thread enters the netns while the server validates, not after.
-    session.connect_network()
+    # Its thread enters the netns while the server validates, not after. A tree that is gone
+    # already (stopped by a failing lazy transfer, say) fails the handshake, with its reason.
+    with contextlib.suppress(OSError):
+        session.connect_network()
     started = time.monotonic()
     handshake = activate(
         session.control,
@@ -327,6 +330,7 @@ def activate_and_probe(
         alive=session.root.alive,
     )
     timings["handshake"] = time.monotonic() - started
+    session.connect_network()
     assert session.connector is not None
     timings["validated_to_http_200"] = probe_http_ready(
         session.connector,

@@ -10,6 +10,7 @@ three tries) rather than tested on a completed transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -160,6 +161,25 @@ def test_lazy_copy_serves_and_its_memory_equals_the_donors(
         # Both CRIU processes found the kernel probe cache in their private /run.
         for log in ("restore.log", "lazy-pages.log"):
             assert "Loaded kdat cache from /run/criu.kdat" in (session.dirs.logs / log).read_text()
+    stop_clean(session)
+
+
+def test_the_restore_waits_at_its_inventory_for_a_daemon_that_is_slow_to_listen(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    # The daemon starts 1 s late: a restore that connected when it reached the socket (20-40
+    # ms after its start) would find nobody listening and fail. It must wait at the gate.
+    slow_daemon = dataclasses.replace(
+        criu_binary,
+        command=(
+            "/bin/sh", "-c",
+            'for arg in "$@"; do [ "$arg" = lazy-pages ] && sleep 1 && break; done; exec "$@"',
+            "slow-daemon", *criu_binary.argv,
+        ),
+    )  # fmt: skip
+    session = lazy_copy(donor, slow_daemon, running)
+    assert complete(published(session)) == donor.completion
+    assert session.lazy is not None and session.lazy.wait(120).state == "complete"
     stop_clean(session)
 
 
