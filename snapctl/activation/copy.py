@@ -198,7 +198,7 @@ def _restore_lazily(
     the moment it listens. Both read the image through a view in the work dir in which only big
     runs of memory stay lazy (see :mod:`snapctl.criu.pagemap`)."""
     progress("restoring with CRIU")
-    started = time.monotonic()
+    view_started = time.monotonic()
     view = session.dirs.work / "images"
     try:
         lazy_view(image / "criu", view, cache_dir=session.state.views)
@@ -206,7 +206,7 @@ def _restore_lazily(
         raise RestoreError(
             f"cannot build the lazy restore's image view: {error}", phase="restore", path=view
         ) from error
-    timings["lazy_view"] = time.monotonic() - started
+    timings["lazy_view"] = time.monotonic() - view_started
 
     def watch(daemon: LazyPagesDaemon) -> None:
         # From now on a daemon that dies, during the restore or after, fails the copy.
