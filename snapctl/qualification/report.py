@@ -26,7 +26,7 @@ _TIMING_LABELS: dict[str, str] = {
     "launch_to_capture_ready_s": "launch → capture-ready",
     "dump_s": "dump",
     "dump_frozen_s": "dump frozen (CRIU)",
-    "lazy_pages_start_s": "lazy-pages daemon start",
+    "lazy_pages_start_s": "lazy-pages daemon listening (during restore)",
     "restore_s": "restore",
     "handshake_s": "handshake",
     "validated_to_first_200_s": "validated → first 200",

@@ -72,7 +72,8 @@ class Timings(BaseModel):
     launch_to_capture_ready_s: float | None = None
     dump_s: float | None = None
     dump_frozen_s: float | None = None  # CRIU's own frozen time (stats-dump)
-    lazy_pages_start_s: float | None = None  # a lazy copy's daemon, until its socket is bound
+    # A lazy copy's daemon, from the start of its restore (they start together) until it listens.
+    lazy_pages_start_s: float | None = None
     restore_s: float | None = None
     handshake_s: float | None = None  # activation.json → validated (or → error.json)
     validated_to_first_200_s: float | None = None
