@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from snapctl import __version__
 from snapctl.criu.locate import INSTALL_HINT, CriuBinary, find_criu
 from snapctl.errors import SnapctlError
+from snapctl.namespaces.mounts import mount_type
 
 CheckStatus = Literal["ok", "warn", "fail", "info"]
 
@@ -276,21 +276,6 @@ def check_namespaces(system: System, unshare: str | None) -> Check:
         fix="run as root without a seccomp/AppArmor profile that forbids unshare "
         "(a privileged container)",
     )
-
-
-def _unescape_mount(field: str) -> str:
-    # /proc/self/mounts escapes space, tab, newline and backslash as octal (\040).
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
-
-
-def mount_type(mounts_text: str, mount_point: str) -> str | None:
-    """The filesystem type mounted at ``mount_point`` (the topmost of stacked mounts)."""
-    found = None
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and _unescape_mount(fields[1]) == mount_point:
-            found = fields[2]
-    return found
 
 
 def check_dev_shm(system: System) -> Check:

@@ -15,9 +15,9 @@ from snapctl.doctor import (
     DoctorReport,
     System,
     effective_capabilities,
-    mount_type,
     run_doctor,
 )
+from snapctl.namespaces.mounts import mount_type
 
 CRIU_PATH = Path("/opt/fake/criu")
 ALL_CAPS = 0x1FFFFFFFFFF

@@ -78,11 +78,7 @@ class KdatRecord(BaseModel):
 
 def run_is_tmpfs() -> bool:
     """Whether /run is a tmpfs (then CRIU keeps its own cache and nothing here is needed)."""
-    fstype = None
-    for point, kind in mounts.mountinfo():
-        if point == "/run":
-            fstype = kind  # the last of stacked mounts is the one seen
-    return fstype == "tmpfs"
+    return mounts.mount_type(Path("/proc/self/mounts").read_text(), "/run") == "tmpfs"
 
 
 def current_key(criu: CriuBinary) -> KdatKey:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from pathlib import Path
 
 MS_RDONLY = 0x1
@@ -63,6 +64,21 @@ def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
         point = fields[4].encode().decode("unicode_escape")
         entries.append((point, fields[separator + 1]))
     return entries
+
+
+def _unescape_mount(field: str) -> str:
+    # /proc/self/mounts escapes space, tab, newline and backslash as octal (\040).
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def mount_type(mounts_text: str, mount_point: str) -> str | None:
+    """The filesystem type mounted at ``mount_point`` (the topmost of stacked mounts)."""
+    found = None
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and _unescape_mount(fields[1]) == mount_point:
+            found = fields[2]
+    return found
 
 
 def _mounts_by_source(pid: int | str) -> set[tuple[str, str]]:
