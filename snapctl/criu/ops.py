@@ -104,7 +104,7 @@ def restore_tree(
     """``criu restore`` detached into new namespaces; the image directory is only read.
 
     With ``lazy``, private anonymous memory is left to the lazy-pages daemon already listening
-    in ``work_dir`` (see :func:`start_lazy_pages_daemon`; :func:`restore_tree_lazily` starts
+    in ``work_dir`` (see :func:`spawn_lazy_pages_daemon`; :func:`restore_tree_lazily` starts
     both at once): the tree runs as soon as CRIU returns.
     """
     args = _restore_args(work_dir, pidfile, external_dirs, lazy=lazy)
@@ -215,21 +215,6 @@ def spawn_lazy_pages_daemon(
     finally:
         os.close(write_fd)
     return LazyPagesDaemon(process, log_path, ready_fd=read_fd)
-
-
-def start_lazy_pages_daemon(
-    criu: CriuBinary,
-    images_dir: Path,
-    work_dir: Path,
-    log_path: Path,
-    *,
-    timeout_s: float,
-) -> LazyPagesDaemon:
-    """Start ``criu lazy-pages`` for one restore and return once it listens (or raise
-    :class:`CriuError`, the daemon gone)."""
-    daemon = spawn_lazy_pages_daemon(criu, images_dir, work_dir, log_path)
-    daemon.wait_ready(timeout_s)
-    return daemon
 
 
 class InventoryGate:

@@ -1,4 +1,4 @@
-"""start_lazy_pages_daemon and LazyTransfer against a fake ``criu lazy-pages``: readiness through
+"""spawn_lazy_pages_daemon and LazyTransfer against a fake ``criu lazy-pages``: readiness through
 --status-fd, a daemon that fails or stalls before it listens, and the watcher's three outcomes."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from snapctl.activation.lazy import LazyTransfer, PagesStatus
 from snapctl.criu import CriuBinary, CriuError
-from snapctl.criu.ops import LazyPagesDaemon, start_lazy_pages_daemon
+from snapctl.criu.ops import LazyPagesDaemon, spawn_lazy_pages_daemon
 from tests.criu.fakes import install_fake_criu
 
 # A fake criu: records its argv, then as FAKE_MODE says: "ready" writes the status byte to the
@@ -44,10 +44,12 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> CriuBinary:
 
 
 def start(fake: CriuBinary, tmp_path: Path, timeout_s: float = 10) -> LazyPagesDaemon:
-    return start_lazy_pages_daemon(
-        fake, tmp_path / "img", tmp_path / "work", tmp_path / "logs" / "lazy-pages.log",
-        timeout_s=timeout_s,
-    )  # fmt: skip
+    """Spawn the daemon and wait until it listens, as restore_tree_lazily does."""
+    daemon = spawn_lazy_pages_daemon(
+        fake, tmp_path / "img", tmp_path / "work", tmp_path / "logs" / "lazy-pages.log"
+    )
+    daemon.wait_ready(timeout_s)
+    return daemon
 
 
 def test_ready_daemon_runs_on_its_own_work_dir(
