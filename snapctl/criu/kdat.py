@@ -111,17 +111,25 @@ def cached_kdat(criu: CriuBinary, cache_dir: Path) -> Path | None:
     return _make(criu, key, cache_dir)
 
 
-def _make(criu: CriuBinary, key: KdatKey, cache_dir: Path) -> Path | None:
+def _private_run(script: str) -> tuple[str, ...] | None:
+    """The argv prefix that runs ``sh -c script`` in a mount namespace of its own (None
+    without ``unshare``); the script's arguments follow it."""
     unshare = shutil.which("unshare")
     if unshare is None:
+        return None
+    return (unshare, "--mount", "--propagation", "slave", "--", "/bin/sh", "-c", script)
+
+
+def _make(criu: CriuBinary, key: KdatKey, cache_dir: Path) -> Path | None:
+    make = _private_run(MAKE_SCRIPT)
+    if make is None:
         return None
     cache_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".make-") as scratch:
         made = Path(scratch) / KDAT
         try:
             subprocess.run(
-                [unshare, "--mount", "--propagation", "slave", "--",
-                 "/bin/sh", "-c", MAKE_SCRIPT, str(made), *criu.argv],
+                [*make, str(made), *criu.argv],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 timeout=MAKE_TIMEOUT_S, check=False,
             )  # fmt: skip
@@ -142,12 +150,11 @@ def with_private_run(criu: CriuBinary, cache_dir: Path) -> CriuBinary:
     the module's docstring); ``criu`` itself where that is not needed or not possible."""
     if run_is_tmpfs():
         return criu
-    unshare = shutil.which("unshare")
-    kdat = cached_kdat(criu, cache_dir) if unshare else None
-    if unshare is None or kdat is None:
+    wrapper = _private_run(PRIVATE_RUN_SCRIPT)
+    kdat = cached_kdat(criu, cache_dir) if wrapper is not None else None
+    if wrapper is None or kdat is None:
         return criu
-    wrapper = (unshare, "--mount", "--propagation", "slave", "--", "/bin/sh", "-c")
-    command = (*wrapper, PRIVATE_RUN_SCRIPT, "snapctl-criu-run", str(kdat), *criu.argv)
+    command = (*wrapper, "snapctl-criu-run", str(kdat), *criu.argv)
     return dataclasses.replace(criu, command=command)
 
 
