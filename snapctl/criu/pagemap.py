@@ -106,18 +106,15 @@ class Pagemap:
         return bytes(out)
 
 
-def read_pagemap(path: Path) -> Pagemap:
-    """Parse ``path``; :class:`PagemapError` if it is not a pagemap image as CRIU 4.2 writes it."""
-    data = path.read_bytes()
+def read_pagemap(path: Path, data: bytes | None = None) -> Pagemap:
+    """Parse ``path`` (whose bytes are ``data`` when already read); :class:`PagemapError` if it
+    is not a pagemap image as CRIU 4.2 writes it."""
+    data = path.read_bytes() if data is None else data
     try:
         return Pagemap(data, _entries(data))
     except (ValueError, IndexError) as error:
-        raise _unreadable(path, error) from error
-
-
-def _unreadable(path: Path, error: ValueError | IndexError) -> PagemapError:
-    reason = "truncated varint" if isinstance(error, IndexError) else str(error)
-    return PagemapError(f"cannot read {path.name}: {reason}", path=path)
+        reason = "truncated varint" if isinstance(error, IndexError) else str(error)
+        raise PagemapError(f"cannot read {path.name}: {reason}", path=path) from error
 
 
 def _entries(data: bytes) -> list[Entry]:
@@ -237,10 +234,7 @@ def _viewed(
     path: Path, data: bytes, process_below: int, run_below: int
 ) -> tuple[ViewSummary, bytes | None]:
     """What one pagemap leaves lazy and makes eager, and its rewritten bytes (None: as is)."""
-    try:
-        pagemap = Pagemap(data, _entries(data))
-    except (ValueError, IndexError) as error:
-        raise _unreadable(path, error) from error
+    pagemap = read_pagemap(path, data)
     made_eager = eager_entries(pagemap, process_below, run_below)
     eager = sum(e.nr_pages for e in made_eager) * PAGE_SIZE
     summary = ViewSummary(eager_bytes=eager, lazy_bytes=pagemap.lazy_bytes - eager)
