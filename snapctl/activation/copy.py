@@ -129,13 +129,7 @@ def start_copy(
             # Interrupted after CRIU restored the tree but before we pinned it.
             with contextlib.suppress(ProcessGoneError, ValueError):
                 session.root = PinnedProcess(int(pidfile.read_text().strip()))
-        _, audit = session.stop()
-        if isinstance(error, SnapctlError):
-            if session.failure is not None and session.failure not in error.message:
-                # The daemon's death is the cause; what the activation saw is its symptom.
-                error.message = f"{session.failure}: {error.message}"
-            error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
-            error.args = (error.message,)
+        session.stop_failed_start(error)
         raise
 
 

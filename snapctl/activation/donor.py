@@ -269,10 +269,7 @@ def start_donor(
         return session, report, None
     except BaseException as error:
         staging.abort()
-        _, audit = session.stop()
-        if isinstance(error, SnapctlError):
-            error.message += f" (cleanup: {audit.describe()}; logs: {session.dirs.logs})"
-            error.args = (error.message,)
+        session.stop_failed_start(error)
         raise
 
 

@@ -302,6 +302,17 @@ class Session:
         shm_files = sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name))
         return how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
 
+    def stop_failed_start(self, error: BaseException) -> None:
+        """Stop after a start failed with ``error`` and, for a :class:`SnapctlError`, add what
+        the cleanup found and where the logs are; a lazy transfer's failure, the cause of what
+        the start then saw, leads the message."""
+        _, audit = self.stop()
+        if isinstance(error, SnapctlError):
+            if self.failure is not None and self.failure not in error.message:
+                error.message = f"{self.failure}: {error.message}"
+            error.message += f" (cleanup: {audit.describe()}; logs: {self.dirs.logs})"
+            error.args = (error.message,)
+
     def _shm_names(self) -> set[str]:
         """What this activation had in its /dev/shm, and what its image saved from there."""
         names: set[str] = set()
