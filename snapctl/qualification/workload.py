@@ -67,6 +67,7 @@ class RetainedRead(_Model):
     status: int  # HTTP status; 0 when the request itself failed
     sha256: str | None = None
     mb: float | None = None
+    device: str | None = None  # where the server holds it ("cuda": GPU memory), when it says
     error: str | None = None
 
 
@@ -255,7 +256,13 @@ def read_retained(address: str, api_key: str | None, timeout_s: float = 120.0) -
         if status != 200:
             return RetainedRead(status=status, error=raw[:200].decode(errors="replace"))
         payload = json.loads(raw)
-        return RetainedRead(status=status, sha256=str(payload["sha256"]), mb=float(payload["mb"]))
+        device = payload.get("device")
+        return RetainedRead(
+            status=status,
+            sha256=str(payload["sha256"]),
+            mb=float(payload["mb"]),
+            device=None if device is None else str(device),
+        )
     except Exception as error:
         return RetainedRead(status=0, error=f"{type(error).__name__}: {error}")
 
