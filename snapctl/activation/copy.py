@@ -20,9 +20,10 @@ from snapctl.activation.donor import (
 from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
 from snapctl.activation.lazy import LazyTransfer
-from snapctl.activation.native import NativeStep, tree_pids
+from snapctl.activation.native import NativeStep, timed, tree_pids
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, CriuError, read_restore_stats
+from snapctl.criu.external import host_mount_sources, is_host_key
 from snapctl.criu.kdat import with_private_run
 from snapctl.criu.ops import LazyPagesDaemon, restore_tree, restore_tree_lazily
 from snapctl.criu.pagemap import lazy_view
@@ -57,13 +58,16 @@ def start_copy(
     publish: tuple[str, int] | None,
     state: StateDir,
     progress: Progress,
+    after_restore: Callable[[Session], None] | None = None,
     before_activation: Callable[[Session], None] | None = None,
     lazy: bool = False,
 ) -> tuple[Session, ActivationReport]:
     """Restore one copy and activate it; on failure stop and clean up, then raise.
 
-    ``before_activation`` runs between the restore and activation.json (qualification uses it
-    to inject a fault into this activation only); whatever it raises fails the copy.
+    Qualification's hooks, whatever they raise fails the copy: ``after_restore`` runs once CRIU
+    restored the tree, before the native step (a lazy-fault run kills the daemon there, before
+    a native restore pulls every page in); ``before_activation`` runs after the native step,
+    before activation.json (fault runs inject a fault into this activation only).
 
     With ``lazy`` the copy serves while its memory still arrives (``session.lazy`` watches the
     transfer; the report's ``pages_complete`` says whether it had finished by then). The image
@@ -111,7 +115,12 @@ def start_copy(
         criu = with_private_run(criu, state.criu)
         _restore(session, image, manifest, criu, options, timings, progress, lazy=lazy)
         assert session.root is not None
-        native.after_restore(tree_pids(session.root.pid), options.timeout_s)
+        if after_restore is not None:
+            after_restore(session)
+        if session.failure is not None:  # the lazy transfer failed: the memory is incomplete
+            raise RestoreError(session.failure, phase="lazy-pages")
+        with timed(native, timings, "native_restore"):
+            native.after_restore(tree_pids(session.root.pid), options.timeout_s)
         if before_activation is not None:
             before_activation(session)
         progress("activating the copy")
@@ -154,7 +163,10 @@ def _restore(
     started = time.monotonic()
     stage_shm_copy(image / "shm", session.dirs.shm)
     timings["stage"] = time.monotonic() - started
-    external_dirs = {k: session.dirs.host_dir_for(k) for k in manifest.external_mounts}
+    external_dirs = {
+        **{k: session.dirs.host_dir_for(k) for k in manifest.external_mounts if not is_host_key(k)},
+        **host_mount_sources(manifest.external_mounts),
+    }
     if lazy:
         _restore_lazily(session, image, criu, options, timings, progress, pidfile, external_dirs)
     else:

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import os
 import platform
+import shutil
 import socket
 import time
 import uuid
@@ -29,9 +30,10 @@ from snapctl.activation.launch import (
     snapshot_config_arg,
     wait_capture_ready,
 )
-from snapctl.activation.native import NativeStep, tree_pids
+from snapctl.activation.native import NativeStep, timed, tree_pids
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.criu import CriuBinary, read_dump_stats
+from snapctl.criu.external import undumpable_mounts
 from snapctl.criu.ops import dump_tree, write_action_script
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import SnapctlError
@@ -137,7 +139,12 @@ def capture(
             state=session.state,
         )  # fmt: skip
         timings["identity"] = time.monotonic() - started
-        native.before_dump(pids, options.timeout_s)
+        with timed(native, timings, "native_checkpoint"):
+            native.before_dump(pids, options.timeout_s)
+        external_mounts = {
+            **EXTERNAL_MOUNT_KEYS,
+            **undumpable_mounts(session.root.pid, skip=EXTERNAL_MOUNT_KEYS.values()),
+        }
         action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
         started = time.monotonic()
         try:
@@ -145,8 +152,9 @@ def capture(
                 criu,
                 session.root.pid,
                 staging.dir / "criu",
-                staging.dir / "logs" / "dump.log",
-                external_mounts=EXTERNAL_MOUNT_KEYS,
+                # In the activation's logs, which outlive a failed capture's staging directory.
+                session.dirs.logs / "dump.log",
+                external_mounts=external_mounts,
                 action_script=action,
                 timeout_s=options.timeout_s,
             )
@@ -161,7 +169,10 @@ def capture(
                     dump_error.args = (dump_error.message,)
             raise
         timings["dump"] = time.monotonic() - started
-        native.after_dump(pids, options.timeout_s)
+        (staging.dir / "logs").mkdir(exist_ok=True)
+        shutil.copy2(session.dirs.logs / "dump.log", staging.dir / "logs" / "dump.log")
+        with timed(native, timings, "native_restore"):
+            native.after_dump(pids, options.timeout_s)
         stats = read_dump_stats(staging.dir / "criu")
         started = time.monotonic()
         files = hash_tree(staging.dir)
@@ -182,7 +193,7 @@ def capture(
             dump_stats=stats,
             dump_seconds=round(timings["dump"], 6),
             native_step=native.name,
-            external_mounts=dict(EXTERNAL_MOUNT_KEYS),
+            external_mounts=external_mounts,
             lo_addresses=options.lo_addresses,
             host=options.host,
             port=options.port,

@@ -7,10 +7,12 @@ or after the restore (copy), each per process with a timeout. ``none`` does noth
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -101,6 +103,15 @@ class CudaCheckpoint:
     after_restore = after_dump
 
 
+@contextlib.contextmanager
+def timed(native: NativeStep, timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Record how long a native step's call took as ``timings[phase]`` (not for ``none``)."""
+    started = time.monotonic()
+    yield
+    if native.name != NoNativeStep.name:
+        timings[phase] = time.monotonic() - started
+
+
 def native_step(name: str) -> NativeStep:
     if name == "none":
         return NoNativeStep()
@@ -111,5 +122,8 @@ def native_step(name: str) -> NativeStep:
 
 def tree_pids(root_pid: int) -> list[int]:
     """The root and all its descendants, parents first."""
-    root = psutil.Process(root_pid)
-    return [root_pid, *(child.pid for child in root.children(recursive=True))]
+    try:
+        root = psutil.Process(root_pid)
+        return [root_pid, *(child.pid for child in root.children(recursive=True))]
+    except psutil.NoSuchProcess as error:
+        raise NativeStepError("the tree exited before its native step", pid=root_pid) from error

@@ -2,7 +2,7 @@
 still missing must be stopped at once, fail naming the daemon's death, and leave nothing; its
 image must stay intact, verified and free for an exclusive hold.
 
-The run takes over right after CRIU restored the copy (``start_copy``'s ``before_activation``),
+The run takes over right after CRIU restored the copy (``start_copy``'s ``after_restore``),
 when the daemon has just begun pushing the remaining pages. It pins the daemon by pidfd (checked
 by its start time, never found by name), pauses it with SIGSTOP so the transfer cannot end under
 the run, checks that it is still transferring, then SIGKILLs it. Everything after that is
@@ -169,7 +169,7 @@ def run_lazy_fault(ctx: RunContext) -> RunResult:
             session, _ = start_copy(
                 ctx.image, ctx.options, criu=ctx.criu, native=ctx.native, publish=None,
                 state=ctx.state, progress=lambda step: ctx.progress(f"{RUN}: {step}"),
-                before_activation=_hook(ctx, seen), lazy=True,
+                after_restore=_hook(ctx, seen), lazy=True,
             )  # fmt: skip
             session.stop()
             error = "the copy activated and served despite its lazy-pages daemon's death"

@@ -72,9 +72,11 @@ class Timings(BaseModel):
     launch_to_capture_ready_s: float | None = None
     dump_s: float | None = None
     dump_frozen_s: float | None = None  # CRIU's own frozen time (stats-dump)
+    native_checkpoint_s: float | None = None  # the native step before the dump (cuda lock+ckpt)
     # A lazy copy's daemon, from the start of its restore (they start together) until it listens.
     lazy_pages_start_s: float | None = None
     restore_s: float | None = None
+    native_restore_s: float | None = None  # after the dump or restore (cuda restore+unlock)
     handshake_s: float | None = None  # activation.json → validated (or → error.json)
     validated_to_first_200_s: float | None = None
     error_to_exit_s: float | None = None
@@ -356,8 +358,10 @@ def _activation_timings(report: ActivationReport, shutdown_s: float | None) -> T
         launch_to_capture_ready_s=t.get("launch_to_capture_ready"),
         dump_s=t.get("dump"),
         dump_frozen_s=frozen,
+        native_checkpoint_s=t.get("native_checkpoint"),
         lazy_pages_start_s=t.get("lazy_pages_start"),
         restore_s=t.get("restore"),
+        native_restore_s=t.get("native_restore"),
         handshake_s=t.get("handshake"),
         validated_to_first_200_s=t.get("validated_to_http_200"),
         shutdown_s=shutdown_s,

@@ -4,13 +4,14 @@ and phase, publishes nothing half-made, and leaves no process, mount or director
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from snapctl.activation.copy import RestoreError
+from snapctl.activation.copy import RestoreError, start_copy
 from snapctl.activation.donor import CaptureError
 from snapctl.activation.handshake import ActivationError
 from snapctl.activation.native import NativeStepError, NoNativeStep
@@ -27,6 +28,7 @@ from tests.activation.criu_helpers import (
     image_files,
     launch_donor,
     leftovers,
+    options,
     restore_copy,
     stop_clean,
 )
@@ -218,6 +220,9 @@ def test_dump_and_native_unlock_both_failing_name_both(
         launch_donor(tmp_path / "image", state, criu_binary, native=FailingUnlock())
     assert "native restore failed too: cuda-checkpoint --action unlock failed" in str(info.value)
     assert "cleanup: clean" in str(info.value)
+    # The log it names outlives the staging directory that the failed capture removed.
+    named = re.search(r"log: (\S+/dump\.log)", str(info.value))
+    assert named and "Error" in Path(named.group(1)).read_text()
     assert leftovers(state) == []
 
 
@@ -265,3 +270,34 @@ def test_lo_address_serves_in_donor_and_copy(
             if not session.stopped:
                 session.stop()
     assert os.listdir(state.activations) == []
+
+
+class RecordingNative(NoNativeStep):
+    """A device step that records when it ran (named, so its time is reported too)."""
+
+    name = "recording"
+
+    def __init__(self, order: list[str]) -> None:
+        self.order = order
+
+    def after_restore(self, pids: object, timeout_s: float) -> None:
+        self.order.append("native")
+
+
+def test_copy_hooks_surround_the_native_step(
+    image: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    # A lazy-fault run must act before a native restore pulls every page in; fault runs after
+    # it, since activation.json may only follow the native restore.
+    order: list[str] = []
+    session, report = start_copy(
+        image, options(), criu=criu_binary, native=RecordingNative(order), publish=None,
+        state=state, progress=lambda step: None,
+        after_restore=lambda session: order.append("after_restore"),
+        before_activation=lambda session: order.append("before_activation"),
+    )  # fmt: skip
+    try:
+        assert order == ["after_restore", "native", "before_activation"]
+        assert "native_restore" in report.timings_s
+    finally:
+        stop_clean(session)

@@ -14,7 +14,13 @@ import pytest
 
 from snapctl.activation import launch
 from snapctl.activation.launch import LaunchError, LaunchOptions, fixture_command, redact_argv
-from snapctl.activation.native import CudaCheckpoint, NativeStepError, native_step
+from snapctl.activation.native import (
+    CudaCheckpoint,
+    NativeStepError,
+    NoNativeStep,
+    native_step,
+    timed,
+)
 from snapctl.cli._activation_options import parse_publish
 from snapctl.namespaces.layout import ActivationDirs, SandboxSpec
 from snapctl.supervision.process import wait_gone
@@ -135,3 +141,14 @@ def test_a_program_not_on_path_fails_before_anything_starts(tmp_path: Path) -> N
         launch.launch_in_sandbox(
             ["no-such-server", "serve"], tmp_path, dirs, LaunchOptions(), {"PATH": "/usr/bin"}
         )
+
+
+def test_native_step_times_are_recorded_only_for_a_real_step(tmp_path: Path) -> None:
+    timings: dict[str, float] = {}
+    with timed(NoNativeStep(), timings, "native_restore"):
+        pass
+    assert timings == {}
+    tool, _ = fake_cuda_checkpoint(tmp_path)
+    with timed(CudaCheckpoint(str(tool)), timings, "native_restore"):
+        pass
+    assert set(timings) == {"native_restore"} and timings["native_restore"] >= 0

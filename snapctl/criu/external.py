@@ -1,0 +1,67 @@
+"""Host mounts that CRIU cannot dump, recorded as external mounts instead.
+
+CRIU dumps tmpfs and the pseudo filesystems itself, and takes the namespace's root mount as
+it is; any other mount it refuses ("FS mnt ... unsupported"): a squashfs driver tree such as
+``/usr/local/nvidia``, a data disk, NFS. A sandbox sees the host's mounts at the same paths,
+so each such mount is dumped as external under a ``host:`` key and a restore binds the host's
+own mount back at that path. That is safe for the files a server uses: the image's identity
+already records their sha256, and a copy is refused before CRIU runs when one differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from snapctl.errors import SnapctlError
+from snapctl.namespaces.mounts import mountinfo
+
+# The filesystems CRIU 4.2 dumps and restores itself (criu/filesystems.c's fstypes).
+CRIU_DUMPS = frozenset(
+    {
+        "proc", "sysfs", "devtmpfs", "binfmt_misc", "tmpfs", "devpts", "simfs", "pstore",
+        "securityfs", "fusectl", "debugfs", "tracefs", "cgroup", "cgroup2", "aufs", "mqueue",
+        "fuse", "overlay", "autofs", "bpf",
+    }
+)  # fmt: skip
+HOST_KEY_PREFIX = "host:"
+
+
+class HostMountMissing(SnapctlError):
+    """An image needs a host mount that this machine does not have."""
+
+
+def host_key(mount_point: str) -> str:
+    return HOST_KEY_PREFIX + mount_point
+
+
+def is_host_key(key: str) -> bool:
+    return key.startswith(HOST_KEY_PREFIX)
+
+
+def undumpable_mounts(pid: int, skip: Iterable[str] = ()) -> dict[str, str]:
+    """``{key: mount point}`` for the mounts ``pid`` sees that CRIU would refuse, other than
+    its root and the mount points in ``skip`` (snapctl's own, already external)."""
+    skipped = {"/", *skip}
+    found: dict[str, str] = {}
+    for point, fstype in mountinfo(pid):
+        if point not in skipped and fstype not in CRIU_DUMPS:
+            found[host_key(point)] = point
+    return found
+
+
+def host_mount_sources(external_mounts: Mapping[str, str]) -> dict[str, Path]:
+    """For a restore: the host path to bind for each ``host:`` key of an image (the same
+    path it had in the donor's sandbox), checked to exist."""
+    sources: dict[str, Path] = {}
+    for key, point in external_mounts.items():
+        if not is_host_key(key):
+            continue
+        if not Path(point).exists():
+            raise HostMountMissing(
+                f"the image binds the host's {point} (a mount CRIU cannot dump), which this "
+                "machine does not have",
+                path=Path(point),
+            )
+        sources[key] = Path(point)
+    return sources

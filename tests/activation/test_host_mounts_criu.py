@@ -1,0 +1,88 @@
+"""Host mounts CRIU cannot dump (a squashfs driver tree on GPU machines; ramfs here) are
+recorded as external and bound back into every copy, with real CRIU."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapctl.criu import CriuBinary
+from snapctl.criu.external import HostMountMissing, host_key
+from snapctl.namespaces import mounts
+from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import (
+    API_KEY,
+    API_KEY_ENV,
+    PUBLISH,
+    get,
+    launch_donor,
+    leftovers,
+    restore_copy,
+    stop_clean,
+)
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
+    return StateDir(tmp_path / "state")
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A ramfs (which CRIU refuses to dump: "FS mnt ... unsupported") holding one file."""
+    target = tmp_path / "driver"
+    target.mkdir()
+    mounts.mount("snapctl-test-ramfs", target, "ramfs", 0)
+    try:
+        (target / "marker").write_text("host side\n")
+        yield target
+    finally:
+        mounts.umount(target, detach=True)
+
+
+def mount_type_seen_by(pid: int, point: Path) -> str | None:
+    return dict(mounts.mountinfo(pid)).get(str(point))
+
+
+def test_undumpable_host_mount_is_external_and_bound_into_copies(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path
+) -> None:
+    image = tmp_path / "image"
+    donor, _ = launch_donor(image, state, criu_binary, activate=False)
+    stop_clean(donor)
+    recorded = json.loads((image / "manifest.json").read_text())["external_mounts"]
+    assert recorded[host_key(str(ramfs))] == str(ramfs)
+
+    copy, report = restore_copy(image, state, criu_binary, publish=PUBLISH)
+    try:
+        assert report.published and get(report.published, "/v1/models")[0] == 200
+        assert copy.root is not None
+        assert mount_type_seen_by(copy.root.pid, ramfs) == "ramfs"
+    finally:
+        stop_clean(copy)
+    assert leftovers(state) == []
+
+
+def test_copy_refused_before_criu_when_the_host_mount_is_gone(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path
+) -> None:
+    image = tmp_path / "image"
+    donor, _ = launch_donor(image, state, criu_binary, activate=False)
+    stop_clean(donor)
+    mounts.umount(ramfs)
+    ramfs.rmdir()
+    try:
+        with pytest.raises(HostMountMissing, match="does not have") as info:
+            restore_copy(image, state, criu_binary)
+        assert info.value.path == ramfs
+        assert not list(state.logs.glob("copy-*/restore.log"))  # CRIU never ran
+    finally:
+        ramfs.mkdir()
+        mounts.mount("snapctl-test-ramfs", ramfs, "ramfs", 0)  # for the fixture's unmount
+    assert leftovers(state) == []
