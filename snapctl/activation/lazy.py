@@ -19,6 +19,18 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.criu.ops import LazyPagesDaemon
+from snapctl.criu.pagemap import PAGE_SIZE
+from snapctl.images.manifest import Manifest
+
+# Images with at least this much page data restore lazily unless told otherwise: below it a
+# plain restore is as quick to answer and completes sooner (docs/lazy.md, "Default").
+LAZY_DEFAULT_MIN_BYTES = 256 * 1024 * 1024
+
+
+def lazy_by_default(manifest: Manifest) -> bool:
+    """Whether a copy of this image restores lazily when neither --lazy nor --no-lazy is given."""
+    return manifest.dump_stats.pages_written * PAGE_SIZE >= LAZY_DEFAULT_MIN_BYTES
+
 
 PagesState = Literal["transferring", "complete", "failed", "stopped"]
 

@@ -35,14 +35,15 @@ from snapctl.cli.serving import Progress, serve
     "identity. File contents cannot be waived.",
 )
 @click.option(
-    "--lazy",
-    is_flag=True,
+    "--lazy/--no-lazy",
+    default=None,
     help="Serve at once and let memory arrive on demand and in the background (CRIU lazy "
-    "pages); the image stays held until every page is in (see ps).",
+    "pages); the image stays held until every page is in (see ps). Default: lazy when the "
+    "image holds at least 256 MiB of pages.",
 )
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool,
+def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | None,
          server_cmd: tuple[str, ...], common: CommonOptions) -> None:  # fmt: skip
     """Restore a copy of an image and serve it.
 
@@ -52,8 +53,11 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool,
     """
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
+    from snapctl.activation.lazy import lazy_by_default
     from snapctl.activation.native import native_step
+    from snapctl.cli.output import note
     from snapctl.criu import find_criu
+    from snapctl.images import load_manifest
     from snapctl.images.identity import check_waivers
     from snapctl.supervision.state import StateDir
 
@@ -69,6 +73,11 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool,
     )
     criu = find_criu(common.criu_path)
     native = native_step(common.native)
+    if lazy is None:
+        lazy = lazy_by_default(load_manifest(image.absolute()))
+        if lazy:
+            note("restoring lazily: the image holds 256 MiB of pages or more (--no-lazy: "
+                 "restore every page first)", quiet=common.as_json)  # fmt: skip
 
     if count > 1:
         serve_many(image, options, count, criu, native, common, lazy=lazy)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import click
 import pytest
@@ -15,8 +16,10 @@ from click.testing import CliRunner
 from snapctl import __version__
 from snapctl.cli import COMMANDS, load_command, main, snapctl
 from snapctl.criu import CriuError
+from snapctl.criu.stats import DumpStats
 from snapctl.doctor import DoctorReport
 from snapctl.errors import CanaryMismatchError, ExitStatus, SnapctlError
+from tests.images.factories import publish_sample
 
 HEAVY_MODULES = ("pydantic", "rich", "psutil", "pyroute2", "watchdog")
 
@@ -211,3 +214,29 @@ def test_doctor_with_a_bogus_criu_fails_clearly(
     assert criu["detail"] == f"CRIU given by option does not exist: {bogus}"
     assert criu["fix"].startswith("--criu must name a CRIU >= 4.2")
     assert captured.err == "error: capture cannot work here: criu, criu check failed\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "pages", "expected"),
+    [
+        ([], 65536, True),  # 256 MiB of pages: lazy by default
+        ([], 65535, False),
+        (["--lazy"], 1, True),
+        (["--no-lazy"], 10**6, False),
+    ],
+)
+def test_copy_restores_lazily_by_default_from_256_mib_of_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flags: list[str], pages: int, expected: bool
+) -> None:
+    image = tmp_path / "image"
+    publish_sample(image, dump_stats=DumpStats(pages_written=pages))
+    asked: list[bool] = []
+
+    def start_copy(*args: object, lazy: bool, **kwargs: object) -> NoReturn:
+        asked.append(lazy)
+        raise SnapctlError("stop here")
+
+    monkeypatch.setattr("snapctl.activation.copy.start_copy", start_copy)
+    monkeypatch.setattr("snapctl.criu.find_criu", lambda path: None)
+    result = CliRunner().invoke(snapctl, ["copy", "--image", str(image), *flags])
+    assert str(result.exception) == "stop here" and asked == [expected]
