@@ -46,16 +46,22 @@ def ramfs(tmp_path: Path) -> Iterator[Path]:
         mounts.umount(target, detach=True)
 
 
+@pytest.fixture
+def image(tmp_path: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path) -> Path:
+    """An image captured while the ramfs was mounted (the donor stopped)."""
+    path = tmp_path / "image"
+    donor, _ = launch_donor(path, state, criu_binary, activate=False)
+    stop_clean(donor)
+    return path
+
+
 def mount_type_seen_by(pid: int, point: Path) -> str | None:
     return dict(mounts.mountinfo(pid)).get(str(point))
 
 
 def test_undumpable_host_mount_is_external_and_bound_into_copies(
-    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path
+    image: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path
 ) -> None:
-    image = tmp_path / "image"
-    donor, _ = launch_donor(image, state, criu_binary, activate=False)
-    stop_clean(donor)
     recorded = json.loads((image / "manifest.json").read_text())["external_mounts"]
     assert recorded[host_key(str(ramfs))] == str(ramfs)
 
@@ -70,11 +76,8 @@ def test_undumpable_host_mount_is_external_and_bound_into_copies(
 
 
 def test_copy_refused_before_criu_when_the_host_mount_is_gone(
-    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path
+    image: Path, state: StateDir, criu_binary: CriuBinary, ramfs: Path
 ) -> None:
-    image = tmp_path / "image"
-    donor, _ = launch_donor(image, state, criu_binary, activate=False)
-    stop_clean(donor)
     mounts.umount(ramfs)
     ramfs.rmdir()
     try:
