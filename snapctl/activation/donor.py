@@ -139,12 +139,12 @@ def capture(
             state=session.state,
         )  # fmt: skip
         timings["identity"] = time.monotonic() - started
-        with timed(native, timings, "native_checkpoint"):
-            native.before_dump(pids, options.timeout_s)
         external_mounts = {
             **EXTERNAL_MOUNT_KEYS,
             **undumpable_mounts(session.root.pid, skip=EXTERNAL_MOUNT_KEYS.values()),
         }
+        with timed(native, timings, "native_checkpoint"):
+            native.before_dump(pids, options.timeout_s)
         action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
         started = time.monotonic()
         try:
