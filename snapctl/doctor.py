@@ -321,12 +321,15 @@ def check_kdat_cache(system: System) -> Check:
 
 
 def check_cuda_checkpoint(system: System) -> Check:
-    path = system.which("cuda-checkpoint")
+    # The same lookup as the native step: the variable first, then PATH.
+    path = os.environ.get("SNAPCTL_CUDA_CHECKPOINT") or system.which("cuda-checkpoint")
     if path is None:
         return Check(
             name="cuda-checkpoint",
             status="info",
             detail="not found (only servers that hold CUDA state need it)",
+            fix="with the NVIDIA driver but not the tool, set SNAPCTL_CUDA_CHECKPOINT to "
+            "scripts/cuda-checkpoint-driver (the same driver calls; docs/gpu.md)",
         )
     return Check(name="cuda-checkpoint", status="info", detail=path)
 

@@ -267,3 +267,11 @@ def test_this_machine_is_ready(criu_binary: CriuBinary) -> None:
     checks = by_name(report)
     assert checks["criu"][0] == "ok" and str(criu_binary.path) in checks["criu"][1]
     assert checks["criu check"][0] == "ok" and checks["namespaces"][0] == "ok"
+
+
+def test_cuda_checkpoint_from_the_variable_the_native_step_reads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SNAPCTL_CUDA_CHECKPOINT", "/opt/snapctl/cuda-checkpoint-driver")
+    report = run_doctor(system=FakeSystem())
+    assert by_name(report)["cuda-checkpoint"] == ("info", "/opt/snapctl/cuda-checkpoint-driver")
