@@ -21,9 +21,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from snapctl import __version__
+from snapctl.criu.external import undumpable
 from snapctl.criu.locate import INSTALL_HINT, CriuBinary, find_criu
 from snapctl.errors import SnapctlError
-from snapctl.namespaces.mounts import mount_type
+from snapctl.namespaces.mounts import mount_entries, mount_type
 
 CheckStatus = Literal["ok", "warn", "fail", "info"]
 
@@ -320,6 +321,24 @@ def check_kdat_cache(system: System) -> Check:
     )
 
 
+def check_host_mounts(system: System) -> Check:
+    """Mounts a sandbox inherits that CRIU cannot dump: captured as external, bound back."""
+    name = "host mounts"
+    try:
+        entries = mount_entries(system.read_text("/proc/self/mounts"))
+    except OSError as error:
+        return Check(name=name, status="warn", detail=f"cannot read mounts: {error}")
+    points = sorted(undumpable(entries).values())
+    if not points:
+        return Check(name=name, status="ok", detail="CRIU dumps every mount here itself")
+    return Check(
+        name=name,
+        status="info",
+        detail=f"{', '.join(points)}: CRIU cannot dump these; captures record them as "
+        "external and copies bind the host's own back (the image needs them on every host)",
+    )
+
+
 def check_cuda_checkpoint(system: System) -> Check:
     # The same lookup as the native step: the variable first, then PATH.
     path = os.environ.get("SNAPCTL_CUDA_CHECKPOINT") or system.which("cuda-checkpoint")
@@ -363,6 +382,7 @@ def run_doctor(criu: str | None = None, system: System | None = None) -> DoctorR
         check_namespaces(system, unshare),
         check_dev_shm(system),
         check_kdat_cache(system),
+        check_host_mounts(system),
         check_cuda_checkpoint(system),
         check_python(system),
     ]

@@ -275,3 +275,10 @@ def test_cuda_checkpoint_from_the_variable_the_native_step_reads(
     monkeypatch.setenv("SNAPCTL_CUDA_CHECKPOINT", "/opt/snapctl/cuda-checkpoint-driver")
     report = run_doctor(system=FakeSystem())
     assert by_name(report)["cuda-checkpoint"] == ("info", "/opt/snapctl/cuda-checkpoint-driver")
+
+
+def test_host_mounts_that_criu_cannot_dump_are_named() -> None:
+    assert by_name(run_doctor(system=FakeSystem()))["host mounts"][0] == "ok"
+    mounts = MOUNTS + "/dev/vda / ext4 rw 0 0\n/dev/vdb /usr/local/nvidia squashfs ro 0 0\n"
+    status, detail = by_name(run_doctor(system=FakeSystem(mounts=mounts)))["host mounts"]
+    assert status == "info" and detail.startswith("/usr/local/nvidia: CRIU cannot dump")

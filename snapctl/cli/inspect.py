@@ -62,6 +62,8 @@ def _table(title: str, *columns: str) -> Any:
 
 
 def _summary(image: Path, manifest: Manifest, verify: bool) -> Any:
+    from snapctl.criu.external import host_mounts
+
     table = _table(f"image {manifest.image_id}")
     table.add_column()
     table.add_column()
@@ -76,6 +78,8 @@ def _summary(image: Path, manifest: Manifest, verify: bool) -> Any:
         ("server", " ".join(manifest.server_argv)),
         ("cwd", manifest.server_cwd),
         ("binds", f"{manifest.host or '(server default)'}:{manifest.port}"),
+        ("native step", manifest.native_step),
+        ("host mounts", ", ".join(host_mounts(manifest.external_mounts)) or "none"),
         ("files", f"{len(manifest.files)} ({manifest.total_bytes / 1e6:.1f} MB)"),
         ("oracle", f"{manifest.oracle.token_ids} {manifest.oracle.text!r}"),
         ("verified", "yes, every sha256 matches" if verify else "not checked (--verify)"),

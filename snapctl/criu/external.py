@@ -39,29 +39,38 @@ def is_host_key(key: str) -> bool:
     return key.startswith(HOST_KEY_PREFIX)
 
 
-def undumpable_mounts(pid: int, skip: Iterable[str] = ()) -> dict[str, str]:
-    """``{key: mount point}`` for the mounts ``pid`` sees that CRIU would refuse, other than
-    its root and the mount points in ``skip`` (snapctl's own, already external)."""
+def undumpable(entries: Iterable[tuple[str, str]], skip: Iterable[str] = ()) -> dict[str, str]:
+    """``{key: mount point}`` for the (mount point, filesystem type) ``entries`` that CRIU
+    would refuse, other than the root and the mount points in ``skip``."""
     skipped = {"/", *skip}
-    found: dict[str, str] = {}
-    for point, fstype in mountinfo(pid):
-        if point not in skipped and fstype not in CRIU_DUMPS:
-            found[host_key(point)] = point
-    return found
+    return {
+        host_key(point): point
+        for point, fstype in entries
+        if point not in skipped and fstype not in CRIU_DUMPS
+    }
+
+
+def undumpable_mounts(pid: int, skip: Iterable[str] = ()) -> dict[str, str]:
+    """:func:`undumpable` for the mounts ``pid`` sees (``skip``: snapctl's own, already
+    external)."""
+    return undumpable(mountinfo(pid), skip)
+
+
+def host_mounts(external_mounts: Mapping[str, str]) -> list[str]:
+    """The host mount points an image binds back (its ``host:`` external mounts)."""
+    return [point for key, point in external_mounts.items() if is_host_key(key)]
 
 
 def host_mount_sources(external_mounts: Mapping[str, str]) -> dict[str, Path]:
     """For a restore: the host path to bind for each ``host:`` key of an image (the same
     path it had in the donor's sandbox), checked to exist."""
     sources: dict[str, Path] = {}
-    for key, point in external_mounts.items():
-        if not is_host_key(key):
-            continue
+    for point in host_mounts(external_mounts):
         if not Path(point).exists():
             raise HostMountMissing(
                 f"the image binds the host's {point} (a mount CRIU cannot dump), which this "
                 "machine does not have",
                 path=Path(point),
             )
-        sources[key] = Path(point)
+        sources[host_key(point)] = Path(point)
     return sources

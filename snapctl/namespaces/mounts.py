@@ -71,13 +71,22 @@ def _unescape_mount(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
+def mount_entries(mounts_text: str) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of each line of a /proc/*/mounts text, in order."""
+    entries = []
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3:
+            entries.append((_unescape_mount(fields[1]), fields[2]))
+    return entries
+
+
 def mount_type(mounts_text: str, mount_point: str) -> str | None:
     """The filesystem type mounted at ``mount_point`` (the topmost of stacked mounts)."""
     found = None
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) >= 3 and _unescape_mount(fields[1]) == mount_point:
-            found = fields[2]
+    for point, fstype in mount_entries(mounts_text):
+        if point == mount_point:
+            found = fstype
     return found
 
 

@@ -28,7 +28,10 @@ def run(*args: str) -> tuple[int, str]:
 
 def test_export_import_then_images_lists_both(tmp_path: Path) -> None:
     root = tmp_path / "images"
-    manifest = publish_sample(root / "a")
+    manifest = publish_sample(
+        root / "a",
+        external_mounts={"shm": "/dev/shm", "host:/usr/local/nvidia": "/usr/local/nvidia"},
+    )
     archive = tmp_path / "a.tar.zst"
 
     code, out = run("image", "export", str(root / "a"), "--out", str(archive), "--json")
@@ -53,6 +56,7 @@ def test_export_import_then_images_lists_both(tmp_path: Path) -> None:
     assert code == 0 and "every sha256 matches" in out and "libx.so" in out
     code, out = run("inspect", str(root / "a"), "--brief")
     assert code == 0 and "capture id" in out and "libx.so" not in out
+    assert "host mounts" in out and "/usr/local/nvidia" in out
     code, out = run("images", "--root", str(root))
     assert code == 0 and out.count("yes") == 2  # --verify recorded a
 
