@@ -55,15 +55,20 @@ def make_private_recursive(target: str = "/") -> None:
     mount("none", target, None, MS_REC | MS_PRIVATE)
 
 
-def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of every mount seen by ``pid``, in table order."""
-    entries: list[tuple[str, str]] = []
+def _mountinfo_entries(pid: int | str) -> list[tuple[str, str, str]]:
+    """(mount point, filesystem type, source) of every mount seen by ``pid``, in table order."""
+    entries: list[tuple[str, str, str]] = []
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         fields = line.split()
-        separator = fields.index("-")
+        separator = fields.index("-")  # optional fields end here; type and source follow
         point = fields[4].encode().decode("unicode_escape")
-        entries.append((point, fields[separator + 1]))
+        entries.append((point, fields[separator + 1], fields[separator + 2]))
     return entries
+
+
+def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of every mount seen by ``pid``, in table order."""
+    return [(point, fstype) for point, fstype, _ in _mountinfo_entries(pid)]
 
 
 def _unescape_mount(field: str) -> str:
@@ -91,12 +96,7 @@ def mount_type(mounts_text: str, mount_point: str) -> str | None:
 
 
 def _mounts_by_source(pid: int | str) -> set[tuple[str, str]]:
-    found = set()
-    for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
-        fields = line.split()
-        point = fields[4].encode().decode("unicode_escape")
-        found.add((fields[fields.index("-") + 2], point))
-    return found
+    return {(source, point) for point, _, source in _mountinfo_entries(pid)}
 
 
 def processes_with_mount(source: str, point: str) -> list[int]:
