@@ -39,6 +39,7 @@ from snapctl.cli.serving import Progress, serve
     default=None,
     help="Serve at once and let memory arrive on demand and in the background (CRIU lazy "
     "pages); the image stays held until every page is in (see ps). Default: lazy when the "
+    # activation.lazy.LAZY_DEFAULT_MIN_BYTES (not imported here: --help stays light).
     "image holds at least 256 MiB of pages.",
 )
 @activation_options
@@ -53,7 +54,7 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | 
     """
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
-    from snapctl.activation.lazy import lazy_by_default
+    from snapctl.activation.lazy import LAZY_DEFAULT_MIN_BYTES, lazy_by_default
     from snapctl.activation.native import native_step
     from snapctl.cli.output import note
     from snapctl.criu import find_criu
@@ -76,8 +77,9 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | 
     if lazy is None:
         lazy = lazy_by_default(load_manifest(image.absolute()))
         if lazy:
-            note("restoring lazily: the image holds 256 MiB of pages or more (--no-lazy: "
-                 "restore every page first)", quiet=common.as_json)  # fmt: skip
+            threshold = LAZY_DEFAULT_MIN_BYTES >> 20
+            note(f"restoring lazily: the image holds {threshold} MiB of pages or more "
+                 "(--no-lazy: restore every page first)", quiet=common.as_json)  # fmt: skip
 
     if count > 1:
         serve_many(image, options, count, criu, native, common, lazy=lazy)
