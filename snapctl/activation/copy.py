@@ -25,6 +25,7 @@ from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, CriuError, read_restore_stats
 from snapctl.criu.external import host_mount_sources, is_host_key
 from snapctl.criu.kdat import with_private_run
+from snapctl.criu.netdumps import redundant_net_dumps
 from snapctl.criu.ops import LazyPagesDaemon, restore_tree, restore_tree_lazily
 from snapctl.criu.pagemap import lazy_view
 from snapctl.errors import SnapctlError
@@ -202,12 +203,14 @@ def _restore_lazily(
     """Restore with ``--lazy-pages`` and the copy's own lazy-pages daemon on its own work dir,
     started together (:func:`restore_tree_lazily`); ``session.lazy`` watches the daemon from
     the moment it listens. Both read the image through a view in the work dir in which only big
-    runs of memory stay lazy (see :mod:`snapctl.criu.pagemap`)."""
+    runs of memory stay lazy (see :mod:`snapctl.criu.pagemap`) and the network dumps that
+    restore nothing are left out (:mod:`snapctl.criu.netdumps`)."""
     progress("restoring with CRIU")
     view_started = time.monotonic()
     view = session.dirs.work / "images"
     try:
-        lazy_view(image / "criu", view, cache_dir=session.state.views)
+        omit = redundant_net_dumps(image / "criu")
+        lazy_view(image / "criu", view, cache_dir=session.state.views, omit=omit)
     except (SnapctlError, OSError) as error:
         raise RestoreError(
             f"cannot build the lazy restore's image view: {error}", phase="restore", path=view

@@ -31,6 +31,7 @@ import hashlib
 import os
 import struct
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,9 +200,11 @@ def lazy_view(
     process_below: int = EAGER_PROCESS_BELOW,
     run_below: int = EAGER_RUN_BELOW,
     cache_dir: Path | None = None,
+    omit: Collection[str] = (),
 ) -> ViewSummary:
     """Create ``target``: ``images_dir`` seen through symbolic links, except for the pagemaps
-    that :func:`eager_entries` changes, which are rewritten copies.
+    that :func:`eager_entries` changes, which are rewritten copies, and the files named in
+    ``omit``, which CRIU then finds missing (for :mod:`snapctl.criu.netdumps`).
 
     With ``cache_dir``, a pagemap is parsed only the first time its content is seen: the
     outcome is kept there under the sha256 of that content (and the thresholds), so later
@@ -212,6 +215,8 @@ def lazy_view(
     summary = ViewSummary()
     # Absolute targets: a relative link would resolve against ``target``, not the image.
     for path in sorted(images_dir.absolute().iterdir()):
+        if path.name in omit:
+            continue
         link = target / path.name
         if path.name.startswith("pagemap-") and path.name.endswith(".img"):
             data = path.read_bytes()

@@ -101,10 +101,11 @@ def restore_copy(
     criu: CriuBinary,
     *,
     publish: tuple[str, int] | None = None,
+    lazy: bool = False,
     **changes: object,
 ) -> tuple[Session, ActivationReport]:
     """``start_copy`` with the tests' defaults: ``options(**changes)``, no native step."""
     return start_copy(
         image, options(**changes), criu=criu, native=NoNativeStep(), publish=publish,
-        state=state, progress=lambda step: None,
+        state=state, progress=lambda step: None, lazy=lazy,
     )  # fmt: skip
