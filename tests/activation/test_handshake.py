@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import http.server
+import os
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from snapctl.activation.handshake import activate
+from snapctl.activation import handshake
+from snapctl.activation.handshake import ActivationError, activate, probe_http_ready
 from snapctl.errors import WaitTimeoutError
+from snapctl.namespaces.netns import NetnsConnector
 from tests.protocol.factories import (
     ACTIVATION_ID,
     CAPTURE_ID,
@@ -27,3 +34,65 @@ def test_a_server_stuck_recovering_times_out_as_a_wait_timeout(tmp_path: Path) -
             control, capture_id=CAPTURE_ID, activation_id=ACTIVATION_ID, kind="copy",
             host="127.0.0.1", port=8000, timeout_s=0.2,
         )  # fmt: skip
+
+
+class _Models(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def connector() -> Iterator[NetnsConnector]:
+    # Our own network namespace: the probe's path through a namespace, on loopback.
+    with NetnsConnector(os.getpid()) as connector:
+        yield connector
+
+
+def test_the_probe_retries_soon_then_backs_off_until_the_port_answers(
+    connector: NetnsConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reserved = socket.create_server(("127.0.0.1", 0))
+    port = reserved.getsockname()[1]
+    reserved.close()  # refused until the "server" binds it, after five waits
+    waits: list[float] = []
+    servers: list[http.server.HTTPServer] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 5:
+            server = http.server.HTTPServer(("127.0.0.1", port), _Models)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            servers.append(server)
+
+    monkeypatch.setattr(handshake.time, "sleep", sleep)
+    try:
+        probe_http_ready(connector, "127.0.0.1", port, api_key=None, timeout_s=10)
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert waits == [0.001, 0.002, 0.004, 0.005, 0.005]
+
+
+def test_the_probe_gives_up_at_once_on_a_refused_key(connector: NetnsConnector) -> None:
+    class Refusing(_Models):
+        status = 401
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ActivationError, match="HTTP 401: the API key"):
+            probe_http_ready(
+                connector, "127.0.0.1", server.server_address[1], api_key="k", timeout_s=10
+            )
+    finally:
+        server.shutdown()
+        server.server_close()
