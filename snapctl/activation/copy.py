@@ -20,7 +20,7 @@ from snapctl.activation.donor import (
 from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
 from snapctl.activation.lazy import LazyTransfer
-from snapctl.activation.native import NativeStep, timed, tree_pids
+from snapctl.activation.native import NativeStep, timed, tree_pids_when_read
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, CriuError, read_restore_stats
 from snapctl.criu.external import host_mount_sources, is_host_key
@@ -121,7 +121,7 @@ def start_copy(
         if session.failure is not None:  # the lazy transfer failed: the memory is incomplete
             raise RestoreError(session.failure, phase="lazy-pages")
         with timed(native, timings, "native_restore"):
-            native.after_restore(tree_pids(session.root.pid), options.timeout_s)
+            native.after_restore(tree_pids_when_read(session.root.pid), options.timeout_s)
         if before_activation is not None:
             before_activation(session)
         progress("activating the copy")

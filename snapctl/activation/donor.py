@@ -301,7 +301,7 @@ def activation_report(
         image_id=manifest.image_id,
         activation_id=session.activation_id,
         root_pid=session.root.pid,
-        pids=tree_pids(session.root.pid),
+        pids=session.current_pids,
         host=session.host,
         port=session.port,
         published=session.published,

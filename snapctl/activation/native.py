@@ -120,6 +120,13 @@ def native_step(name: str) -> NativeStep:
     raise NativeStepError(f"unknown native step {name!r} (none, cuda-checkpoint)")
 
 
+def tree_pids_when_read(root_pid: int) -> Iterator[int]:
+    """:func:`tree_pids`, scanned only once iterated: the ``none`` step never reads its PIDs,
+    and the scan walks every process of the host (ms on a busy one, on a copy's critical
+    path)."""
+    yield from tree_pids(root_pid)
+
+
 def tree_pids(root_pid: int) -> list[int]:
     """The root and all its descendants, parents first."""
     try:

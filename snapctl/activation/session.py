@@ -133,7 +133,9 @@ class Session:
     image: Path | None = None
     root: PinnedProcess | None = None
     launcher: subprocess.Popen[bytes] | None = None
+    # Every PID the tree ever had (audited after the stop), and the tree as last seen.
     tree_pids: list[int] = field(default_factory=list)
+    current_pids: list[int] = field(default_factory=list)
     connector: NetnsConnector | None = None
     publisher: Publisher | None = None
     host: str | None = None
@@ -163,13 +165,15 @@ class Session:
         return "{}:{}".format(*self.publisher.address)
 
     def remember_tree(self) -> None:
-        """Record every PID of the tree now, to audit them after the stop."""
+        """Record every PID of the tree now (root and parents first, as ``current_pids``), to
+        audit them after the stop. A scan of the host's processes: ms on a busy host, so
+        reports reuse it rather than look again."""
         if self.root is None:
             return
         with contextlib.suppress(psutil.NoSuchProcess):
             children = psutil.Process(self.root.pid).children(recursive=True)
-            pids = [self.root.pid, *(child.pid for child in children)]
-            self.tree_pids = sorted(set(self.tree_pids) | set(pids))
+            self.current_pids = [self.root.pid, *(child.pid for child in children)]
+            self.tree_pids = sorted(set(self.tree_pids) | set(self.current_pids))
 
     @property
     def pages(self) -> PagesStatus | None:

@@ -17,7 +17,7 @@ import pytest
 from snapctl.activation.copy import RestoreError
 from snapctl.activation.donor import CaptureError
 from snapctl.activation.launch import LaunchError
-from snapctl.activation.native import NoNativeStep
+from snapctl.activation.native import NoNativeStep, tree_pids
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary
 from snapctl.images import ImageError, verify_image
@@ -55,6 +55,7 @@ def test_donor_then_two_copies_serve_identically(
     assert report.published and report.dump_stats is not None
     assert report.dump_stats.pages_written > 0
     assert len(report.pids) >= 2  # frontend and the spawned engine
+    assert report.pids == tree_pids(report.root_pid)  # the tree as the probe left it
     manifest = verify_image(image)
     assert manifest.capture_id and any(n.startswith("shm/") for n in manifest.files)
     assert "***" not in " ".join(manifest.server_argv) or "--api-key" in manifest.server_argv
@@ -70,6 +71,7 @@ def test_donor_then_two_copies_serve_identically(
         copy, copy_report = restore_copy(image, state, criu_binary, publish=PUBLISH)
         running.append(copy)
         assert copy_report.published and copy_report.handshake_phases[-1] == "validated"
+        assert copy_report.pids == tree_pids(copy_report.root_pid)
         assert complete(copy_report.published) == reference
         assert get(copy_report.published, "/v1/debug/param-digests")[1] == digests
         stop_clean(copy)

@@ -20,6 +20,7 @@ from snapctl.activation.native import (
     NoNativeStep,
     native_step,
     timed,
+    tree_pids_when_read,
 )
 from snapctl.cli._activation_options import parse_publish
 from snapctl.namespaces.layout import ActivationDirs, SandboxSpec
@@ -84,6 +85,16 @@ def test_cuda_checkpoint_failure_names_action_and_pid(
     with pytest.raises(NativeStepError, match="checkpoint failed") as info:
         CudaCheckpoint(str(tool)).before_dump([42], timeout_s=5)
     assert info.value.pid == 42
+
+
+def test_a_native_steps_pids_are_scanned_only_when_it_reads_them() -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    pids = tree_pids_when_read(gone.pid)
+    NoNativeStep().after_restore(pids, timeout_s=5)  # never reads them: nothing scanned
+    with pytest.raises(NativeStepError, match="before its native step"):
+        list(pids)  # a step that reads them scans, and finds the tree gone
+    assert next(tree_pids_when_read(os.getpid())) == os.getpid()
 
 
 def test_native_step_names() -> None:
