@@ -37,9 +37,8 @@ _NETDEV_MAGICS = (0x54564319, 0x57373951)
 _NLMSG_HEADER = struct.Struct("<IHHII")  # len, type, flags, seq, pid
 _RTATTR_HEADER = struct.Struct("<HH")  # len, type
 _IFADDRMSG = struct.Struct("<BBBBI")  # family, prefixlen, flags, scope, index
-_FIB_RULE_HDR = struct.Struct(
-    "<BBBBBBBBI"
-)  # family, dst/src_len, tos, table, 2 reserved, action, flags
+# family, dst_len, src_len, tos, table, two reserved bytes, action, flags
+_FIB_RULE_HDR = struct.Struct("<BBBBBBBBI")
 RTM_NEWADDR, RTM_NEWRULE = 20, 32
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 FRA_PRIORITY, FRA_SUPPRESS_PREFIXLEN, FRA_TABLE, FRA_PROTOCOL = 6, 14, 15, 21
