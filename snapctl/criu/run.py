@@ -13,7 +13,8 @@ from pathlib import Path
 from snapctl.criu.locate import CriuBinary
 from snapctl.errors import SnapctlError
 
-# Every invocation logs at debug level unless its caller has a reason to log less (dump_tree).
+# Every invocation logs at debug level unless its caller has a reason to log less (dumps and
+# restores, on the paths users wait for: snapctl.criu.ops).
 DEFAULT_LOG_LEVEL = 4
 LOG_TAIL_LINES = 25
 
@@ -86,13 +87,14 @@ def spawn_criu(
     args: Sequence[str] = (),
     *,
     pass_fds: Sequence[int] = (),
+    log_level: int = DEFAULT_LOG_LEVEL,
 ) -> subprocess.Popen[bytes]:
     """Start a long-running ``criu ACTION`` (a service such as ``lazy-pages``) as our child.
 
     Its own stdout/stderr (rarely more than a line) go to ``<log>.out``; it gets a session of
     its own so a terminal's Ctrl-C reaches snapctl, which stops it in order, and not CRIU.
     """
-    argv = criu_argv(criu, action, images_dir, log_path, args)
+    argv = criu_argv(criu, action, images_dir, log_path, args, log_level)
     with log_path.with_suffix(".out").open("ab") as out:
         return subprocess.Popen(
             argv,

@@ -64,6 +64,8 @@ def test_ready_daemon_runs_on_its_own_work_dir(
             tmp_path / "work"
         )
         assert (tmp_path / "logs" / "lazy-pages.argv").exists()
+        # Info level: its debug lines (one per transferred chunk) slow the transfer.
+        assert argv[5] == "-v3"
     finally:
         daemon.kill()
     assert daemon.poll() == -signal.SIGKILL
