@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from snapctl.errors import SnapctlError
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
-from snapctl.protocol.atomic import write_json_atomic
+from snapctl.protocol.atomic import fsync_directory, write_json_atomic
 
 CHUNK = 4 << 20
 # A manifest lists every image file and every file the tree depended on: far above the 64 KiB
@@ -231,6 +231,23 @@ def stage_shm_copy(source: Path, target: Path) -> None:
         ) from error
 
 
+def sync_tree(root: Path) -> None:
+    """fsync every regular file and directory under ``root``, deepest first: a published image
+    is on disk before its manifest says so, and restores that follow do not compete with its
+    writeback."""
+    for directory, _, names in os.walk(root, topdown=False):
+        for name in names:
+            path = os.path.join(directory, name)
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue  # links point into the image (or nowhere); nothing else is data
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_directory(Path(directory))
+
+
 class ImageStaging:
     """A staging directory beside the final image path, published by one rename.
 
@@ -267,8 +284,16 @@ class ImageStaging:
 
         Without ``force`` an image that appeared under the name since the staging began is
         refused, never replaced. On failure the previous image (if any) stays published and
-        the caller still owns the staging directory (``abort``).
+        the caller still owns the staging directory (``abort``). Every file is fsynced
+        first, the manifest with its directory, and the parent after the rename: "published"
+        survives a crash.
         """
+        try:
+            sync_tree(self.dir)
+        except OSError as error:
+            raise ImageError(
+                f"cannot write {self.final} to disk: {error.strerror}", path=self.dir
+            ) from error
         write_json_atomic(
             self.dir / MANIFEST_NAME, manifest.model_dump(mode="json"), max_bytes=MAX_MANIFEST_BYTES
         )
@@ -293,6 +318,7 @@ class ImageStaging:
                     raise
                 # Published: a leftover of the old image is hidden and harmless.
                 shutil.rmtree(old, ignore_errors=True)
+            fsync_directory(self.final.parent)
         except OSError as error:
             raise ImageError(
                 f"cannot publish {self.final}: {error.strerror}", path=self.final

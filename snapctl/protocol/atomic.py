@@ -68,7 +68,7 @@ def write_json_atomic(
             stream.flush()
             os.fsync(stream.fileno())
         os.replace(tmp, target)
-        _fsync_directory(target.parent)
+        fsync_directory(target.parent)
     except BaseException as error:
         # Never leave a stale .tmp behind: the next O_EXCL create of this name would fail.
         with contextlib.suppress(FileNotFoundError):
@@ -78,7 +78,8 @@ def write_json_atomic(
         raise
 
 
-def _fsync_directory(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make a directory's entries (a rename into it, say) durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)

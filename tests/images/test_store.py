@@ -34,6 +34,27 @@ def test_publish_is_atomic_and_verifies(tmp_path: Path) -> None:
     assert (final / "manifest.json").stat().st_mode & 0o777 == 0o600
 
 
+def test_publish_puts_every_file_on_disk_before_the_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[Path] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    final = tmp_path / "img"
+    publish_sample(final)
+    manifest_tmp = next(path for path in synced if path.name == "manifest.json.tmp")
+    staging = manifest_tmp.parent
+    before = {str(path.relative_to(staging)) for path in synced[: synced.index(manifest_tmp)]}
+    files = {str(p.relative_to(final)) for p in final.rglob("*") if p.name != "manifest.json"}
+    assert files | {"."} <= before  # every file and directory, the staging directory too
+    assert synced[-1] == tmp_path  # then the rename into place
+
+
 def test_existing_image_is_refused_without_force(tmp_path: Path) -> None:
     final = tmp_path / "img"
     publish_sample(final)
