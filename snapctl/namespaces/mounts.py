@@ -55,13 +55,18 @@ def make_private_recursive(target: str = "/") -> None:
     mount("none", target, None, MS_REC | MS_PRIVATE)
 
 
+def _unescape_mount(field: str) -> str:
+    # /proc/*/mounts and mountinfo escape space, tab, newline and backslash as octal (\040).
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
 def _mountinfo_entries(pid: int | str) -> list[tuple[str, str, str]]:
     """(mount point, filesystem type, source) of every mount seen by ``pid``, in table order."""
     entries: list[tuple[str, str, str]] = []
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         fields = line.split()
         separator = fields.index("-")  # optional fields end here; type and source follow
-        point = fields[4].encode().decode("unicode_escape")
+        point = _unescape_mount(fields[4])
         entries.append((point, fields[separator + 1], fields[separator + 2]))
     return entries
 
@@ -69,11 +74,6 @@ def _mountinfo_entries(pid: int | str) -> list[tuple[str, str, str]]:
 def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
     """(mount point, filesystem type) of every mount seen by ``pid``, in table order."""
     return [(point, fstype) for point, fstype, _ in _mountinfo_entries(pid)]
-
-
-def _unescape_mount(field: str) -> str:
-    # /proc/self/mounts escapes space, tab, newline and backslash as octal (\040).
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
 def mount_entries(mounts_text: str) -> list[tuple[str, str]]:

@@ -62,3 +62,14 @@ def test_a_process_that_only_inherited_the_mount_is_not_the_activations(
         for proc in (bystander, member):
             proc.kill()
             proc.wait()
+
+
+def test_mountinfo_reads_mount_points_with_spaces_and_non_ascii_names(tmp_path: Path) -> None:
+    # The kernel escapes a space as \040 and leaves UTF-8 as it is: both must come back whole.
+    point = tmp_path / "a dir é"
+    point.mkdir()
+    mounts.mount_tmpfs(point, "size=1m", source=f"snapctl-test-{uuid.uuid4().hex[:12]}")
+    try:
+        assert (str(point), "tmpfs") in mounts.mountinfo()
+    finally:
+        mounts.umount(point, detach=True)
