@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import os
 import struct
-import threading
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from snapctl.errors import SnapctlError
+from snapctl.protocol.atomic import replace_file
 
 # Below this much lazy memory a whole process is restored eagerly (about 40 ms of restore here).
 EAGER_PROCESS_BELOW = 64 * 1024 * 1024
@@ -262,16 +262,8 @@ def _cache(cache_dir: Path, key: str, found: tuple[ViewSummary, bytes | None]) -
     with contextlib.suppress(OSError):
         cache_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
         if rewritten is not None:
-            _replace(cache_dir / f"{key}.img", rewritten)
-        _replace(cache_dir / f"{key}.json", summary.model_dump_json().encode())
-
-
-def _replace(path: Path, data: bytes) -> None:
-    scratch = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
-    os.replace(scratch, path)
+            replace_file(cache_dir / f"{key}.img", rewritten, mode=0o600)
+        replace_file(cache_dir / f"{key}.json", summary.model_dump_json().encode(), mode=0o600)
 
 
 def _write_new(path: Path, data: bytes) -> None:

@@ -16,7 +16,6 @@ import platform
 import posixpath
 import secrets
 import stat
-import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.protocol.atomic import replace_file
 
 CHUNK = 4 << 20
 
@@ -317,9 +317,8 @@ def _hash_one(path: str, cache_dir: Path | None) -> FileRecord | None:
     if cache is not None and _stat_key(after) == key:  # not written to while we read it
         try:
             cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp")
-            tmp.write_text(json.dumps({"path": path, "key": key, "sha256": record.sha256}))
-            os.replace(tmp, cache)
+            entry = {"path": path, "key": key, "sha256": record.sha256}
+            replace_file(cache, json.dumps(entry).encode())
         except OSError:
             pass  # a cache we cannot write only costs a re-hash next time
     return record

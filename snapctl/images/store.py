@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from snapctl.errors import SnapctlError
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
-from snapctl.protocol.atomic import fsync_directory, write_json_atomic
+from snapctl.protocol.atomic import fsync_directory, replace_file, write_json_atomic
 
 CHUNK = 4 << 20
 # A manifest lists every image file and every file the tree depended on: far above the 64 KiB
@@ -130,14 +130,9 @@ def record_verified(image: Path, manifest: Manifest, cache_dir: Path) -> None:
     """Remember that every file of ``image`` matched ``manifest`` as it is now; best effort:
     a cache that cannot be written only costs a full verification next time."""
     cache = _cache_file(cache_dir, manifest, image)
-    tmp = cache.with_suffix(f".{uuid.uuid4().hex}.tmp")
-    try:
+    with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp.write_text(json.dumps(_cache_record(image, manifest)))
-        os.replace(tmp, cache)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        replace_file(cache, json.dumps(_cache_record(image, manifest)).encode())
 
 
 def is_verified(image: Path, manifest: Manifest, cache_dir: Path) -> bool:

@@ -1,9 +1,11 @@
-"""The one atomic JSON writer and the one bounded JSON reader for control and manifest files.
+"""The one atomic JSON writer and the one bounded JSON reader for control and manifest files,
+and the one replacing writer for caches and reports.
 
 Writers never expose a partial file: content goes to ``<name>.tmp`` (created exclusively, never
 through a symlink, mode 0600), is fsynced, renamed onto the name, and the directory is fsynced.
 Readers accept only a regular file of at most 64 KiB holding one JSON object; "file not found"
-is the only outcome that means "not yet" rather than an error.
+is the only outcome that means "not yet" rather than an error. :func:`replace_file` renames
+too, but does not fsync: what it writes may be lost in a crash, never seen torn.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import contextlib
 import json
 import os
 import stat
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -75,6 +78,22 @@ def write_json_atomic(
             os.unlink(tmp)
         if isinstance(error, OSError):
             raise ProtocolError(f"cannot write {target.name}: {error}", path=target) from error
+        raise
+
+
+def replace_file(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to ``path`` through a temporary of its own beside it and one rename: a
+    reader (or a concurrent writer) sees the old file or a new one, never part of one. Not
+    fsynced: for caches and reports. ``mode`` as for :func:`open` (the umask applies)."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{TMP_SUFFIX}")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        with os.fdopen(os.open(tmp, flags, mode), "wb") as stream:
+            stream.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
 
 

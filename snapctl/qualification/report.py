@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import socket
 from pathlib import Path
@@ -16,6 +15,7 @@ from rich.text import Text
 
 import snapctl
 from snapctl.criu import CriuBinary
+from snapctl.protocol.atomic import replace_file
 from snapctl.qualification.runs import RunResult, Timings
 
 REPORT_JSON = "report.json"
@@ -253,12 +253,6 @@ def write_report(report: Report, directory: Path) -> tuple[Path, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     json_path, md_path = directory / REPORT_JSON, directory / REPORT_MD
     # Not a control file: larger than the protocol's 64 KiB cap, and meant to be read by people.
-    _write_replacing(json_path, report.model_dump_json(indent=2) + "\n")
-    _write_replacing(md_path, render_markdown(report))
+    replace_file(json_path, (report.model_dump_json(indent=2) + "\n").encode())
+    replace_file(md_path, render_markdown(report).encode())
     return json_path, md_path
-
-
-def _write_replacing(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -16,6 +16,7 @@ from snapctl.protocol.atomic import (
     MAX_JSON_BYTES,
     read_json_bounded,
     read_model,
+    replace_file,
     write_json_atomic,
 )
 from snapctl.protocol.models import Activation, Challenge
@@ -220,3 +221,15 @@ class TestReadModel:
         write_json_atomic(tmp_path / "activation.json", {"port": "80"})
         with pytest.raises(ProtocolError, match="port"):
             read_model(tmp_path / "activation.json", Activation)
+
+
+def test_replace_file_swaps_the_whole_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "cache.json"
+    replace_file(target, b"old")
+    replace_file(target, b"new", mode=0o600)
+    assert target.read_bytes() == b"new" and target.stat().st_mode & 0o777 == 0o600
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "x").touch()
+    with pytest.raises(OSError):
+        replace_file(tmp_path / "dir", b"over a directory")  # the rename fails
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache.json", "dir"]
