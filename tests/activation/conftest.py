@@ -3,10 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from snapctl.activation.session import Session
+from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import API_KEY, API_KEY_ENV
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
+    """A fresh state directory (which also proves the fixture model's build path), with the
+    tests' API key in the environment."""
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
+    return StateDir(tmp_path / "state")
 
 
 @pytest.fixture

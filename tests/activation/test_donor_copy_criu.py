@@ -26,7 +26,6 @@ from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR
 from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import (
     API_KEY,
-    API_KEY_ENV,
     PUBLISH,
     complete,
     get,
@@ -37,13 +36,6 @@ from tests.activation.criu_helpers import (
 )
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
-    monkeypatch.setenv(API_KEY_ENV, API_KEY)
-    # One model per test session would be faster, but a fresh state dir proves the build path.
-    return StateDir(tmp_path / "state")
 
 
 def test_donor_then_two_copies_serve_identically(

@@ -14,8 +14,6 @@ from snapctl.criu.external import HostMountMissing, host_key
 from snapctl.namespaces import mounts
 from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import (
-    API_KEY,
-    API_KEY_ENV,
     PUBLISH,
     get,
     launch_donor,
@@ -25,12 +23,6 @@ from tests.activation.criu_helpers import (
 )
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
-
-
-@pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
-    monkeypatch.setenv(API_KEY_ENV, API_KEY)
-    return StateDir(tmp_path / "state")
 
 
 @pytest.fixture
