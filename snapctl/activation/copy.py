@@ -19,8 +19,8 @@ from snapctl.activation.donor import (
 )
 from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
-from snapctl.activation.lazy import LazyTransfer
-from snapctl.activation.native import NativeStep, timed, tree_pids_when_read
+from snapctl.activation.lazy import HOLD_TRANSFER_MIN_BYTES, LazyTransfer
+from snapctl.activation.native import NativeStep, NoNativeStep, timed, tree_pids_when_read
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary, CriuError, read_restore_stats
 from snapctl.criu.external import host_mount_sources, is_host_key
@@ -120,6 +120,9 @@ def start_copy(
             after_restore(session)
         if session.failure is not None:  # the lazy transfer failed: the memory is incomplete
             raise RestoreError(session.failure, phase="lazy-pages")
+        if session.lazy is not None and native.name != NoNativeStep.name:
+            # A native restore (cuda-checkpoint) reads much of the memory: in bulk, not by faults.
+            session.lazy.release_transfer()
         with timed(native, timings, "native_restore"):
             native.after_restore(tree_pids_when_read(session.root.pid), options.timeout_s)
         if before_activation is not None:
@@ -204,13 +207,15 @@ def _restore_lazily(
     started together (:func:`restore_tree_lazily`); ``session.lazy`` watches the daemon from
     the moment it listens. Both read the image through a view in the work dir in which only big
     runs of memory stay lazy (see :mod:`snapctl.criu.pagemap`) and the network dumps that
-    restore nothing are left out (:mod:`snapctl.criu.netdumps`)."""
+    restore nothing are left out (:mod:`snapctl.criu.netdumps`). With much memory left lazy,
+    the daemon's background transfer is held back until the copy is ready
+    (:mod:`snapctl.criu.relay`): until then it only serves faults."""
     progress("restoring with CRIU")
     view_started = time.monotonic()
     view = session.dirs.work / "images"
     try:
         omit = redundant_net_dumps(image / "criu")
-        lazy_view(image / "criu", view, cache_dir=session.state.views, omit=omit)
+        summary = lazy_view(image / "criu", view, cache_dir=session.state.views, omit=omit)
     except (SnapctlError, OSError) as error:
         raise RestoreError(
             f"cannot build the lazy restore's image view: {error}", phase="restore", path=view
@@ -230,6 +235,7 @@ def _restore_lazily(
         restore_tree_lazily(
             criu, view, session.dirs.work, session.dirs.logs, pidfile,
             external_dirs=external_dirs, timeout_s=options.timeout_s, on_daemon_ready=watch,
+            hold_transfer=summary.lazy_bytes >= HOLD_TRANSFER_MIN_BYTES,
         )  # fmt: skip
     except SnapctlError as error:
         if isinstance(error, CriuError) and error.action == "lazy-pages":

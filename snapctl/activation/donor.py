@@ -30,6 +30,7 @@ from snapctl.activation.launch import (
     snapshot_config_arg,
     wait_capture_ready,
 )
+from snapctl.activation.lazy import TRANSFER_AFTER_READY_S
 from snapctl.activation.native import NativeStep, timed, tree_pids
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.criu import CriuBinary, read_dump_stats
@@ -348,6 +349,9 @@ def activate_and_probe(
         timeout_s=options.timeout_s,
         alive=session.root.alive,
     )
+    if session.lazy is not None:
+        # Ready: the rest of a lazy copy's memory may stream in now, before anyone can ask.
+        session.lazy.release_transfer(TRANSFER_AFTER_READY_S)
     session.publish(publish)
     session.remember_tree()
     session.save_record()

@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from snapctl.criu.locate import CriuBinary
+from snapctl.criu.relay import TransferHold
 from snapctl.criu.run import (
     CriuError,
     CriuProcess,
@@ -37,6 +38,10 @@ DUMP_LOG_LEVEL = 3
 # finished the background transfer 0.1 s later (interleaved, 10 copies each).
 RESTORE_LOG_LEVEL = 3
 INVENTORY = "inventory.img"
+# A held background transfer starts this long after the restore finished at the latest, even
+# if the copy is not ready by then: a server that touches much of its lazy memory while it
+# recovers gets it a page per fault while the transfer is held (docs/lazy.md).
+TRANSFER_HOLD_MAX_S = 0.5
 GATE_POLL_S = 0.0005
 
 # Options shared by dump and restore: the tree's loopback TCP connection (a TCPStore-like
@@ -135,11 +140,16 @@ class LazyPagesDaemon:
     pushing the remaining pages; it exits 0 once every page was copied into the tree."""
 
     def __init__(
-        self, process: subprocess.Popen[bytes], log_path: Path, ready_fd: int | None = None
+        self,
+        process: subprocess.Popen[bytes],
+        log_path: Path,
+        ready_fd: int | None = None,
+        hold: TransferHold | None = None,
     ) -> None:
         self.process = process
         self.log_path = log_path
         self.pid = process.pid
+        self.hold = hold
         # Read end of its --status-fd pipe until wait_ready has seen the ready byte.
         self._ready_fd = ready_fd
         # Pinned before anyone can reap it: the watcher thread reaps it in ``wait`` while
@@ -170,6 +180,11 @@ class LazyPagesDaemon:
         finally:
             os.close(read_fd)
 
+    def release_transfer(self, delay_s: float = 0.0) -> None:
+        """Let a held background transfer start ``delay_s`` from now."""
+        if self.hold is not None:
+            self.hold.release(delay_s)
+
     def poll(self) -> int | None:
         return self.process.poll()
 
@@ -193,18 +208,29 @@ class LazyPagesDaemon:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+        if self.hold is not None:
+            self.hold.close()
 
     def describe_exit(self, status: int) -> str:
+        how = f"exited with status {status}"
         if status < 0:
-            return f"killed by {signal.Signals(-status).name}"
-        return f"exited with status {status}"
+            how = f"killed by {signal.Signals(-status).name}"
+        if self.hold is not None and self.hold.error is not None:
+            how += f" ({self.hold.error})"
+        return how
 
 
 def spawn_lazy_pages_daemon(
-    criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path
+    criu: CriuBinary,
+    images_dir: Path,
+    work_dir: Path,
+    log_path: Path,
+    *,
+    hold: TransferHold | None = None,
 ) -> LazyPagesDaemon:
     """Start ``criu lazy-pages`` for one restore; :meth:`LazyPagesDaemon.wait_ready` says when
-    it listens.
+    it listens. With ``hold``, the restore reaches the daemon through it (see
+    :mod:`snapctl.criu.relay`), and the daemon's :meth:`~LazyPagesDaemon.kill` closes it.
 
     The daemon and ``criu restore --lazy-pages`` meet at ``lazy-pages.socket`` in their shared
     work dir (CRIU binds the relative name after ``chdir`` to ``-W``), so every restore needs
@@ -224,7 +250,7 @@ def spawn_lazy_pages_daemon(
         raise
     finally:
         os.close(write_fd)
-    return LazyPagesDaemon(process, log_path, ready_fd=read_fd)
+    return LazyPagesDaemon(process, log_path, ready_fd=read_fd, hold=hold)
 
 
 class InventoryGate:
@@ -296,10 +322,16 @@ def restore_tree_lazily(
     timeout_s: float,
     on_daemon_ready: Callable[[LazyPagesDaemon], None],
     env: Mapping[str, str] | None = None,
+    hold_transfer: bool = False,
 ) -> tuple[CriuResult, LazyPagesDaemon]:
     """Start a copy's lazy-pages daemon and its ``criu restore --lazy-pages`` together, the
     restore held at an :class:`InventoryGate` until the daemon listens; return once the restore
     is done.
+
+    With ``hold_transfer`` the daemon serves page faults but starts its background transfer
+    only on :meth:`LazyPagesDaemon.release_transfer` (or :data:`TRANSFER_HOLD_MAX_S` after the
+    restore finished): the two meet through a :class:`~snapctl.criu.relay.TransferHold`, the
+    daemon in its own directory under ``work_dir``.
 
     ``view`` is the image as both read it; logs are ``lazy-pages.log`` and ``restore.log`` in
     ``logs``. ``on_daemon_ready`` takes the daemon over as soon as it listens (to watch it while
@@ -314,15 +346,23 @@ def restore_tree_lazily(
         raise CriuError("restore", None, logs / "restore.log", "", reason=reason) from error
     daemon: LazyPagesDaemon | None = None
     restore: CriuProcess | None = None
+    hold: TransferHold | None = None
     handed_over = False
     try:
-        daemon = spawn_lazy_pages_daemon(criu, view, work_dir, logs / "lazy-pages.log")
+        daemon_dir = work_dir
+        if hold_transfer:
+            daemon_dir = work_dir / "lazy-pages"
+            daemon_dir.mkdir(mode=0o700)
+            hold = TransferHold(work_dir, daemon_dir, hold_max_s=TRANSFER_HOLD_MAX_S)
+        daemon = spawn_lazy_pages_daemon(criu, view, daemon_dir, logs / "lazy-pages.log", hold=hold)
         args = _restore_args(work_dir, pidfile, external_dirs, lazy=True)
         restore = start_criu(
             criu, "restore", work_dir / "restore-images", logs / "restore.log", args, env=env,
             log_level=RESTORE_LOG_LEVEL,
         )  # fmt: skip
         daemon.wait_ready(timeout_s)
+        if hold is not None:
+            hold.start()
         gate.release(lambda: restore.process.poll() is None, timeout_s)
         on_daemon_ready(daemon)
         handed_over = True
@@ -335,3 +375,5 @@ def restore_tree_lazily(
                 restore.finish(timeout_s)
         if daemon is not None and not handed_over:
             daemon.kill()
+        elif daemon is None and hold is not None:
+            hold.close()

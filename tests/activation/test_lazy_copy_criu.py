@@ -1,13 +1,13 @@
 """Lazy copies with real CRIU: serving before the memory is in, completion, and failing closed.
 
 One donor image (with retained memory whose digest must survive) is shared by the module. To
-act "during the background transfer", tests pause the copy's lazy-pages daemon with SIGSTOP as
-soon as the copy serves. The daemon must serve the activation's page faults, so it cannot be
-paused earlier: with 2 GiB retained the transfer ends about 0.8 s after the restore and the
-copy serves after about 0.2 s (1 GiB left only 0.45 s: too close on a loaded machine), and a
-copy whose transfer still finished first is replaced (up to three tries) rather than tested on
-a completed transfer.
-"""
+act "during the background transfer", tests either keep the transfer held back (the
+``held_transfer`` fixture: the daemon serves faults only until the test releases it) or pause
+the copy's lazy-pages daemon with SIGSTOP as soon as the copy serves, and then kill or stop it,
+never resume it: a daemon stopped while it waits for the release fails on SIGCONT (its
+``epoll_wait`` returns EINTR). With 2 GiB retained the transfer ends about 0.8 s after the
+restore (1 GiB left only 0.45 s: too close on a loaded machine), and a copy whose transfer still
+finished first is replaced (up to three tries) rather than tested on a completed transfer."""
 
 from __future__ import annotations
 
@@ -18,20 +18,22 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
+from snapctl.activation import copy as copy_module
+from snapctl.activation import donor as donor_module
 from snapctl.activation.copy import RestoreError, start_copies, start_copy
 from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.activation.supervise import run_until_stopped
-from snapctl.criu import CriuBinary
+from snapctl.criu import CriuBinary, ops
 from snapctl.criu.kdat import run_is_tmpfs
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.supervision.state import StateDir
@@ -111,7 +113,8 @@ def pause(pid: int, work: Path) -> bool:
     try:
         daemon = psutil.Process(pid)
         # The PID of a daemon that finished could already name another process.
-        if "lazy-pages" not in daemon.cmdline() or str(work) not in daemon.cmdline():
+        argv = daemon.cmdline()
+        if "lazy-pages" not in argv or not any(arg.startswith(str(work)) for arg in argv):
             return False
         daemon.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 10
@@ -184,18 +187,85 @@ def test_the_restore_waits_at_its_inventory_for_a_daemon_that_is_slow_to_listen(
     stop_clean(session)
 
 
-def test_image_hold_blocks_an_exclusive_hold_until_pages_complete(
-    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+@pytest.fixture
+def held_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies whose background transfer stays held until a test releases it (a minute)."""
+    monkeypatch.setattr(donor_module, "TRANSFER_AFTER_READY_S", 60.0)
+    monkeypatch.setattr(ops, "TRANSFER_HOLD_MAX_S", 60.0)
+
+
+def test_the_transfer_waits_for_its_release_while_faults_are_served(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session], held_transfer: None
 ) -> None:
-    session, daemon = paused_lazy_copy(donor, criu_binary, running)
+    session = lazy_copy(donor, criu_binary, running)
+    assert session.lazy is not None and session.lazy.daemon.hold is not None
+    assert session.lazy.daemon.hold.finished_seen.is_set()
+    # Unheld, every page is in 0.8 s after the restore; held, the copy serves on faults alone.
+    assert complete(published(session)) == donor.completion
+    assert session.lazy.wait(1.5).state == "transferring"
+    assert record_of(session)["pages_complete"] is False
+    # The image cannot be removed or replaced while a copy still reads its pages.
     with pytest.raises(ImageBusyError, match="in use"):
         hold_image(donor.image, exclusive=True)
-    assert record_of(session)["pages_complete"] is False
-    os.kill(daemon, signal.SIGCONT)
-    assert session.lazy is not None and session.lazy.wait(120).state == "complete"
+    session.lazy.release_transfer()
+    assert session.lazy.wait(120).state == "complete"
+    assert record_of(session)["pages_complete"] is True
     hold_image(donor.image, exclusive=True).release()
     assert digest(published(session)) == donor.retained_sha256
     stop_clean(session)
+
+
+class RecordingNativeStep(NoNativeStep):
+    """A native step other than none: records whether the transfer was let go before it."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.session: Session | None = None
+        self.released_before: bool | None = None
+
+    def after_restore(self, pids: Iterable[int], timeout_s: float) -> None:
+        assert self.session is not None and self.session.lazy is not None
+        assert self.session.lazy.daemon.hold is not None
+        self.released_before = self.session.lazy.daemon.hold.released
+
+
+def test_a_native_step_gets_the_transfer_released_first(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session], held_transfer: None
+) -> None:
+    native = RecordingNativeStep()
+    session, _ = start_copy(
+        donor.image, options(), criu=criu_binary, native=native, publish=("127.0.0.1", 0),
+        state=donor.state, progress=lambda step: None, lazy=True,
+        after_restore=lambda s: setattr(native, "session", s),
+    )  # fmt: skip
+    running.append(session)
+    assert native.released_before is True
+    assert session.lazy is not None and session.lazy.wait(120).state == "complete"
+    stop_clean(session)
+
+
+def test_little_lazy_memory_is_not_held(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(copy_module, "HOLD_TRANSFER_MIN_BYTES", (RETAINED_MB + 1) * 2**20)
+    session = lazy_copy(donor, criu_binary, running)
+    assert session.lazy is not None and session.lazy.daemon.hold is None
+    assert session.lazy.wait(120).state == "complete"
+    stop_clean(session)
+
+
+def test_a_copy_stopped_while_its_transfer_is_held_leaves_nothing(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session], held_transfer: None
+) -> None:
+    session = lazy_copy(donor, criu_binary, running)
+    assert session.lazy is not None
+    daemon = session.lazy.daemon.pid
+    stop_clean(session)
+    assert session.lazy.status.state == "stopped" and session.failure is None
+    assert not psutil.pid_exists(daemon)
+    assert leftovers(donor.state, [session.activation_id]) == []
+    hold_image(donor.image, exclusive=True).release()
 
 
 def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 from snapctl.activation.lazy import LazyTransfer, PagesStatus
 from snapctl.criu import CriuBinary, CriuError
 from snapctl.criu.ops import LazyPagesDaemon, spawn_lazy_pages_daemon
+from snapctl.criu.relay import TransferHold
 from tests.criu.fakes import install_fake_criu
 
 # A fake criu: records its argv, then as FAKE_MODE says: "ready" writes the status byte to the
@@ -154,3 +156,41 @@ def test_kill_signals_through_the_pidfd_never_by_pid(
     status = transfer.stop()
     assert status.state == "stopped" and daemon.poll() == -signal.SIGKILL
     daemon.kill()  # again, once reaped: nothing to signal and no error
+
+
+def test_a_relay_error_is_part_of_the_failure_and_kill_closes_the_hold(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "daemon").mkdir()
+    hold = TransferHold(tmp_path / "work", tmp_path / "daemon", hold_max_s=10)
+    daemon = spawn_lazy_pages_daemon(
+        fake, tmp_path / "img", tmp_path / "daemon", tmp_path / "lazy-pages.log", hold=hold
+    )
+    daemon.wait_ready(10)
+    hold.start()
+    transfer, failures, _ = watch(daemon)
+    transfer.release_transfer(0.5)
+    assert hold.released
+    hold.error = "lazy-pages relay: no userfaultfd after PID 5"  # as the relay reports it
+    daemon.process.send_signal(signal.SIGKILL)
+    status = transfer.wait(10)
+    assert failures == [status.failure]
+    assert status.failure is not None and "by SIGKILL (lazy-pages relay: no" in status.failure
+    daemon.kill()
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with pytest.raises(ConnectionRefusedError):  # the hold no longer listens for a restore
+        client.connect(str(tmp_path / "work" / "lazy-pages.socket"))
+    client.close()
+
+
+def test_releasing_an_unheld_transfer_does_nothing(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    daemon = start(fake, tmp_path)
+    transfer, failures, _ = watch(daemon)
+    transfer.release_transfer()
+    assert daemon.hold is None and transfer.status.state == "transferring"
+    assert transfer.stop().state == "stopped" and failures == []
