@@ -98,8 +98,9 @@ class TransferHold:
     def _track(self, sock: socket.socket) -> socket.socket:
         with self._changed:
             self._sockets.append(sock)
-            if self._closed:
-                sock.shutdown(socket.SHUT_RDWR)
+            if self._closed:  # closed meanwhile: make the relay's next call on it fail
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         return sock
 
     def _relay(self) -> None:
