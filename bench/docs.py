@@ -45,14 +45,16 @@ Contenders:
   namespace.
 - **snapctl copy**: `start_copy` (what `snapctl copy` runs): image verification (cached by
   file identity after the first, full hash), the identity gate, fresh activation directories,
-  shm staging, `criu restore` with `-v4` logs, pinning the restored tree, the v1 handshake
+  shm staging, `criu restore` (info-level logs), pinning the restored tree, the v1 handshake
   through `ControlDir`, the HTTP probe, then a host port published through the copy's
   namespace; the completion goes through that published port.
 - **snapctl copy --lazy**: the same with `lazy=True`: a view of the image in which only runs
   of 16 MiB or more stay lazy (`lazy view`), its own `criu lazy-pages` daemon started together
   with the `--lazy-pages` restore (held at its inventory until the daemon listens), serving
-  while pages still arrive; each run waits until the daemon has pushed every page before the
-  next contender starts (and reports when that was).
+  while pages still arrive; with 1 GiB or more left lazy the daemon's background transfer is
+  held until 50 ms after the HTTP probe answered (until then it serves faults only); each run
+  waits until the daemon has pushed every page before the next contender starts (and reports
+  when that was).
 
 Restore-to-validated is measured from the contender's "go" to `status.json` = validated.
 snapctl's phases come from `report.timings_s`, placed on one clock by its progress callbacks,
@@ -60,8 +62,8 @@ so work between the timed phases is counted too (`setup`, `after restore`).
 
 Donor pause is CRIU's own `frozen_time` (from `stats-dump`) for `start_donor` and for a bare
 `criu dump --leave-running` of a tree launched the same way (snapctl's sandbox, waited to
-capture-ready), at CRIU's default log level and at its debug level (`-v4`, what snapctl uses
-for every CRIU call but the dump, which it runs at `-v3`).
+capture-ready), at CRIU's default log level and at its debug level (`-v4`); snapctl runs its
+dumps, restores and lazy-pages daemons at info level (`-v3`).
 
 Throughput is the size of the image's `criu/` directory divided by the wall time of the
 `criu restore` process, next to reading the same files from page cache into one reused buffer,
@@ -183,7 +185,7 @@ def _lazy_ready_note(results: Results, name: str, size: int) -> str:
         f"`criu restore --lazy-pages` {criu} (its daemon starts alongside and listens after "
         f"{daemon}; both read CRIU's kernel probe from snapctl's per-boot cache), the handshake "
         f"{handshake} (plain: {plain_handshake}), then probe, report and completion "
-        f"{_ms(after)} while the daemon streams the rest on one of the 2 cores. The restore "
+        f"{_ms(after)} (the background transfer starts 50 ms after the probe). The restore "
         "brings about 50 MB of small memory in eagerly (interpreter heaps and arenas, which the "
         "recovery touches at once; faulting them in one by one costs more, see docs/lazy.md), "
         "and on this VM memory freed shortly before is handed back to the host and is slow to "
