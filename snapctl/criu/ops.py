@@ -339,21 +339,24 @@ def restore_tree_lazily(
     case a restore process. A daemon that fails to start raises its own :class:`CriuError`
     (action ``lazy-pages``), not the restore's that follows from it.
     """
+    gate: InventoryGate | None = None
+    hold: TransferHold | None = None
+    daemon_dir = work_dir
     try:
         gate = gated_view(view, work_dir / "restore-images")
-    except (OSError, ValueError) as error:
-        reason = f"could not be prepared: {error}"
-        raise CriuError("restore", None, logs / "restore.log", "", reason=reason) from error
-    daemon: LazyPagesDaemon | None = None
-    restore: CriuProcess | None = None
-    hold: TransferHold | None = None
-    handed_over = False
-    try:
-        daemon_dir = work_dir
         if hold_transfer:
             daemon_dir = work_dir / "lazy-pages"
             daemon_dir.mkdir(mode=0o700)
             hold = TransferHold(work_dir, daemon_dir, hold_max_s=TRANSFER_HOLD_MAX_S)
+    except (OSError, ValueError) as error:
+        if gate is not None:
+            gate.close()
+        reason = f"could not be prepared: {error}"
+        raise CriuError("restore", None, logs / "restore.log", "", reason=reason) from error
+    daemon: LazyPagesDaemon | None = None
+    restore: CriuProcess | None = None
+    handed_over = False
+    try:
         daemon = spawn_lazy_pages_daemon(criu, view, daemon_dir, logs / "lazy-pages.log", hold=hold)
         args = _restore_args(work_dir, pidfile, external_dirs, lazy=True)
         restore = start_criu(

@@ -143,3 +143,31 @@ def test_an_inventory_too_big_for_one_pipe_write_is_refused(
     with pytest.raises(CriuError, match=r"could not be prepared: .*too big"):
         restore(fake, tmp_path, [])
     assert not (tmp_path / "lazy-pages.pid").exists()
+
+
+def test_a_held_transfer_puts_the_daemon_in_its_own_dir_behind_the_relay(
+    fake: CriuBinary, tmp_path: Path
+) -> None:
+    handed: list[LazyPagesDaemon] = []
+    _, daemon = restore_tree_lazily(
+        fake, tmp_path / "view", tmp_path / "work", tmp_path / "logs", tmp_path / "root.pid",
+        external_dirs={}, timeout_s=10, on_daemon_ready=handed.append, hold_transfer=True,
+    )  # fmt: skip
+    assert handed == [daemon] and daemon.hold is not None
+    argv = [str(arg) for arg in daemon.process.args]
+    assert argv[argv.index("--work-dir") + 1] == str(tmp_path / "work" / "lazy-pages")
+    # The restore (work dir "work") connects to the relay, not to the daemon.
+    assert (tmp_path / "work" / "lazy-pages.socket").is_socket()
+    daemon.kill()
+    assert gone(tmp_path / "lazy-pages.pid")
+
+
+def test_a_hold_that_cannot_be_prepared_starts_nothing(fake: CriuBinary, tmp_path: Path) -> None:
+    (tmp_path / "work" / "lazy-pages").mkdir()  # taken: the daemon's dir must be new
+    with pytest.raises(CriuError, match=r"could not be prepared: .*File exists"):
+        restore_tree_lazily(
+            fake, tmp_path / "view", tmp_path / "work", tmp_path / "logs", tmp_path / "root.pid",
+            external_dirs={}, timeout_s=10, on_daemon_ready=lambda daemon: None,
+            hold_transfer=True,
+        )  # fmt: skip
+    assert not (tmp_path / "lazy-pages.pid").exists() and not (tmp_path / "restore.pid").exists()
