@@ -25,6 +25,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 # LAZY_PAGES_RESTORE_FINISHED in CRIU's criu/uffd.c ("ReSTore Finished"), never a valid PID.
@@ -55,7 +56,8 @@ class TransferHold:
         self.finished_seen = threading.Event()
         self._listener = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         try:
-            _bind_in(self._listener, restore_dir, SOCKET_NAME)
+            with socket_path(restore_dir / SOCKET_NAME) as where:
+                self._listener.bind(where)
             self._listener.listen(1)
         except BaseException:
             self._listener.close()
@@ -108,7 +110,8 @@ class TransferHold:
             restore, _ = self._listener.accept()
             self._track(restore)
             daemon = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-            _connect_in(daemon, self._daemon_socket)
+            with socket_path(self._daemon_socket) as where:
+                daemon.connect(where)
             self._pass_on(restore, daemon)
         except OSError as error:
             if not self._closed:
@@ -156,19 +159,12 @@ class TransferHold:
             return False
 
 
-def _bind_in(sock: socket.socket, directory: Path, name: str) -> None:
-    """Bind to ``directory/name`` through a directory descriptor: a Unix socket's path is
-    limited to 107 bytes, a state directory's is not."""
-    fd = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        sock.bind(f"/proc/self/fd/{fd}/{name}")
-    finally:
-        os.close(fd)
-
-
-def _connect_in(sock: socket.socket, path: Path) -> None:
+@contextlib.contextmanager
+def socket_path(path: Path) -> Iterator[str]:
+    """``path`` as a Unix socket can be bound or connected to: through a descriptor of its
+    directory, since a socket's path is limited to 107 bytes and a state directory's is not."""
     fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        sock.connect(f"/proc/self/fd/{fd}/{path.name}")
+        yield f"/proc/self/fd/{fd}/{path.name}"
     finally:
         os.close(fd)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.criu.relay import RESTORE_FINISHED, SOCKET_NAME, TransferHold
+from snapctl.criu.relay import RESTORE_FINISHED, SOCKET_NAME, TransferHold, socket_path
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -63,9 +63,8 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.fixture
 def daemon(dirs: tuple[Path, Path]) -> Iterator[FakeDaemon]:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fd = os.open(dirs[1], os.O_PATH)
-    listener.bind(f"/proc/self/fd/{fd}/{SOCKET_NAME}")
-    os.close(fd)
+    with socket_path(dirs[1] / SOCKET_NAME) as where:
+        listener.bind(where)
     listener.listen(1)
     fake = FakeDaemon(listener)
     thread = threading.Thread(target=fake.serve, daemon=True)
@@ -85,9 +84,8 @@ def hold_for(dirs: tuple[Path, Path], hold_max_s: float = 20.0) -> TransferHold:
 
 def connect_restore(restore_dir: Path) -> socket.socket:
     restore = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fd = os.open(restore_dir, os.O_PATH)
-    restore.connect(f"/proc/self/fd/{fd}/{SOCKET_NAME}")
-    os.close(fd)
+    with socket_path(restore_dir / SOCKET_NAME) as where:
+        restore.connect(where)
     return restore
 
 
