@@ -35,6 +35,7 @@ from snapctl.activation.native import NativeStep, timed, tree_pids
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.criu import CriuBinary, read_dump_stats
 from snapctl.criu.external import undumpable_mounts
+from snapctl.criu.inventory import require_dumpable
 from snapctl.criu.ops import dump_tree, write_action_script
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import SnapctlError
@@ -132,6 +133,10 @@ def capture(
     assert session.root is not None
     try:
         pids = tree_pids(session.root.pid)
+        started = time.monotonic()
+        # Before anything else: what CRIU cannot dump is refused before the tree is frozen.
+        require_dumpable(pids, released=native.releases)
+        timings["inventory"] = time.monotonic() - started
         process_tree = _process_tree(session.root.pid)
         started = time.monotonic()
         # Read while the tree waits at its barrier: it maps and opens nothing new until released.
