@@ -266,7 +266,7 @@ def start_donor(
         started = time.monotonic()
         session.launcher, session.root = launch_in_sandbox(argv, cwd, session.dirs, options, env)
         progress("waiting for capture-ready.json")
-        ready = wait_capture_ready(session.dirs, session.root, options.timeout_s)
+        ready = wait_capture_ready(session.dirs, session.root, options.ready_timeout_s)
         timings["launch_to_capture_ready"] = time.monotonic() - started
         session.remember_tree()
         progress("capturing the process tree with CRIU")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from snapctl.activation.timeouts import server_timeout_hint
 from snapctl.errors import SnapctlError, WaitTimeoutError
 from snapctl.namespaces.netns import NetnsConnector
 from snapctl.protocol.controldir import ControlDir
@@ -26,6 +27,10 @@ PROBE_TRY_S = 2.0
 # validating), doubling up to 5 ms (one that takes seconds to bind is not hammered).
 PROBE_FIRST_WAIT_S = 0.001
 PROBE_MAX_WAIT_S = 0.005
+# Readiness as vLLM's users probe it (open in vLLM and the fixture); with an API key, then
+# an authenticated request as well.
+READY_PATH = "/health"
+AUTHENTICATED_PATH = "/v1/models"
 
 
 class ActivationError(SnapctlError):
@@ -52,7 +57,8 @@ def _fail_on_error(arrival_name: ControlFile, model: object) -> None:
     if arrival_name is ControlFile.ERROR:
         assert isinstance(model, ErrorReport)
         raise ActivationError(
-            f"server reported {model.error_type} in phase {model.phase!r}: {model.error}",
+            f"server reported {model.error_type} in phase {model.phase!r}: {model.error}"
+            + server_timeout_hint(model.error_type, model.error),
             phase=model.phase,
             report=model,
         )
@@ -163,36 +169,45 @@ def probe_http_ready(
     api_key: str | None,
     timeout_s: float,
     alive: Callable[[], bool] | None = None,
-    path: str = "/v1/models",
+    timeout_hint: str = "",
 ) -> float:
-    """Poll until ``GET path`` answers 200; return the seconds it took."""
+    """Poll until the server is ready as its users probe it, ``GET /health`` answering 200
+    (no key needed: vLLM and the fixture leave it open); with ``api_key`` also until an
+    authenticated ``GET /v1/models`` answers 200. Return the seconds it took.
+    ``timeout_hint`` ends the timeout's message (the option that sets ``timeout_s``)."""
     started = time.monotonic()
     deadline = started + timeout_s
+    checks = [READY_PATH, *([AUTHENTICATED_PATH] if api_key else [])]
     last = "no answer"
     wait_s = PROBE_FIRST_WAIT_S
     while time.monotonic() < deadline:
         if alive is not None and not alive():
             raise ActivationError("server exited before its public port answered", phase="serve")
+        path = checks[0]
         try:
             # Each try ends by the deadline: the probe's timeout is the whole probe's.
             each_s = min(PROBE_TRY_S, max(deadline - time.monotonic(), LAST_LOOK_S))
             status, body = http_get(connector, host, port, path, api_key, timeout_s=each_s)
             if status == 200:
-                return time.monotonic() - started
+                checks.pop(0)
+                if not checks:
+                    return time.monotonic() - started
+                continue  # the next check at once: the server is up
             if status in (401, 403):
-                # Up, but refusing our key: waiting longer cannot help.
+                # Up, but refusing our key (or asking for one): waiting longer cannot help.
+                given = "is wrong" if api_key else "is missing (give it with --api-key-env)"
                 raise ActivationError(
                     f"public port {host}:{port} answers {path} with HTTP {status}: the API key "
-                    "is missing or wrong (give it with --api-key-env)",
+                    f"{given}",
                     phase="serve",
                 )
-            last = f"HTTP {status}: {body[:200]!r}"
+            last = f"{path}: HTTP {status}: {body[:200]!r}"
         except (TimeoutError, OSError, http.client.HTTPException) as error:
-            last = f"{type(error).__name__}: {error}"
+            last = f"{path}: {type(error).__name__}: {error}"
         time.sleep(wait_s)
         wait_s = min(wait_s * 2, PROBE_MAX_WAIT_S)
     raise ActivationError(
-        f"public port {host}:{port} never answered {path} with 200 within {timeout_s:g} s "
-        f"(last: {last})",
+        f"public port {host}:{port} never answered {checks[0]} with 200 within {timeout_s:g} s"
+        f"{timeout_hint} (last: {last})",
         phase="serve",
     )

@@ -17,6 +17,12 @@ from pathlib import Path
 import psutil
 
 import snapctl
+from snapctl.activation.timeouts import (
+    READY_TIMEOUT_S,
+    SERVER_TIMEOUT_S,
+    ready_timeout_hint,
+    server_timeout_hint,
+)
 from snapctl.errors import ProcessExitedError, SnapctlError, WaitTimeoutError
 from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR, ActivationDirs, SandboxSpec
 from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
@@ -42,8 +48,10 @@ class LaunchOptions:
     port: int = 8000
     lo_addresses: list[str] = field(default_factory=list)
     api_key_env: str | None = None
+    # Each step's wall-clock limit (dump, handshake, probe), except the wait for capture-ready.
     timeout_s: float = 300.0
-    server_timeout_s: float = 300.0
+    server_timeout_s: float = SERVER_TIMEOUT_S
+    ready_timeout_s: float = READY_TIMEOUT_S
     fixture_params_mb: int = 4
     fixture_retained_mb: int = 16
     fixture_kv_mb: int = 8
@@ -198,7 +206,8 @@ def snapshot_config_arg(timeout_s: float) -> str:
 
 
 def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: float) -> CaptureReady:
-    """Wait for capture-ready.json under our own deadline, watching the tree."""
+    """Wait for capture-ready.json under our own deadline (``--ready-timeout``), watching the
+    tree."""
     from snapctl.protocol.controldir import ControlDir
 
     control = ControlDir(dirs.control)
@@ -214,13 +223,19 @@ def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: flo
         )
     except ProcessExitedError as error:
         report = control.read(ControlFile.ERROR)
-        detail = f"; error.json: {report.phase}: {report.error}" if report else ""
+        detail = ""
+        if report:
+            hint = server_timeout_hint(report.error_type, report.error)
+            detail = f"; error.json: {report.phase}: {report.error}{hint}"
         raise failed(f"server exited before capture-ready{detail}") from error
     except WaitTimeoutError as error:
-        raise failed(f"capture-ready.json did not appear within {timeout_s:g} s") from error
+        raise failed(
+            f"capture-ready.json did not appear within {timeout_s:g} s{ready_timeout_hint()}"
+        ) from error
     if isinstance(model, ErrorReport):
         raise failed(
             f"server failed before capture: {model.phase}: {model.error_type}: {model.error}"
+            + server_timeout_hint(model.error_type, model.error)
         )
     assert isinstance(model, CaptureReady)
     return model

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
+
+from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,57 @@ def parse_publish(value: str | None) -> tuple[str, int] | None:
     return (address or "127.0.0.1", number)
 
 
+class Seconds(click.ParamType[float, Any]):
+    """A positive, finite number of seconds (``inf``, ``nan``, 0 and negatives refused)."""
+
+    name = "seconds"
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> float:
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        if not (math.isfinite(seconds) and seconds > 0):
+            self.fail(f"{value!r} is not a positive, finite number of seconds", param, ctx)
+        return seconds
+
+
+SECONDS = Seconds()
+
+
+# Each step's wall-clock limit; the wait for capture-ready has its own (--ready-timeout).
+timeout_option = click.option(
+    "--timeout", "timeout_s", default=300.0, show_default=True, type=SECONDS,
+    help="Wall-clock limit in seconds for each step (dump, restore, handshake, HTTP probe).",
+)  # fmt: skip
+
+
+def startup_timeout_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``--ready-timeout`` and ``--server-timeout`` (``ready_timeout_s``, ``server_timeout_s``)
+    of a command that starts a server for capture (``donor``, ``bake``, ``qualify``)."""
+    for decorator in reversed(
+        (
+            click.option(
+                "--ready-timeout", "ready_timeout_s", default=READY_TIMEOUT_S,
+                show_default=True, type=SECONDS,
+                help="How long to wait, in seconds, for a launched server to be ready: "
+                "capture-ready.json (an ordinary start's first HTTP 200 in qualify). Loading, "
+                "compiling and warming up a real model takes minutes.",
+            ),
+            click.option(
+                "--server-timeout", "server_timeout_s", default=SERVER_TIMEOUT_S,
+                show_default=True, type=SECONDS,
+                help="The server's own limit, in seconds, on its prepare stage and each wait at "
+                "the capture barrier (snapshot-config timeout_s; vLLM's default).",
+            ),
+        )
+    ):  # fmt: skip
+        function = decorator(function)
+    return function
+
+
 _OPTIONS = {
     "name": click.option("--name", help="Name for ps/stop/logs (default: the activation id)."),
     "host": click.option("--host", default="127.0.0.1", show_default=True,
@@ -48,9 +102,10 @@ _OPTIONS = {
     "publish": click.option("--publish", metavar="[ADDR:]PORT",
                             help="Forward this host loopback port to the server's port."),
     "api_key_env": click.option("--api-key-env", metavar="VAR",
-                                help="Environment variable holding the API key (used for probes)."),
-    "timeout_s": click.option("--timeout", "timeout_s", default=300.0, show_default=True,
-                              type=float, help="Wall-clock limit in seconds for each step."),
+                                help="Environment variable holding the server's API key. Not "
+                                     "needed to serve: readiness is GET /health; with a key, an "
+                                     "authenticated GET /v1/models must answer too."),
+    "timeout_s": timeout_option,
     "criu_path": click.option("--criu", "criu_path", type=click.Path(dir_okay=False),
                               help="CRIU binary (default: $SNAPCTL_CRIU, /opt/snapctl/criu, "
                                    "PATH)."),
@@ -101,7 +156,9 @@ def shared_options(
 
 def capture_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """The options of a command that captures (``donor``, ``bake``): the image to publish
-    (``image``), ``force`` and the sandbox's extra loopback addresses (``lo_addresses``)."""
+    (``image``), ``force``, the sandbox's extra loopback addresses (``lo_addresses``) and
+    the startup limits (``ready_timeout_s``, ``server_timeout_s``)."""
+    function = startup_timeout_options(function)
     for decorator in reversed(
         (
             click.option(

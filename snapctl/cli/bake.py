@@ -13,7 +13,8 @@ from snapctl.cli._activation_options import CommonOptions, capture_options, shar
 @capture_options
 @shared_options(exclude=frozenset({"name", "publish", "detach"}))
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tuple[str, ...],
+def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
+         server_timeout_s: float, server_cmd: tuple[str, ...],
          common: CommonOptions) -> None:  # fmt: skip
     """Capture a server into an image without ever serving it.
 
@@ -36,6 +37,8 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tu
         lo_addresses=list(lo_addresses),
         api_key_env=common.api_key_env,
         timeout_s=common.timeout_s,
+        ready_timeout_s=ready_timeout_s,
+        server_timeout_s=server_timeout_s,
     )
     with Steps(quiet=common.as_json) as steps:
         report = bake_image(

@@ -15,7 +15,8 @@ from snapctl.cli.serving import Progress, serve
 @capture_options
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: tuple[str, ...],
+def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
+          server_timeout_s: float, server_cmd: tuple[str, ...],
           common: CommonOptions) -> None:  # fmt: skip
     """Capture a server and keep the original serving."""
     from snapctl.activation.donor import start_donor
@@ -32,6 +33,8 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], server_cmd: t
         lo_addresses=list(lo_addresses),
         api_key_env=common.api_key_env,
         timeout_s=common.timeout_s,
+        ready_timeout_s=ready_timeout_s,
+        server_timeout_s=server_timeout_s,
     )
     criu = find_criu(common.criu_path)
     native = native_step(common.native)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 import click
 from click.core import ParameterSource
 
+from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
+from snapctl.cli._activation_options import startup_timeout_options, timeout_option
 from snapctl.cli.output import emit_json, json_option, note, stderr, stdout
 
 if TYPE_CHECKING:
@@ -35,8 +37,7 @@ _common = [
     click.option("--api-key-env", metavar="VAR",
                  help="Variable holding the API key (default SNAPCTL_API_KEY; generated when "
                       "unset)."),
-    click.option("--timeout", "timeout_s", default=300.0, show_default=True, type=float,
-                 help="Wall-clock limit in seconds for each step."),
+    timeout_option,
     click.option("--criu", "criu_path", type=click.Path(dir_okay=False),
                  help="CRIU binary (default: $SNAPCTL_CRIU, /opt/snapctl/criu, PATH)."),
     click.option("--native", default="none", show_default=True,
@@ -69,6 +70,8 @@ def _run(
     fault_mode: str = "changed",
     lazy: bool = False,
     retained_mb: int | None = None,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    server_timeout_s: float = SERVER_TIMEOUT_S,
 ) -> None:
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
@@ -82,6 +85,8 @@ def _run(
             port=port,
             api_key_env=api_key_env,
             timeout_s=timeout_s,
+            ready_timeout_s=ready_timeout_s,
+            server_timeout_s=server_timeout_s,
         ),
         criu=find_criu(criu_path),
         native=native_step(native),
@@ -134,6 +139,7 @@ _lazy_help = (
 @click.option("--retained-mb", type=click.IntRange(0), metavar="MIB",
               help="Retained memory of the bundled fixture the donor launches (default 16; "
                    "256 when a lazy run is planned).")  # fmt: skip
+@startup_timeout_options
 @_with_common
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def qualify(image: Path | None, runs: str | None, fault_mode: str, lazy: bool,

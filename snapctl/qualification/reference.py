@@ -25,6 +25,7 @@ from snapctl.activation.launch import (
     repo_root,
 )
 from snapctl.activation.session import Session
+from snapctl.activation.timeouts import ready_timeout_hint
 from snapctl.errors import SnapctlError
 from snapctl.images.manifest import Manifest
 from snapctl.supervision.state import StateDir
@@ -142,7 +143,8 @@ def start_reference(
         try:
             probe_http_ready(
                 session.connector, options.host, options.port, api_key=options.api_key,
-                timeout_s=options.timeout_s, alive=session.root.alive,
+                timeout_s=options.ready_timeout_s, alive=session.root.alive,
+                timeout_hint=ready_timeout_hint(),
             )  # fmt: skip
         except SnapctlError as error:
             raise LaunchError(

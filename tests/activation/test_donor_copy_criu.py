@@ -180,19 +180,26 @@ def test_existing_image_refused(tmp_path: Path, state: StateDir, criu_binary: Cr
 
 
 @pytest.mark.parametrize(
-    ("code", "timeout_s", "match"),
+    ("code", "ready_timeout_s", "match"),
     [
         ("import sys; sys.exit(3)", 30.0, "exited before capture-ready"),
-        ("import time; time.sleep(60)", 1.5, "did not appear within"),
+        (
+            "import time; time.sleep(60)",
+            1.5,
+            r"did not appear within 1.5 s \(raise --ready-timeout",
+        ),
     ],
 )
 def test_server_that_never_gets_ready(
-    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, code: str, timeout_s: float,
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, code: str, ready_timeout_s: float,
     match: str,
 ) -> None:  # fmt: skip
     argv = [sys.executable, "-c", code]
     with pytest.raises(LaunchError, match=match) as info:
-        launch_donor(tmp_path / "image", state, criu_binary, server_argv=argv, timeout_s=timeout_s)
+        launch_donor(
+            tmp_path / "image", state, criu_binary, server_argv=argv,
+            ready_timeout_s=ready_timeout_s,
+        )  # fmt: skip
     assert "cleanup: clean" in str(info.value)
     assert not (tmp_path / "image").exists()
     assert os.listdir(state.activations) == []

@@ -96,3 +96,88 @@ def test_the_probe_gives_up_at_once_on_a_refused_key(connector: NetnsConnector) 
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _VllmLike(http.server.BaseHTTPRequestHandler):
+    """/health open, /v1/* only with the key (as vLLM with --api-key, and the fixture)."""
+
+    key = "k"
+    seen: list[tuple[str, str | None]] = []
+
+    def do_GET(self) -> None:
+        given = self.headers.get("Authorization")
+        type(self).seen.append((self.path, given))
+        ok = self.path == "/health" or given == f"Bearer {self.key}"
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def vllm_like() -> Iterator[tuple[int, list[tuple[str, str | None]]]]:
+    seen: list[tuple[str, str | None]] = []
+    handler = type("Handler", (_VllmLike,), {"seen": seen})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1], seen
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_without_a_key_readiness_is_an_open_health_check(
+    connector: NetnsConnector, vllm_like: tuple[int, list[tuple[str, str | None]]]
+) -> None:
+    port, seen = vllm_like
+    probe_http_ready(connector, "127.0.0.1", port, api_key=None, timeout_s=10)
+    assert seen == [("/health", None)]  # /v1/* would refuse: never asked without a key
+
+
+def test_with_a_key_the_authenticated_check_runs_as_well(
+    connector: NetnsConnector, vllm_like: tuple[int, list[tuple[str, str | None]]]
+) -> None:
+    port, seen = vllm_like
+    probe_http_ready(connector, "127.0.0.1", port, api_key="k", timeout_s=10)
+    assert seen == [("/health", "Bearer k"), ("/v1/models", "Bearer k")]
+    with pytest.raises(ActivationError, match=r"/v1/models with HTTP 401: the API key is wrong"):
+        probe_http_ready(connector, "127.0.0.1", port, api_key="wrong", timeout_s=10)
+
+
+def test_a_probe_timeout_names_the_check_and_the_option_to_raise(
+    connector: NetnsConnector,
+) -> None:
+    class Starting(_Models):
+        status = 503  # vLLM's /health while its engine is not up
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Starting)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ActivationError) as info:
+            probe_http_ready(
+                connector, "127.0.0.1", server.server_address[1], api_key=None, timeout_s=0.3,
+                timeout_hint=" (raise --ready-timeout)",
+            )  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "never answered /health with 200 within 0.3 s (raise --ready-timeout)" in str(info.value)
+    assert "(last: /health: HTTP 503" in str(info.value)
+
+
+def test_the_servers_own_timeout_at_the_barrier_names_server_timeout(tmp_path: Path) -> None:
+    from tests.protocol.factories import make_error
+
+    control = make_control_dir(tmp_path)
+    control.write(
+        make_error(error_type="WaitTimeoutError", error="timed out after 900 s waiting for x")
+    )
+    with pytest.raises(ActivationError, match=r"the server's own limit ran out: raise --server"):
+        activate(
+            control, capture_id=CAPTURE_ID, activation_id=ACTIVATION_ID, kind="copy",
+            host="127.0.0.1", port=8000, timeout_s=5,
+        )  # fmt: skip

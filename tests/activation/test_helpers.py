@@ -163,3 +163,25 @@ def test_native_step_times_are_recorded_only_for_a_real_step(tmp_path: Path) -> 
     with timed(CudaCheckpoint(str(tool)), timings, "native_restore"):
         pass
     assert set(timings) == {"native_restore"} and timings["native_restore"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("error_type", "error", "named"),
+    [
+        ("WaitTimeoutError", "timed out after 900 s waiting for activation.json", True),
+        ("TimeoutError", "", True),  # asyncio.wait_for's, as vLLM reports it
+        ("ProtocolError", "stale activation control: release.json already present", False),
+    ],
+)
+def test_a_servers_own_timeout_before_capture_names_server_timeout(
+    tmp_path: Path, error_type: str, error: str, named: bool
+) -> None:
+    from snapctl.supervision.process import PinnedProcess
+    from tests.protocol.factories import make_control_dir, make_error
+
+    dirs = ActivationDirs(root=tmp_path, logs=tmp_path / "logs")
+    control = make_control_dir(tmp_path)
+    control.write(make_error(phase="prepare", error_type=error_type, error=error))
+    with pytest.raises(LaunchError, match="server failed before capture") as info:
+        launch.wait_capture_ready(dirs, PinnedProcess(os.getpid()), 5.0)
+    assert ("raise --server-timeout" in info.value.message) is named

@@ -14,11 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 from snapctl import __version__
+from snapctl.activation.launch import LaunchOptions
 from snapctl.cli import COMMANDS, load_command, main, snapctl
 from snapctl.criu import CriuError
 from snapctl.criu.stats import DumpStats
 from snapctl.doctor import DoctorReport
 from snapctl.errors import CanaryMismatchError, ExitStatus, SnapctlError
+from snapctl.qualification.suite import Plan
 from tests.images.factories import publish_sample
 
 HEAVY_MODULES = ("pydantic", "rich", "psutil", "pyroute2", "watchdog")
@@ -240,3 +242,49 @@ def test_copy_restores_lazily_by_default_from_256_mib_of_pages(
     monkeypatch.setattr("snapctl.criu.find_criu", lambda path: None)
     result = CliRunner().invoke(snapctl, ["copy", "--image", str(image), *flags])
     assert str(result.exception) == "stop here" and asked == [expected]
+
+
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [
+        ("donor", "snapctl.activation.donor.start_donor"),
+        ("bake", "snapctl.activation.bake.bake_image"),
+        ("qualify", "snapctl.qualification.suite.qualify"),
+    ],
+)
+def test_startup_timeouts_are_options_of_every_command_that_launches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, target: str
+) -> None:
+    asked: list[tuple[float, float, float]] = []
+
+    def launch(given: LaunchOptions | Plan, *args: object, **kwargs: object) -> NoReturn:
+        options = given.options if isinstance(given, Plan) else given
+        asked.append((options.ready_timeout_s, options.server_timeout_s, options.timeout_s))
+        raise SnapctlError("stop here")
+
+    monkeypatch.setattr(target, launch)
+    monkeypatch.setattr("snapctl.criu.find_criu", lambda path: None)
+    image = ["--image", str(tmp_path / "image")]
+    runner = CliRunner()
+    result = runner.invoke(snapctl, [command, *image])
+    assert str(result.exception) == "stop here"
+    flags = ["--ready-timeout", "1800", "--server-timeout", "2400.5", "--timeout", "60"]
+    result = runner.invoke(snapctl, [command, *image, *flags])
+    assert str(result.exception) == "stop here"
+    assert asked == [(900.0, 900.0, 300.0), (1800.0, 2400.5, 60.0)]  # vLLM's 900 by default
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "soon"])
+@pytest.mark.parametrize("flag", ["--ready-timeout", "--server-timeout", "--timeout"])
+def test_timeouts_must_be_positive_and_finite(tmp_path: Path, flag: str, value: str) -> None:
+    result = CliRunner().invoke(snapctl, ["bake", "--image", str(tmp_path / "i"), flag, value])
+    assert result.exit_code == ExitStatus.USAGE
+    assert f"Invalid value for '{flag}'" in result.output
+    assert "seconds" in result.output
+
+
+def test_startup_timeouts_are_documented_in_help() -> None:
+    for command in ("donor", "bake", "qualify"):
+        result = CliRunner().invoke(snapctl, [command, "--help"])
+        assert "--ready-timeout SECONDS" in result.output
+        assert "--server-timeout SECONDS" in result.output

@@ -1,0 +1,25 @@
+"""The limits on starting a server for capture: their defaults, the CLI options that set them,
+and the hints the errors of their timeouts give (imports nothing, so ``--help`` stays light)."""
+
+from __future__ import annotations
+
+# The server's own limit on its prepare stage and on each wait at the barrier (snapshot-config
+# ``timeout_s``; vLLM's default), and snapctl's wait for capture-ready: a real model loads,
+# compiles and warms up for minutes before it is ready.
+SERVER_TIMEOUT_S = 900.0
+READY_TIMEOUT_S = 900.0
+SERVER_TIMEOUT_OPTION = "--server-timeout"
+READY_TIMEOUT_OPTION = "--ready-timeout"
+
+
+def server_timeout_hint(error_type: str, error: str) -> str:
+    """A pointer to ``--server-timeout`` when a server's error is its own limit running out
+    (snapctl's launcher reports WaitTimeoutError, vLLM TimeoutError), else ""."""
+    text = f"{error_type} {error}".lower()
+    if "timeout" in text or "timed out" in text:
+        return f" (the server's own limit ran out: raise {SERVER_TIMEOUT_OPTION})"
+    return ""
+
+
+def ready_timeout_hint() -> str:
+    return f" (raise {READY_TIMEOUT_OPTION} for a server that takes longer to start)"
