@@ -143,9 +143,11 @@ def _activate(ctx: RunContext, manifest: Manifest) -> Drive:
     return drive
 
 
-def expect_error(seen: FailClosedSeen, phase: str, text: str | None = None) -> checks.Check:
+def expect_error(
+    seen: FailClosedSeen, phase: str, reason: checks.Reason | None = None
+) -> checks.Check:
     return checks.check_error_phase(
-        seen.error, expect_phase=phase, expect_text=text, capturer_saw=seen.handshake_error
+        seen.error, expect_phase=phase, expect_reason=reason, capturer_saw=seen.handshake_error
     )
 
 
@@ -382,7 +384,7 @@ def run_stale(ctx: RunContext) -> list[RunResult]:
         _observe_fail_closed(ctx, session, "stale-files", files_drive, files_seen)
 
     def files_judge() -> list[checks.Check]:
-        check = expect_error(files_seen, Phase.CAPTURE_BARRIER.value, "stale activation control")
+        check = expect_error(files_seen, Phase.CAPTURE_BARRIER.value, checks.STALE_CONTROL)
         return [_noting(check, f"stale release.json and status.json {origin}")]
 
     results.append(
@@ -396,9 +398,7 @@ def run_stale(ctx: RunContext) -> list[RunResult]:
         _observe_fail_closed(ctx, session, "stale-replay", replay_drive, replay_seen)
 
     def replay_judge() -> list[checks.Check]:
-        check = expect_error(
-            replay_seen, Phase.CAPTURE_BARRIER.value, "release.json does not match challenge.json"
-        )
+        check = expect_error(replay_seen, Phase.CAPTURE_BARRIER.value, checks.RELEASE_MISMATCH)
         return [_noting(check, f"replayed nonce {challenge.nonce[:8]}… {origin}")]
 
     results.append(

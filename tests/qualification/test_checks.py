@@ -243,10 +243,41 @@ def test_error_phase() -> None:
     )
     reason = checks.check_error_phase(
         make_error(phase="capture barrier", error="timed out waiting for release.json"),
-        expect_phase="capture barrier", expect_text="stale activation control",
+        expect_phase="capture barrier", expect_reason=checks.STALE_CONTROL,
     )  # fmt: skip
     assert reason.status == "failed"
     assert reason.evidence.startswith("reason does not mention 'stale activation control'")
+
+
+@pytest.mark.parametrize(
+    ("reason", "message", "said"),
+    [
+        # snapctl's launcher (the fixture) and vLLM's own words, then ones that must fail.
+        (checks.STALE_CONTROL, "stale activation control: release.json, status.json already "
+         "present", True),
+        (checks.STALE_CONTROL, "stale snapshot activation control: release.json", True),
+        (checks.STALE_CONTROL, "Stale snapshot activation control: status.json", True),
+        (checks.STALE_CONTROL, "timed out waiting for release.json", False),
+        (checks.STALE_CONTROL, "stale snapshot activation control", False),  # names no file
+        (checks.STALE_CONTROL, "release.json does not match challenge.json", False),
+        (checks.RELEASE_MISMATCH, "release.json does not match challenge.json", True),
+        (checks.RELEASE_MISMATCH, "snapshot release does not match this activation challenge",
+         True),
+        (checks.RELEASE_MISMATCH, "stale snapshot activation control: release.json", False),
+        (checks.RELEASE_MISMATCH, "timed out waiting for release.json", False),
+        (checks.RELEASE_MISMATCH, "challenge.json is not a challenge", False),
+    ],
+)  # fmt: skip
+def test_stale_and_replay_reasons_match_either_servers_wording(
+    reason: checks.Reason, message: str, said: bool
+) -> None:
+    check = checks.check_error_phase(
+        make_error(phase="capture barrier", error=message),
+        expect_phase="capture barrier", expect_reason=reason,
+    )  # fmt: skip
+    assert (check.status == "passed") is said, check.evidence
+    if not said:
+        assert check.evidence.startswith(f"reason does not mention {reason.meaning!r}")
 
 
 def test_fail_closed_observations() -> None:
