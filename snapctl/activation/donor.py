@@ -133,10 +133,6 @@ def capture(
     assert session.root is not None
     try:
         pids = tree_pids(session.root.pid)
-        started = time.monotonic()
-        # Before anything else: what CRIU cannot dump is refused before the tree is frozen.
-        require_dumpable(pids, released=native.releases)
-        timings["inventory"] = time.monotonic() - started
         process_tree = _process_tree(session.root.pid)
         started = time.monotonic()
         # Read while the tree waits at its barrier: it maps and opens nothing new until released.
@@ -154,6 +150,11 @@ def capture(
         action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
         started = time.monotonic()
         try:
+            # What CRIU cannot dump is refused before CRIU runs, so the tree is never frozen
+            # for nothing; after the native step, which releases devices, as CRIU would see it.
+            require_dumpable(pids)
+            timings["inventory"] = time.monotonic() - started
+            started = time.monotonic()
             dump_tree(
                 criu,
                 session.root.pid,
@@ -165,7 +166,8 @@ def capture(
                 timeout_s=options.timeout_s,
             )
         except BaseException as dump_error:
-            timings["dump"] = time.monotonic() - started
+            if "inventory" in timings:  # the dump itself ran
+                timings["dump"] = time.monotonic() - started
             try:
                 native.after_dump(pids, options.timeout_s)
             except SnapctlError as native_error:

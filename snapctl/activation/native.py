@@ -27,9 +27,6 @@ class NativeStepError(SnapctlError):
 
 class NativeStep(Protocol):
     name: str
-    # Path prefixes of the devices ``before_dump`` releases: the pre-dump inventory
-    # (snapctl.criu.inventory) does not count descriptors and mappings of them.
-    releases: tuple[str, ...]
 
     def before_dump(self, pids: Iterable[int], timeout_s: float) -> None: ...
 
@@ -42,7 +39,6 @@ class NoNativeStep:
     """Nothing to do on a machine without a GPU."""
 
     name = "none"
-    releases: tuple[str, ...] = ()
 
     def before_dump(self, pids: Iterable[int], timeout_s: float) -> None:
         pass
@@ -66,9 +62,6 @@ class CudaCheckpoint:
     """NVIDIA's ``cuda-checkpoint --action ACTION --pid PID`` for each CUDA process."""
 
     name = "cuda-checkpoint"
-    # A checkpointed process holds no GPU: its /dev/nvidia* descriptors and mappings are gone
-    # (CRIU, which refuses them, dumped such trees on the H200: docs/gpu.md).
-    releases: tuple[str, ...] = ("/dev/nvidia",)
 
     def __init__(self, binary: str | None = None) -> None:
         found = (

@@ -4,8 +4,9 @@ CRIU learns that a tree holds something it cannot dump only after it has frozen 
 then says so in its own words (``Unknown shit 600 (anon_inode:[io_uring])`` for the io_uring
 rings libuv maps). :func:`require_dumpable` reads every open descriptor (``/proc/PID/fd``
 links, their ``stat`` and ``/proc/PID/fdinfo``) and every device mapping (``/proc/PID/maps``)
-of every process of a tree while it waits at its barrier, and refuses before anything is
-frozen, naming the PID, process, descriptor, what it is and the fix.
+of every process of a tree while it waits at its barrier, right before the dump (after the
+native step, which releases the GPU: it judges what CRIU would see), and refuses before
+anything is frozen, naming the PID, process, descriptor, what it is and the fix.
 
 What counts as undumpable is what CRIU 4.2 refuses (``criu/files.c`` ``dump_one_file``,
 ``dump_chrdev``; ``criu/proc_parse.c`` ``handle_vma``; ``criu/tty.c`` ``get_tty_driver``) on
@@ -59,7 +60,10 @@ FIX_INFINIBAND = (
     "capture the server without RDMA: open no /dev/infiniband device before capture-ready "
     "(for NCCL, NCCL_IB_DISABLE=1)"
 )
-FIX_NVIDIA = "capture with --native cuda-checkpoint, which releases the GPU before the dump"
+FIX_NVIDIA = (
+    "capture with --native cuda-checkpoint, which releases the GPU before the dump (with it, "
+    "a device still held means cuda-checkpoint did not checkpoint that process)"
+)
 FIX_OTHER = "close it before the server writes capture-ready.json (CRIU cannot dump it)"
 
 
@@ -220,10 +224,6 @@ def _device_dumpable(rdev: int) -> bool:
     return major in PTY_MASTER_MAJORS or major == PTY_SLAVE_MAJOR or major in SERIAL_MAJORS
 
 
-def _released(path: str, released: Sequence[str]) -> bool:
-    return any(path.startswith(prefix) for prefix in released)
-
-
 def _device_fix(path: str) -> tuple[str, str]:
     if path.startswith("/dev/infiniband/"):
         return "an RDMA (InfiniBand verbs) device, which CRIU 4.2 cannot dump", FIX_INFINIBAND
@@ -232,9 +232,8 @@ def _device_fix(path: str) -> tuple[str, str]:
     return "a device CRIU 4.2 cannot dump", FIX_OTHER
 
 
-def classify_open_file(entry: OpenFile, released: Sequence[str] = ()) -> tuple[str, str] | None:
-    """(why, fix) when CRIU cannot dump ``entry``; None when it can or it is CRIU's to judge.
-    ``released``: path prefixes of devices the native step releases before the dump."""
+def classify_open_file(entry: OpenFile) -> tuple[str, str] | None:
+    """(why, fix) when CRIU cannot dump ``entry``; None when it can or it is CRIU's to judge."""
     if entry.target.startswith(ANON_PREFIX):
         kind = entry.target[len(ANON_PREFIX) :]
         if kind == IO_URING or any(key in entry.fdinfo for key in IO_URING_FDINFO_KEYS):
@@ -242,7 +241,7 @@ def classify_open_file(entry: OpenFile, released: Sequence[str] = ()) -> tuple[s
         if kind in DUMPABLE_ANON:
             return None
         return f"an anonymous inode of a kind CRIU 4.2 cannot dump ({kind})", FIX_OTHER
-    if entry.mode is None or _released(entry.target, released):
+    if entry.mode is None:
         return None
     if stat.S_ISCHR(entry.mode) and not _device_dumpable(entry.rdev):
         why, fix = _device_fix(entry.target)
@@ -252,12 +251,12 @@ def classify_open_file(entry: OpenFile, released: Sequence[str] = ()) -> tuple[s
     return None
 
 
-def classify_mapping(mapping: MappedFile, released: Sequence[str] = ()) -> tuple[str, str] | None:
+def classify_mapping(mapping: MappedFile) -> tuple[str, str] | None:
     """(why, fix) when CRIU cannot dump ``mapping`` (``handle_vma``: io_uring rings, device
     mappings other than /dev/zero); None otherwise."""
     if mapping.path == ANON_PREFIX + IO_URING:
         return "an io_uring ring mapped into memory, which CRIU 4.2 cannot dump", FIX_IO_URING
-    if mapping.mode is None or _released(mapping.path, released):
+    if mapping.mode is None:
         return None
     if stat.S_ISCHR(mapping.mode) and mapping.rdev != DEV_ZERO:
         why, fix = _device_fix(mapping.path)
@@ -265,9 +264,7 @@ def classify_mapping(mapping: MappedFile, released: Sequence[str] = ()) -> tuple
     return None
 
 
-def inventory(
-    pids: Iterable[int], *, released: Sequence[str] = (), view: ProcessView | None = None
-) -> list[Undumpable]:
+def inventory(pids: Iterable[int], *, view: ProcessView | None = None) -> list[Undumpable]:
     """Everything of the processes ``pids`` that CRIU cannot dump, in PID and fd order.
 
     A mapping of what a descriptor of the same process already names is not named again
@@ -278,14 +275,14 @@ def inventory(
         name: str | None = None
         named: set[str] = set()
         for entry in view.open_files(pid):
-            verdict = classify_open_file(entry, released)
+            verdict = classify_open_file(entry)
             if verdict is None:
                 continue
             name = name or view.name(pid)
             named.add(entry.target)
             findings.append(Undumpable(pid, name, f"fd {entry.fd}", entry.target, *verdict))
         for mapping in view.mapped_files(pid):
-            verdict = classify_mapping(mapping, released)
+            verdict = classify_mapping(mapping)
             if verdict is None or mapping.path in named:
                 continue
             name = name or view.name(pid)
@@ -296,10 +293,8 @@ def inventory(
     return findings
 
 
-def require_dumpable(
-    pids: Iterable[int], *, released: Sequence[str] = (), view: ProcessView | None = None
-) -> None:
+def require_dumpable(pids: Iterable[int], *, view: ProcessView | None = None) -> None:
     """Raise :class:`UndumpableError` naming everything of ``pids`` CRIU cannot dump."""
-    findings = inventory(pids, released=released, view=view)
+    findings = inventory(pids, view=view)
     if findings:
         raise UndumpableError(findings)

@@ -112,14 +112,6 @@ def test_devices_criu_cannot_dump_are_refused_with_their_fix() -> None:
     assert block is not None and "block device" in block[0]
 
 
-def test_devices_the_native_step_releases_pass() -> None:
-    gpu = device("/dev/nvidia0", 195, 0)
-    assert classify_open_file(gpu, released=("/dev/nvidia",)) is None
-    uvm = MappedFile(span="7f00-7f10", path="/dev/nvidia-uvm", mode=CHR, rdev=os.makedev(511, 0))
-    assert classify_mapping(uvm) is not None
-    assert classify_mapping(uvm, released=("/dev/nvidia",)) is None
-
-
 def test_files_sockets_pipes_and_unreadable_entries_are_left_to_criu() -> None:
     for entry in (
         OpenFile(fd=3, target="/models/tiny/model.safetensors", mode=REG),
