@@ -1,6 +1,6 @@
 """A donor whose tree holds what CRIU cannot dump is refused before CRIU runs, with real CRIU
 and a real sandboxed server: the error names PID, process, fd and fix, no dump was started,
-nothing is published a native step's checkpoint is undone, and nothing is left behind."""
+nothing is published, a native step's checkpoint is undone, and nothing is left behind."""
 
 from __future__ import annotations
 
