@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import socket
@@ -39,14 +40,29 @@ def test_a_server_stuck_recovering_times_out_as_a_wait_timeout(tmp_path: Path) -
 class _Models(http.server.BaseHTTPRequestHandler):
     status = 200
 
+    def status_for(self, path: str, authorization: str | None) -> int:
+        return self.status
+
     def do_GET(self) -> None:
-        self.send_response(self.status)
+        self.send_response(self.status_for(self.path, self.headers.get("Authorization")))
         self.send_header("Content-Length", "2")
         self.end_headers()
         self.wfile.write(b"{}")
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[int]:
+    """An HTTP server on a loopback port (yielded) in a thread, for the time of the block."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture
@@ -86,48 +102,25 @@ def test_the_probe_gives_up_at_once_on_a_refused_key(connector: NetnsConnector) 
     class Refusing(_Models):
         status = 401
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Refusing)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(ActivationError, match="HTTP 401: the API key"):
-            probe_http_ready(
-                connector, "127.0.0.1", server.server_address[1], api_key="k", timeout_s=10
-            )
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(Refusing) as port, pytest.raises(ActivationError, match="HTTP 401: the API key"):
+        probe_http_ready(connector, "127.0.0.1", port, api_key="k", timeout_s=10)
 
 
-class _VllmLike(http.server.BaseHTTPRequestHandler):
+class _VllmLike(_Models):
     """/health open, /v1/* only with the key (as vLLM with --api-key, and the fixture)."""
 
-    key = "k"
     seen: list[tuple[str, str | None]] = []
 
-    def do_GET(self) -> None:
-        given = self.headers.get("Authorization")
-        type(self).seen.append((self.path, given))
-        ok = self.path == "/health" or given == f"Bearer {self.key}"
-        self.send_response(200 if ok else 401)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
-
-    def log_message(self, *args: object) -> None:
-        pass
+    def status_for(self, path: str, authorization: str | None) -> int:
+        type(self).seen.append((path, authorization))
+        return 200 if path == "/health" or authorization == "Bearer k" else 401
 
 
 @pytest.fixture
 def vllm_like() -> Iterator[tuple[int, list[tuple[str, str | None]]]]:
     seen: list[tuple[str, str | None]] = []
-    handler = type("Handler", (_VllmLike,), {"seen": seen})
-    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield server.server_address[1], seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(type("Handler", (_VllmLike,), {"seen": seen})) as port:
+        yield port, seen
 
 
 def test_without_a_key_readiness_is_an_open_health_check(
@@ -154,17 +147,11 @@ def test_a_probe_timeout_names_the_check_and_the_option_to_raise(
     class Starting(_Models):
         status = 503  # vLLM's /health while its engine is not up
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Starting)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        with pytest.raises(ActivationError) as info:
-            probe_http_ready(
-                connector, "127.0.0.1", server.server_address[1], api_key=None, timeout_s=0.3,
-                timeout_hint=" (raise --ready-timeout)",
-            )  # fmt: skip
-    finally:
-        server.shutdown()
-        server.server_close()
+    with _serving(Starting) as port, pytest.raises(ActivationError) as info:
+        probe_http_ready(
+            connector, "127.0.0.1", port, api_key=None, timeout_s=0.3,
+            timeout_hint=" (raise --ready-timeout)",
+        )  # fmt: skip
     assert "never answered /health with 200 within 0.3 s (raise --ready-timeout)" in str(info.value)
     assert "(last: /health: HTTP 503" in str(info.value)
 
