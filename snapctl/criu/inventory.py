@@ -260,12 +260,12 @@ def classify_mapping(mapping: MappedFile) -> tuple[str, str] | None:
         return None
     if stat.S_ISCHR(mapping.mode) and mapping.rdev != DEV_ZERO:
         why, fix = _device_fix(mapping.path)
-        return f"a mapping of {why.removeprefix('a ').removeprefix('an ')}", fix
+        return f"a mapping of {why}", fix
     return None
 
 
 def inventory(pids: Iterable[int], *, view: ProcessView | None = None) -> list[Undumpable]:
-    """Everything of the processes ``pids`` that CRIU cannot dump, in PID and fd order.
+    """Everything of the processes ``pids`` that CRIU cannot dump, in their order, then by fd.
 
     A mapping of what a descriptor of the same process already names is not named again
     (libuv keeps its io_uring open and mapped: one finding, the descriptor)."""

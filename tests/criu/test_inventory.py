@@ -132,7 +132,7 @@ def test_mappings_of_io_uring_and_devices_are_refused_but_not_dev_zero() -> None
         span="7f00-7f10", path="/dev/infiniband/uverbs0", mode=CHR, rdev=os.makedev(231, 192)
     )
     verdict = classify_mapping(verbs)
-    assert verdict is not None and verdict[0].startswith("a mapping of RDMA")
+    assert verdict is not None and verdict[0].startswith("a mapping of an RDMA")
     assert classify_mapping(MappedFile(span="1-2", path="/dev/shm/psm_1", mode=REG)) is None
 
 
