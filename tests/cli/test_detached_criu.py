@@ -92,12 +92,16 @@ def test_count_detach_copies_stop_one_at_a_time(
 
 
 def test_count_failure_stops_every_copy(tmp_path: Path, state: Path, criu_binary: object) -> None:
-    """A copy that cannot serve (no API key for the probe) fails the whole --count, cleanly."""
+    """A copy that cannot serve (the probe's key is refused) fails the whole --count, cleanly."""
     image = tmp_path / "image"
+    # Without a key a copy would serve (readiness is the open /health); a wrong one is refused.
+    # (Set at capture too: the identity gate refuses a variable that was not.)
+    wrong = {"WRONG_KEY": "not-the-key"}
     ok(snapctl(state, "donor", "--image", str(image), "--name", "d",
-               "--api-key-env", API_KEY_ENV, "--detach", "--json"))  # fmt: skip
+               "--api-key-env", API_KEY_ENV, "--detach", "--json", extra_env=wrong))  # fmt: skip
     ok(snapctl(state, "stop", "d"))
-    result = snapctl(state, "copy", "--image", str(image), "--count", "2", "--json")
+    result = snapctl(state, "copy", "--image", str(image), "--count", "2", "--json",
+                     "--api-key-env", "WRONG_KEY", extra_env=wrong)  # fmt: skip
     assert result.returncode != 0
     assert "2 of 2 copies failed" in result.stderr and "401" in result.stderr
     assert result.stdout == ""
