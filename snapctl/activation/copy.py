@@ -90,12 +90,17 @@ def start_copy(
         timings["verify"] = time.monotonic() - started
         progress("checking this host against the image's identity")
         started = time.monotonic()
-        waived = check_identity(
+        shown = check_identity(
             manifest, image, criu_version=criu.version, options=options, state=state
         )
         timings["identity"] = time.monotonic() - started
+        waived = [d for d in shown if d.refuses]
         if waived:
             progress("waived: " + "; ".join(f"{d.field}: {d.detail}" for d in waived))
+        noted = [d for d in shown if not d.refuses]
+        if noted:
+            progress("differs, does not refuse: " + "; ".join(f"{d.field}: {d.detail}"
+                                                              for d in noted))  # fmt: skip
         if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
             raise RestoreError(
                 f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",

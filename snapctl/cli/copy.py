@@ -31,8 +31,9 @@ from snapctl.cli.serving import Progress, serve
     multiple=True,
     metavar="FIELD",
     help="Restore even though this identity field differs from the image's (repeatable): "
-    "kernel, criu_version, cpu_vendor, cpu_flags, host_id, python_version, argv, env, "
-    "identity. File contents cannot be waived.",
+    "kernel, kernel_features, criu_version, cpu_vendor, cpu_flags, python_version, argv, "
+    "identity. File contents cannot be waived; host_id and env never refuse (accepted, "
+    "not needed).",
 )
 @click.option(
     "--lazy/--no-lazy",
@@ -48,9 +49,10 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | 
          server_cmd: tuple[str, ...], common: CommonOptions) -> None:  # fmt: skip
     """Restore a copy of an image and serve it.
 
-    Before CRIU runs, this host is checked against the image's identity (kernel, CRIU, CPU,
-    host, environment, files the server had mapped or open). A SERVER_CMD, if given, must be
-    the command the image was captured from.
+    Before CRIU runs, this host is checked against the image's identity (kernel and its
+    features, CRIU, CPU flags, files the server had mapped or open); another machine id,
+    hostname or environment is shown, never refused. A SERVER_CMD, if given, must be the
+    command the image was captured from.
     """
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
@@ -59,10 +61,13 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | 
     from snapctl.cli.output import note
     from snapctl.criu import find_criu
     from snapctl.images import load_manifest
-    from snapctl.images.identity import check_waivers
+    from snapctl.images.identity import check_waivers, needless_waivers
     from snapctl.supervision.state import StateDir
 
     check_waivers(allow_mismatch)  # a bad name fails before anything starts
+    for name in needless_waivers(allow_mismatch):
+        note(f"--allow-mismatch {name} is not needed: {name} never refuses a copy",
+             quiet=common.as_json)  # fmt: skip
     options = LaunchOptions(
         server_argv=list(server_cmd) or None,
         allow_mismatch=allow_mismatch,

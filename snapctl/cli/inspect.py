@@ -108,23 +108,26 @@ def _files(manifest: Manifest) -> Any:
 
 def _identity(manifest: Manifest) -> Any:
     identity = manifest.identity
-    table = _table("identity (checked by every copy)")
+    table = _table("identity (checked by every copy; * shown, never refuses)")
     table.add_column()
     table.add_column()
     if identity is None:
         table.add_row("identity", "not recorded (schema 1 image)")
         return table
+    features = identity.kernel_features
     for label, value in [
         ("kernel", identity.kernel),
+        ("kernel features", "not recorded" if features is None else " ".join(features)),
         ("criu", identity.criu_version),
         ("cpu", f"{identity.cpu_vendor} {identity.cpu_model}"),
         ("cpu flags", " ".join(identity.cpu_flags)),
-        ("host id", identity.host_id),
-        ("hostname", identity.hostname),
+        ("host id *", identity.host_id),
+        ("hostname *", identity.hostname),
         ("python", identity.python_version),
         ("argv", " ".join(identity.argv)),
-        ("env", f"{len(identity.env)} variables (values hashed): " + " ".join(identity.env)),
-    ]:
+        ("env *", f"{len(identity.env)} variables at capture (values salted sha256): "
+                  + " ".join(identity.env)),
+    ]:  # fmt: skip
         table.add_row(label, value)
     table.add_row("files", f"{len(identity.files)} outside the image (listed below)")
     return table

@@ -1,9 +1,15 @@
-"""What a restore depends on outside the image (kernel, CRIU, CPU, host, server argv and
-environment, Python, and every file the captured tree had mapped or open), how it is read from
-a running tree and from this host, and how two records are compared.
+"""What a restore depends on outside the image (kernel and its features, CRIU, CPU, server
+argv, Python, and every file the captured tree had mapped or open), what is recorded only to be
+shown (machine id, hostname, the server's environment), how both are read from a running tree
+and from this host, and how two records are compared.
 
-The record is taken just before the dump and checked by every copy before CRIU runs. A
-difference names the field (and the file or variable), never a value that could be secret:
+The record is taken just before the dump and checked by every copy before CRIU runs. Fields a
+restored tree runs on refuse a copy that differs (some may be waived by name); fields that only
+describe where and how the capture ran are shown as notes and never refuse: a fleet restores on
+other machines, from shells, units and pods whose environment is not the capture's, and a
+restored tree keeps the environment it was captured with whatever the restorer's is.
+
+A difference names the field (and the file or variable), never a value that could be secret:
 environment values are stored only as salted sha256, argv with secret flags redacted.
 """
 
@@ -28,20 +34,25 @@ from snapctl.protocol.atomic import replace_file
 
 CHUNK = 4 << 20
 
-# Fields a platform team may waive by name (``--allow-mismatch FIELD``). File contents are
-# not among them: a restored tree that maps a changed library or model runs on bytes it never
-# validated.
-WAIVABLE_FIELDS = (
+# Fields that refuse a copy when they differ, yet a platform team may waive by name
+# (``--allow-mismatch FIELD``). File contents are not among them: a restored tree that maps a
+# changed library or model runs on bytes it never validated.
+REFUSING_WAIVABLE_FIELDS = (
     "kernel",
+    "kernel_features",
     "criu_version",
     "cpu_vendor",
     "cpu_flags",
-    "host_id",
     "python_version",
     "argv",
-    "env",
     "identity",  # a schema-1 image, which recorded none of this
 )
+# Fields shown when they differ but never refusing: the machine (a fleet restores elsewhere)
+# and the restorer's environment (the restored tree keeps the one it was captured with).
+NOTED_FIELDS = ("host_id", "hostname", "env")
+# Every name ``--allow-mismatch`` accepts: a waiver of a noted field (an older script's
+# ``--allow-mismatch host_id``) is accepted and has nothing left to waive.
+WAIVABLE_FIELDS = (*REFUSING_WAIVABLE_FIELDS, "host_id", "env")
 FILES_FIELD = "files"
 
 # Variables that differ between two shells of one host without changing what a server does;
@@ -75,6 +86,11 @@ ISA_FLAG_PREFIXES = (
     "fsrm", "xsave", "clflushopt", "clwb", "cx16", "mmx", "asimd", "sve", "atomics", "fphp",
     "i8mm", "bf16",
 )  # fmt: skip
+
+# Kernel features a restore by snapctl relies on, probed without running CRIU: the namespaces
+# every copy gets fresh (and the ones CRIU restores into), and userfaultfd for lazy copies.
+# Compared as a set: each recorded feature must be present here, a newer kernel may add more.
+NAMESPACE_FEATURES = ("cgroup", "ipc", "mnt", "net", "pid", "time", "user", "uts")
 
 
 class IdentityMismatchError(SnapctlError):
@@ -113,25 +129,33 @@ class Identity(_Strict):
 
     version: Literal[1] = 1
     kernel: str
+    # None in images captured before features were recorded: not compared.
+    kernel_features: list[str] | None = None
     criu_version: str
     cpu_vendor: str
     cpu_model: str  # shown, not compared: flags decide what restored code can execute
     cpu_flags: list[str]
-    host_id: str
-    hostname: str  # shown, not compared: host_id names the machine
+    host_id: str  # shown, never refuses: a fleet restores on other machines
+    hostname: str  # shown, never refuses
     python_version: str
     argv: list[str]
     env_salt: str
-    env: dict[str, str]  # name -> sha256(salt, name, value)
+    # name -> sha256(salt, name, value): the server's environment at capture, shown; the
+    # restorer's differing from it never refuses (the restored tree keeps this one).
+    env: dict[str, str]
     files: list[FileRecord]
 
 
 class Difference(_Strict):
-    """One way this host differs from the recorded identity (never a secret value)."""
+    """One way this host differs from the recorded identity (never a secret value).
+
+    ``refuses``: the copy is refused unless ``waivable`` and waived; otherwise only shown.
+    """
 
     field: str
     detail: str
     waivable: bool
+    refuses: bool = True
 
 
 # --- reading this host ------------------------------------------------------------------------
@@ -155,6 +179,15 @@ def _cpuinfo() -> tuple[str, str, list[str]]:
             flags = value.split()
     relevant = sorted({f for f in flags if f.startswith(ISA_FLAG_PREFIXES)})
     return vendor or platform.machine(), model, relevant
+
+
+def kernel_features() -> list[str]:
+    """The features of this kernel a restore relies on (see :data:`NAMESPACE_FEATURES`)."""
+    found = [f"{name}_ns" for name in NAMESPACE_FEATURES if os.path.exists(f"/proc/self/ns/{name}")]
+    # The sysctl exists exactly when the kernel was built with userfaultfd (lazy pages).
+    if os.path.exists("/proc/sys/vm/unprivileged_userfaultfd"):
+        found.append("userfaultfd")
+    return sorted(found)
 
 
 def host_id() -> str:
@@ -204,6 +237,7 @@ def current_identity(
     salt = env_salt if env_salt is not None else secrets.token_hex(16)
     return Identity(
         kernel=platform.release(),
+        kernel_features=kernel_features(),
         criu_version=criu_version,
         cpu_vendor=vendor,
         cpu_model=model,
@@ -354,28 +388,41 @@ def compare(recorded: Identity, current: Identity) -> list[Difference]:
     out: list[Difference] = []
 
     def differ(field: str, detail: str) -> None:
-        out.append(Difference(field=field, detail=detail, waivable=field in WAIVABLE_FIELDS))
+        out.append(
+            Difference(
+                field=field,
+                detail=detail,
+                waivable=field in WAIVABLE_FIELDS,
+                refuses=field not in NOTED_FIELDS,
+            )
+        )
 
     for field in ("kernel", "criu_version", "cpu_vendor", "python_version"):
         was, now = getattr(recorded, field), getattr(current, field)
         if was != now:
             differ(field, f"image {was}, here {now}")
-    if recorded.host_id != current.host_id:
-        # machine-id is meant to stay confidential (machine-id(5)): a prefix tells the
-        # machines apart without handing the whole id to whoever reads the error.
-        differ("host_id", f"image {recorded.host_id[:8]}..., here {current.host_id[:8]}...")
+    if recorded.kernel_features is not None and current.kernel_features is not None:
+        missing_features = sorted(set(recorded.kernel_features) - set(current.kernel_features))
+        if missing_features:
+            differ("kernel_features", "this kernel lacks " + " ".join(missing_features))
     missing_flags = sorted(set(recorded.cpu_flags) - set(current.cpu_flags))
     if missing_flags:
         differ("cpu_flags", "this CPU lacks " + " ".join(missing_flags))
     if recorded.argv != current.argv:
         differ("argv", _argv_detail(recorded.argv, current.argv))
+    if recorded.host_id != current.host_id:
+        # machine-id is meant to stay confidential (machine-id(5)): a prefix tells the
+        # machines apart without handing the whole id to whoever reads the output.
+        differ("host_id", f"image {recorded.host_id[:8]}..., here {current.host_id[:8]}...")
+    if recorded.hostname != current.hostname:
+        differ("hostname", f"image {recorded.hostname}, here {current.hostname}")
     for name in sorted(set(recorded.env) | set(current.env)):
         if name not in current.env:
-            differ("env", f"{name} is not set here")
+            differ("env", f"{name} was set at capture, not here (the copy keeps it)")
         elif name not in recorded.env:
-            differ("env", f"{name} is set here but was not at capture")
+            differ("env", f"{name} is set here but was not at capture (the copy does not see it)")
         elif recorded.env[name] != current.env[name]:
-            differ("env", f"{name} has another value")
+            differ("env", f"{name} has another value here (the copy keeps the captured one)")
     now_files = {record.path: record for record in current.files}
     for record in recorded.files:
         here = now_files.get(record.path)
@@ -386,6 +433,11 @@ def compare(recorded: Identity, current: Identity) -> list[Difference]:
         elif here.sha256 != record.sha256:
             differ(FILES_FIELD, f"{record.path} has other content (sha256 differs)")
     return out
+
+
+def needless_waivers(allow: Iterable[str]) -> list[str]:
+    """The ``--allow-mismatch`` names that waive nothing: fields that never refuse a copy."""
+    return sorted({name for name in allow if name in NOTED_FIELDS})
 
 
 def check_waivers(allow: Iterable[str]) -> list[str]:
@@ -412,8 +464,8 @@ def require_match(
     allow: Iterable[str] = (),
     path: Path | None = None,
 ) -> list[Difference]:
-    """Raise :class:`IdentityMismatchError` listing every difference that is not waived;
-    return the waived ones (the caller reports them)."""
+    """Raise :class:`IdentityMismatchError` listing every refusing difference that is not
+    waived; return the others, waived or only noted (the caller shows them)."""
     waived_fields = set(check_waivers(allow))
     if recorded is None or current is None:
         differences = [
@@ -425,7 +477,9 @@ def require_match(
         ]
     else:
         differences = compare(recorded, current)
-    refused = [d for d in differences if not (d.waivable and d.field in waived_fields)]
+    refused = [
+        d for d in differences if d.refuses and not (d.waivable and d.field in waived_fields)
+    ]
     if refused:
         raise IdentityMismatchError(refused, path=path)
     return differences

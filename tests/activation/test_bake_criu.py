@@ -1,6 +1,6 @@
 """Baking with real CRIU: bake → export → import elsewhere → copy serves; the identity gate
-refuses a changed mapped file, a changed environment, argv or kernel (waivable by name, files
-never) before CRIU runs.
+refuses a changed mapped file, argv, kernel or kernel features (waivable by name, files never)
+before CRIU runs, and never refuses another machine or the restorer's environment.
 
 One fixture image is baked per module and shared; tests that change it work on an imported
 copy of it.
@@ -124,20 +124,34 @@ def test_export_import_elsewhere_then_copy_serves(
     stop_clean(running[-1])
 
 
-def test_environment_change_is_refused_then_waived(
-    baked: Baked, running: list[Session], monkeypatch: pytest.MonkeyPatch
+def test_restorer_environment_and_another_machine_never_refuse(
+    baked: Baked, tmp_path: Path, running: list[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SNAPCTL_BAKE_EXTRA", "x")  # snapctl's own variables never count
+    archive, image = tmp_path / "a.tar.zst", tmp_path / "image"
+    cli("image", "export", str(baked.image), "--out", str(archive))
+    cli("image", "import", str(archive), "--to", str(image))
+    manifest = load_manifest(image)
+    assert manifest.identity is not None
+    elsewhere = manifest.identity.model_copy(update={"host_id": "f" * 32, "hostname": "host-a"})
+    payload = manifest.model_copy(update={"identity": elsewhere}).model_dump(mode="json")
+    write_json_atomic(image / MANIFEST_NAME, payload, overwrite=True, max_bytes=1 << 24)
+    monkeypatch.setenv("FOO", "1")  # FOO=1 snapctl copy --image IMG
     monkeypatch.setenv("HF_HOME", "/elsewhere/secret-path")
 
-    with pytest.raises(IdentityMismatchError) as info:
-        copy(baked.image, baked.state, running)
-    message = str(info.value)
-    assert "env: HF_HOME is set here but was not at capture" in message
-    assert "secret-path" not in message and "--allow-mismatch env" in message
-    assert list(baked.state.activations.iterdir()) == []  # refused before anything started
-
-    published = copy(baked.image, baked.state, running, allow_mismatch=("env",))
+    steps: list[str] = []
+    session, report = start_copy(
+        image, options(), criu=find_criu(), native=NoNativeStep(), publish=("127.0.0.1", 0),
+        state=baked.state, progress=steps.append,
+    )  # fmt: skip
+    running.append(session)
+    assert report.published and get(report.published, "/v1/models")[0] == 200
+    shown = next(step for step in steps if step.startswith("differs, does not refuse"))
+    assert "host_id: image ffffffff..." in shown and "hostname: image host-a" in shown
+    assert "FOO is set here but was not at capture" in shown and "HF_HOME" in shown
+    assert "secret-path" not in shown and "waived" not in " ".join(steps)
+    stop_clean(running[-1])
+    # The waivers older scripts pass are still accepted.
+    published = copy(image, baked.state, running, allow_mismatch=("env", "host_id"))
     assert get(published, "/v1/models")[0] == 200
     stop_clean(running[-1])
 
@@ -156,16 +170,19 @@ def test_argv_and_kernel_mismatches_are_refused_and_waivable(baked: Baked, tmp_p
     waived = check(server_argv=[sys.executable, "-m", "fixtures"], allow_mismatch=("argv",))
     assert [d.field for d in waived] == ["argv"]
 
-    elsewhere = manifest.identity.model_copy(update={"kernel": "5.4.0-old", "host_id": "f" * 32})
+    elsewhere = manifest.identity.model_copy(
+        update={"kernel": "5.4.0-old", "kernel_features": ["pid_ns", "warp_ns"]}
+    )
     changed = manifest.model_copy(update={"identity": elsewhere})
     with pytest.raises(IdentityMismatchError) as info:
         check_identity(changed, baked.image, criu_version=manifest.criu_version,
                        options=options(allow_mismatch=("kernel",)), state=baked.state)  # fmt: skip
-    assert "host_id: image ffff" in str(info.value) and "kernel" not in str(info.value)
+    assert "kernel_features: this kernel lacks warp_ns" in str(info.value)
+    assert "kernel: image" not in str(info.value)
     waived = check_identity(changed, baked.image, criu_version=manifest.criu_version,
-                            options=options(allow_mismatch=("kernel", "host_id")),
+                            options=options(allow_mismatch=("kernel", "kernel_features")),
                             state=baked.state)  # fmt: skip
-    assert {d.field for d in waived} == {"kernel", "host_id"}
+    assert {d.field for d in waived} == {"kernel", "kernel_features"}
 
 
 def test_kernel_mismatch_in_the_manifest_refuses_copy(

@@ -15,6 +15,9 @@ import psutil
 import pytest
 
 from snapctl.activation.supervise import collect_orphans, stop_recorded
+from snapctl.images import load_manifest
+from snapctl.images.manifest import MANIFEST_NAME
+from snapctl.protocol.atomic import write_json_atomic
 from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, get
 
@@ -113,12 +116,20 @@ def test_detached_refusal_lists_every_difference(
 ) -> None:
     image = tmp_path / "image"
     ok(snapctl(state, "bake", "--image", str(image), "--api-key-env", API_KEY_ENV, "--json"))
+    manifest = load_manifest(image)
+    assert manifest.identity is not None
+    flags = [*manifest.identity.cpu_flags, "avx9000"]
+    elsewhere = manifest.identity.model_copy(update={"kernel": "5.4.0-old", "cpu_flags": flags})
+    payload = manifest.model_copy(update={"identity": elsewhere}).model_dump(mode="json")
+    write_json_atomic(image / MANIFEST_NAME, payload, overwrite=True, max_bytes=1 << 24)
     result = snapctl(state, "copy", "--image", str(image), "--detach",
                      extra_env={"IDENTITY_TEST_EXTRA": "1"})  # fmt: skip
     assert result.returncode == 5, result.stderr  # ExitStatus.VERIFY_FAILED
     lines = result.stderr.splitlines()
-    assert "--allow-mismatch env" in lines[0]
-    assert any(line.strip().startswith("env:") and "IDENTITY_TEST_EXTRA" in line for line in lines)
+    assert "--allow-mismatch cpu_flags --allow-mismatch kernel" in lines[0]
+    assert any(line.strip().startswith("cpu_flags: this CPU lacks avx9000") for line in lines)
+    assert any(line.strip().startswith("kernel: image 5.4.0-old") for line in lines)
+    assert "IDENTITY_TEST_EXTRA" not in result.stderr  # the restorer's environment never refuses
     assert list((state / "activations").iterdir()) == []
 
 

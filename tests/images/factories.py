@@ -16,7 +16,8 @@ SALT = "5a17" * 8
 
 def make_identity(**changes: Any) -> Identity:
     fields: dict[str, Any] = dict(
-        kernel="6.18.0", criu_version="4.2.1", cpu_vendor="AuthenticAMD", cpu_model="EPYC",
+        kernel="6.18.0", kernel_features=["mnt_ns", "net_ns", "pid_ns"], criu_version="4.2.1",
+        cpu_vendor="AuthenticAMD", cpu_model="EPYC",
         cpu_flags=["avx", "avx2", "sse4_2"], host_id="ab" * 16, hostname="h",
         python_version="3.11.7", argv=["srv", "--api-key", "***"], env_salt=SALT,
         env=hashed_env({"PATH": "/usr/bin", "HF_TOKEN": "hf_secret_value"}, SALT),

@@ -18,6 +18,7 @@ from snapctl.images.identity import (
     current_identity,
     hash_files,
     hashed_env,
+    needless_waivers,
     require_match,
     tree_files,
 )
@@ -111,25 +112,54 @@ def test_compare_names_every_difference_and_never_a_secret() -> None:
     recorded = make_identity()
     current = make_identity(
         kernel="6.19.1",
+        kernel_features=["mnt_ns", "pid_ns"],  # lost net_ns; a new feature is fine
         cpu_flags=["avx", "sse4_2", "avx512f"],  # lost avx2; a new flag is fine
         host_id="cd" * 16,
         argv=["srv", "--api-key", "***", "--port", "9"],
         env=hashed_env({"PATH": "/usr/bin", "HF_TOKEN": "other_secret", "NEW": "1"}, SALT),
         files=[FileRecord(path="/usr/lib/libx.so", size=3, sha256="1" * 64)],
-        hostname="elsewhere",  # not compared
+        hostname="elsewhere",
         cpu_model="other",  # not compared
     )
 
     differences = compare(recorded, current)
 
     fields = [d.field for d in differences]
-    assert fields == ["kernel", "host_id", "cpu_flags", "argv", "env", "env", "files"]
-    assert differences[1].detail == "image abababab..., here cdcdcdcd..."  # never the whole id
+    assert fields == ["kernel", "kernel_features", "cpu_flags", "argv", "host_id", "hostname",
+                      "env", "env", "files"]  # fmt: skip
+    refusing = [d.field for d in differences if d.refuses]
+    assert refusing == ["kernel", "kernel_features", "cpu_flags", "argv", "files"]
+    assert differences[4].detail == "image abababab..., here cdcdcdcd..."  # never the whole id
     text = " ".join(d.detail for d in differences)
-    assert "avx2" in text and "HF_TOKEN has another value" in text and "NEW is set here" in text
-    assert "/usr/lib/libx.so has other content" in text
+    assert "avx2" in text and "lacks net_ns" in text and "NEW is set here" in text
+    assert "HF_TOKEN has another value" in text and "/usr/lib/libx.so has other content" in text
     assert "secret" not in text
     assert [d.waivable for d in differences][-1] is False
+
+
+def test_another_machine_and_restorer_environment_never_refuse() -> None:
+    recorded = make_identity()
+    current = make_identity(
+        host_id="cd" * 16,
+        hostname="host-b",
+        env=hashed_env({"PATH": "/usr/bin", "HF_TOKEN": "hf_secret_value", "FOO": "1"}, SALT),
+    )
+
+    shown = require_match(recorded, current)
+
+    assert [(d.field, d.refuses) for d in shown] == [
+        ("host_id", False), ("hostname", False), ("env", False)]  # fmt: skip
+    assert "FOO is set here but was not at capture" in shown[2].detail
+    # An older script's waivers are still accepted, and have nothing left to waive.
+    assert require_match(recorded, current, allow=["host_id", "env"]) == shown
+    assert needless_waivers(["host_id", "kernel", "env"]) == ["env", "host_id"]
+
+
+def test_images_without_recorded_kernel_features_compare_without_them() -> None:
+    recorded = make_identity(kernel_features=None)
+
+    assert compare(recorded, make_identity(kernel_features=[])) == []
+    assert compare(make_identity(), make_identity(kernel_features=None)) == []
 
 
 def test_missing_and_resized_files_are_differences() -> None:
@@ -144,18 +174,19 @@ def test_missing_and_resized_files_are_differences() -> None:
 
 def test_require_match_refuses_and_waives_named_fields_only() -> None:
     recorded = make_identity()
-    current = make_identity(kernel="7.0", env={})
+    current = make_identity(kernel="7.0", cpu_flags=["avx"], env={})
 
     with pytest.raises(IdentityMismatchError) as info:
         require_match(recorded, current)
     assert info.value.exit_status == ExitStatus.VERIFY_FAILED
     assert "kernel: image 6.18.0, here 7.0" in info.value.message
-    assert "--allow-mismatch env --allow-mismatch kernel" in info.value.message
-    with pytest.raises(IdentityMismatchError, match="env"):
+    assert "--allow-mismatch cpu_flags --allow-mismatch kernel" in info.value.message
+    assert "env" not in info.value.message  # shown by copy, never a reason to refuse
+    with pytest.raises(IdentityMismatchError, match="cpu_flags"):
         require_match(recorded, current, allow=["kernel"])
 
-    waived = require_match(recorded, current, allow=["kernel", "env"])
-    assert {d.field for d in waived} == {"kernel", "env"}
+    shown = require_match(recorded, current, allow=["kernel", "cpu_flags"])
+    assert {d.field for d in shown} == {"kernel", "cpu_flags", "env"}
 
 
 def test_file_mismatches_cannot_be_waived() -> None:
