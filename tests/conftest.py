@@ -1,5 +1,8 @@
 """Shared test setup: the ``criu`` marker's skip-or-fail policy and a real-CRIU fixture.
 
+Tests marked ``@pytest.mark.registry`` need Debian's ``docker-registry`` (started on loopback
+by the ``registry_server`` fixture), with the same policy.
+
 Tests marked ``@pytest.mark.criu`` need root and a usable CRIU (>= 4.2). Without them they are
 skipped on a developer's machine, but fail under ``CI`` (set and not "0"/"false"): CI runs as
 root with CRIU installed by scripts/setup, so a skip there would hide a broken install.
@@ -8,12 +11,15 @@ root with CRIU installed by scripts/setup, so a skip there would hide a broken i
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from functools import cache
 
 import pytest
 
 from snapctl.criu import CriuBinary, find_criu
 from snapctl.errors import SnapctlError
+from tests.registry.server import BINARY as REGISTRY_BINARY
+from tests.registry.server import RegistryServer, registry_binary, start_registry
 
 
 def in_ci() -> bool:
@@ -32,6 +38,11 @@ def _real_criu() -> tuple[CriuBinary | None, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("registry") is not None and registry_binary() is None:
+        problem = f"needs {REGISTRY_BINARY} (scripts/setup installs it)"
+        if in_ci():
+            pytest.fail(f"CI must run registry tests, but this machine {problem}", pytrace=False)
+        pytest.skip(problem)
     if item.get_closest_marker("criu") is None:
         return
     criu, problem = _real_criu()
@@ -40,6 +51,16 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if in_ci():
         pytest.fail(f"CI must run criu tests, but this machine {problem}", pytrace=False)
     pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def registry_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RegistryServer]:
+    """A real registry on loopback for the session (use with ``@pytest.mark.registry``)."""
+    server = start_registry(tmp_path_factory.mktemp("registry"))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -158,7 +158,7 @@ def _seal(digest: bytes) -> bytes:
 # --- export -----------------------------------------------------------------------------------
 
 
-def _walk_image(image: Path, manifest: Manifest) -> list[str]:
+def walk_image(image: Path, manifest: Manifest) -> list[str]:
     """The image's directories (relative, parents first); refuse anything export cannot carry."""
     directories: list[str] = []
     files: set[str] = set()
@@ -213,8 +213,8 @@ def export_image(
                 manifest_bytes = handle.read(MAX_MANIFEST_BYTES + 1)
         except FileNotFoundError as error:
             raise ImageError(f"{image} is not a published image", path=image) from error
-        manifest = _parse_manifest(manifest_bytes, manifest_path)
-        directories = _walk_image(image, manifest)
+        manifest = parse_manifest(manifest_bytes, manifest_path)
+        directories = walk_image(image, manifest)
         tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with tmp.open("xb") as raw:
@@ -300,7 +300,7 @@ class _BytesReader:
 # --- import -----------------------------------------------------------------------------------
 
 
-def _parse_manifest(data: bytes, where: Path) -> Manifest:
+def parse_manifest(data: bytes, where: Path) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise ArchiveError(f"manifest exceeds {MAX_MANIFEST_BYTES} bytes", path=where)
     try:
@@ -354,7 +354,7 @@ class _Unpacker:
             assert source is not None
             self.manifest_bytes = source.read()
             try:
-                self.manifest = _parse_manifest(self.manifest_bytes, self.archive)
+                self.manifest = parse_manifest(self.manifest_bytes, self.archive)
             except ArchiveError as error:
                 raise self.refuse(error.message) from error
             self.seen.add(name)

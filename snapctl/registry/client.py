@@ -1,0 +1,299 @@
+"""One registry, spoken to over the OCI distribution API: references, credentials, blob and
+manifest requests.
+
+ORAS's Python SDK (``oras``) parses references and finds credentials: the docker config
+(``$DOCKER_CONFIG/config.json``, else ``~/.docker/config.json``, with its credential helpers)
+and the registry's token or basic-auth challenge. The requests themselves are made here on
+the SDK's session: blobs stream in bounded pieces (never whole into memory), a download
+resumes with a ``Range`` request, and a failure is reported at once instead of after the SDK's
+retries, which sleep 3^n seconds on any error.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from snapctl.errors import ExitStatus, SnapctlError
+
+# Credentials when there is no docker config (CI jobs): both or neither.
+USERNAME_ENV = "SNAPCTL_REGISTRY_USERNAME"
+PASSWORD_ENV = "SNAPCTL_REGISTRY_PASSWORD"
+TIMEOUT_S = 60.0
+STREAM_PIECE = 1 << 20
+
+
+class RegistryError(SnapctlError):
+    """A registry refused, could not be reached, or answered outside the distribution API."""
+
+    def __init__(self, message: str, *, reference: str | None = None) -> None:
+        super().__init__(message, phase="registry")
+        self.reference = reference
+
+
+class BlobMismatchError(RegistryError):
+    """A blob or manifest from the registry does not match its digest or its description;
+    nothing was published."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
+
+
+@dataclass(frozen=True)
+class Reference:
+    """``REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST]``."""
+
+    registry: str
+    repository: str
+    tag: str | None
+    digest: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> Reference:
+        import oras.container
+
+        if "/" not in text:
+            raise RegistryError(
+                f"{text!r} is not an image reference (REGISTRY/REPOSITORY[:TAG][@DIGEST])",
+                reference=text,
+            )
+        try:
+            parsed = oras.container.Container(text)
+        except (ValueError, AttributeError) as error:
+            raise RegistryError(
+                f"{text!r} is not an image reference (REGISTRY/REPOSITORY[:TAG][@DIGEST])",
+                reference=text,
+            ) from error
+        digest = parsed.digest
+        if digest is not None and not is_sha256_digest(digest):
+            raise RegistryError(f"{text!r}: only sha256 digests are supported", reference=text)
+        # ORAS fills in "latest" when no tag is written; with a digest that would be wrong.
+        explicit_tag = ":" in text.rsplit("/", 1)[-1].split("@")[0]
+        namespace = f"{parsed.namespace}/" if parsed.namespace else ""
+        return cls(
+            registry=parsed.registry,
+            repository=f"{namespace}{parsed.repository}",
+            tag=parsed.tag if explicit_tag or digest is None else None,
+            digest=digest,
+        )
+
+    @property
+    def target(self) -> str:
+        """What the manifest URL names: the digest when given, else the tag."""
+        return self.digest or self.tag or "latest"
+
+    def __str__(self) -> str:
+        text = f"{self.registry}/{self.repository}"
+        if self.tag:
+            text += f":{self.tag}"
+        if self.digest:
+            text += f"@{self.digest}"
+        return text
+
+
+def is_sha256_digest(text: str) -> bool:
+    hex_part = text.removeprefix("sha256:")
+    return (
+        text.startswith("sha256:")
+        and len(hex_part) == 64
+        and all(c in "0123456789abcdef" for c in hex_part)
+    )
+
+
+def docker_configs() -> list[str]:
+    """The docker config files to read credentials from (``$DOCKER_CONFIG`` first)."""
+    configured = os.environ.get("DOCKER_CONFIG")
+    paths = [os.path.join(configured, "config.json")] if configured else []
+    return [path for path in paths if os.path.exists(path)]
+
+
+class RegistryClient:
+    """Requests to one registry for one repository (thread-safe: transfers run in parallel)."""
+
+    def __init__(self, reference: Reference, *, plain_http: bool = False) -> None:
+        import oras.provider
+
+        self.reference = reference
+        self.scheme = "http" if plain_http else "https"
+        self._oras = oras.provider.Registry(hostname=reference.registry, insecure=plain_http)
+        self.session: requests.Session = self._oras.session
+        adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=32)
+        self.session.mount(f"{self.scheme}://", adapter)
+        self._auth_lock = threading.Lock()
+        self._headers: dict[str, str] = {}
+        self._credentials()
+
+    def _credentials(self) -> None:
+        import oras.container
+
+        username, password = os.environ.get(USERNAME_ENV), os.environ.get(PASSWORD_ENV)
+        if bool(username) != bool(password):
+            raise RegistryError(f"set both {USERNAME_ENV} and {PASSWORD_ENV}, or neither")
+        container = oras.container.Container(
+            f"{self.reference.registry}/{self.reference.repository}"
+        )
+        if username and password:
+            self._oras.auth.set_basic_auth(username, password)
+        else:
+            self._oras.auth.load_configs(container, configs=docker_configs())
+
+    @property
+    def base(self) -> str:
+        return f"{self.scheme}://{self.reference.registry}/v2/{self.reference.repository}"
+
+    def _url(self, path: str) -> str:
+        return f"{self.base}/{path}"
+
+    def request(self, method: str, url: str, **kwargs: Any) -> requests.Response:
+        """One request, answering the registry's auth challenge once (through ORAS)."""
+        headers: dict[str, str] = {**self._headers, **kwargs.pop("headers", {})}
+        kwargs.setdefault("timeout", TIMEOUT_S)
+        try:
+            response = self.session.request(method, url, headers=headers, **kwargs)
+            if response.status_code in (401, 403) and "data" not in kwargs:
+                with self._auth_lock:
+                    new_headers, changed = self._oras.auth.authenticate_request(
+                        response, dict(headers)
+                    )
+                    if changed:
+                        auth = new_headers.get("Authorization")
+                        if auth:
+                            self._headers["Authorization"] = auth
+                if changed:
+                    response.close()
+                    response = self.session.request(
+                        method, url, headers={**headers, **self._headers}, **kwargs
+                    )
+        except requests.exceptions.SSLError as error:
+            raise RegistryError(
+                f"TLS with {self.reference.registry} failed ({error.__class__.__name__}); for a "
+                "registry without TLS pass --plain-http",
+                reference=str(self.reference),
+            ) from error
+        except requests.RequestException as error:
+            raise RegistryError(
+                f"cannot reach {self.reference.registry}: {error.__class__.__name__}: {error}",
+                reference=str(self.reference),
+            ) from error
+        except ValueError as error:  # ORAS: a challenge it cannot answer
+            raise RegistryError(
+                f"{self.reference.registry} asks for credentials snapctl cannot give ({error}); "
+                f"log in with docker login or set {USERNAME_ENV}/{PASSWORD_ENV}",
+                reference=str(self.reference),
+            ) from error
+        return response
+
+    def refuse(self, response: requests.Response, what: str) -> RegistryError:
+        detail = ""
+        try:
+            errors = response.json().get("errors") or []
+            if errors:
+                detail = ": " + "; ".join(
+                    f"{e.get('code', '?')} {e.get('message', '')}".strip() for e in errors[:3]
+                )
+        except ValueError:
+            pass
+        hint = ""
+        if response.status_code in (401, 403):
+            hint = f" (log in with docker login or set {USERNAME_ENV}/{PASSWORD_ENV})"
+        return RegistryError(
+            f"{self.reference.registry} answered {what} with HTTP {response.status_code}"
+            f"{detail}{hint}",
+            reference=str(self.reference),
+        )
+
+    # --- manifests ---------------------------------------------------------------------------
+
+    def get_manifest(self, accept: str, max_bytes: int) -> bytes:
+        url = self._url(f"manifests/{self.reference.target}")
+        response = self.request("GET", url, headers={"Accept": accept}, stream=True)
+        with response:
+            if response.status_code == 404:
+                raise RegistryError(f"{self.reference} is not in the registry",
+                                    reference=str(self.reference))  # fmt: skip
+            if response.status_code != 200:
+                raise self.refuse(response, f"the manifest of {self.reference}")
+            return _read_bounded(response, max_bytes, f"the manifest of {self.reference}")
+
+    def put_manifest(self, tag: str, media_type: str, body: bytes) -> str:
+        response = self.request("PUT", self._url(f"manifests/{tag}"), data=body,
+                                headers={"Content-Type": media_type})  # fmt: skip
+        with response:
+            if response.status_code not in (200, 201):
+                raise self.refuse(response, f"the manifest for {tag}")
+            return response.headers.get("Docker-Content-Digest", "")
+
+    # --- blobs -------------------------------------------------------------------------------
+
+    def has_blob(self, digest: str) -> bool:
+        response = self.request("HEAD", self._url(f"blobs/{digest}"))
+        with response:
+            if response.status_code == 200:
+                return True
+            if response.status_code == 404:
+                return False
+            raise self.refuse(response, f"HEAD of blob {digest}")
+
+    def upload_blob(self, digest: str, data: bytes) -> None:
+        """Upload one blob: start an upload session, then one PUT with the digest."""
+        # An empty POST authenticates first: a PUT with a body cannot answer a challenge.
+        response = self.request("POST", self._url("blobs/uploads/"))
+        with response:
+            if response.status_code != 202:
+                raise self.refuse(response, f"an upload of blob {digest}")
+            location = response.headers.get("Location", "")
+        if not location:
+            raise RegistryError(f"{self.reference.registry} started an upload without a Location")
+        url = urllib.parse.urljoin(f"{self.scheme}://{self.reference.registry}/", location)
+        separator = "&" if "?" in url else "?"
+        response = self.request(
+            "PUT", f"{url}{separator}digest={urllib.parse.quote(digest)}", data=data,
+            headers={"Content-Type": "application/octet-stream",
+                     "Content-Length": str(len(data))},
+        )  # fmt: skip
+        with response:
+            if response.status_code not in (201, 204):
+                raise self.refuse(response, f"the upload of blob {digest}")
+
+    def blob_pieces(self, digest: str, offset: int = 0) -> Iterator[bytes]:
+        """The blob's bytes from ``offset`` on, in pieces; a registry that ignores the range
+        (answers 200 to a ranged request) is skipped forward to ``offset``."""
+        headers = {"Range": f"bytes={offset}-"} if offset else {}
+        response = self.request("GET", self._url(f"blobs/{digest}"), headers=headers,
+                                stream=True)  # fmt: skip
+        with response:
+            if response.status_code == 404:
+                raise RegistryError(f"blob {digest} of {self.reference} is not in the registry",
+                                    reference=str(self.reference))  # fmt: skip
+            if response.status_code not in (200, 206):
+                raise self.refuse(response, f"blob {digest}")
+            skip = offset if response.status_code == 200 else 0
+            try:
+                for piece in response.iter_content(STREAM_PIECE):
+                    if skip:
+                        dropped = min(skip, len(piece))
+                        piece, skip = piece[dropped:], skip - dropped
+                    if piece:
+                        yield piece
+            except requests.RequestException as error:
+                raise RegistryError(
+                    f"blob {digest}: the transfer broke off ({error.__class__.__name__}); "
+                    "pull again to resume it", reference=str(self.reference),
+                ) from error  # fmt: skip
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _read_bounded(response: requests.Response, max_bytes: int, what: str) -> bytes:
+    data = bytearray()
+    for piece in response.iter_content(STREAM_PIECE):
+        data += piece
+        if len(data) > max_bytes:
+            raise BlobMismatchError(f"{what} exceeds {max_bytes} bytes")
+    return bytes(data)

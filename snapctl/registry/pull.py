@@ -1,0 +1,410 @@
+"""``snapctl image pull`` and ``inspect REF``: an image from a registry, verified while it
+streams, published by one rename as ``image import`` publishes.
+
+Order: the OCI manifest (its sha256 must be the digest asked for, when one was), the config
+blob and the image's ``manifest.json`` (each against its digest; the config must describe
+exactly the files, sizes and sha256 of the manifest), then every blob the image lacks here
+(in parallel, each hashed as it arrives and kept in the cache only if it matches; a partial
+download is resumed with a range request), then the files, assembled in a staging directory
+beside the target and each hashed against the manifest. Any mismatch: a clear error, the
+staging directory removed, nothing published, nothing unverified kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from snapctl.images.manifest import Manifest
+from snapctl.images.store import (
+    MAX_MANIFEST_BYTES,
+    ImageStaging,
+    is_verified,
+    load_manifest,
+    manifest_problem,
+    record_verified,
+)
+from snapctl.registry import layout
+from snapctl.registry.cache import BlobCache, pulled_image, write_record
+from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
+from snapctl.supervision.state import StateDir
+
+ByteProgress = Callable[[int], None]
+DEFAULT_JOBS = 8
+PIECE = 4 << 20
+
+
+class PullReport(BaseModel):
+    """What a pull moved (``--json``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: str = "pull"
+    image: str
+    reference: str
+    manifest_digest: str
+    image_id: str
+    files: int
+    image_bytes: int
+    blobs: int
+    blobs_fetched: int  # blobs transferred now (in whole or resumed)
+    blobs_cached: int  # blobs already complete and verified in the cache
+    bytes_fetched: int  # bytes received from the registry
+    bytes_resumed: int  # bytes of partial downloads that were not fetched again
+    seconds: float
+    mb_per_s: float  # image bytes per second, 1 MB = 10^6 bytes
+    already_pulled: bool = False
+
+
+@dataclass(frozen=True)
+class Remote:
+    """An image's description in the registry: enough for ``inspect`` and to plan a pull."""
+
+    reference: Reference
+    manifest_digest: str
+    oci: layout.OciManifest
+    config: layout.ImageConfig
+    manifest: Manifest
+    manifest_bytes: bytes
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _small_blob(client: RegistryClient, cache: BlobCache, descriptor: layout.Descriptor,
+                max_bytes: int, what: str) -> bytes:  # fmt: skip
+    """A small blob (config, manifest.json), from the cache or fetched whole; verified."""
+    cached = cache.read(descriptor.digest)
+    if cached is not None:
+        return cached
+    if descriptor.size > max_bytes:
+        raise BlobMismatchError(f"{what} of {client.reference} exceeds {max_bytes} bytes")
+    data = bytearray()
+    for piece in client.blob_pieces(descriptor.digest):
+        data += piece
+        if len(data) > descriptor.size:
+            break
+    if len(data) != descriptor.size or _digest(bytes(data)) != descriptor.digest:
+        raise BlobMismatchError(
+            f"{what} of {client.reference} does not match its digest {descriptor.digest} "
+            "(damaged in the registry or in transit): nothing was published"
+        )
+    return bytes(data)
+
+
+def describe(client: RegistryClient, cache: BlobCache) -> Remote:
+    """Read and check the OCI manifest, the config and the image's manifest.json (no page
+    data). The small blobs are kept in the cache only once all three agree."""
+    reference = client.reference
+    oci_bytes = client.get_manifest(layout.OCI_MANIFEST, layout.MAX_OCI_MANIFEST_BYTES)
+    digest = _digest(oci_bytes)
+    if reference.digest is not None and digest != reference.digest:
+        raise BlobMismatchError(
+            f"the manifest of {reference} has sha256 {digest}, not the digest asked for"
+        )
+    try:
+        oci = layout.OciManifest.model_validate_json(oci_bytes)
+    except ValidationError as error:
+        raise BlobMismatchError(
+            f"{reference} is not a snapctl image: {manifest_problem(error)}"
+        ) from error
+    config_bytes = _small_blob(client, cache, oci.config, layout.MAX_CONFIG_BYTES, "the config")
+    try:
+        config = layout.ImageConfig.model_validate_json(config_bytes)
+    except ValidationError as error:
+        raise BlobMismatchError(
+            f"the config of {reference} is not valid: {manifest_problem(error)}"
+        ) from error
+    first = oci.layers[0]
+    if first.digest != config.manifest_digest:
+        raise BlobMismatchError(f"{reference}: the config names another manifest.json")
+    manifest_bytes = _small_blob(client, cache, first, MAX_MANIFEST_BYTES, "manifest.json")
+    try:
+        manifest = Manifest.model_validate_json(manifest_bytes)
+    except ValidationError as error:
+        raise BlobMismatchError(
+            f"manifest.json of {reference} is not valid: {manifest_problem(error)}"
+        ) from error
+    _check_agreement(reference, oci, config, manifest)
+    cache.put(oci.config.digest, config_bytes)
+    cache.put(first.digest, manifest_bytes)
+    return Remote(reference, digest, oci, config, manifest, manifest_bytes)
+
+
+def _check_agreement(reference: Reference, oci: layout.OciManifest,
+                     config: layout.ImageConfig, manifest: Manifest) -> None:  # fmt: skip
+    """The config must place exactly the manifest's files with its sizes and sha256, and
+    every blob it names must be a layer of the OCI manifest with that size."""
+    if config.image_id != manifest.image_id:
+        raise BlobMismatchError(f"{reference}: the config is of another image")
+    placed = {stored.name: stored for stored in config.files}
+    if set(placed) != set(manifest.files):
+        name = sorted(set(placed) ^ set(manifest.files))[0]
+        raise BlobMismatchError(f"{reference}: the config and manifest.json differ on {name}")
+    for name, entry in manifest.files.items():
+        stored = placed[name]
+        if (stored.size, stored.sha256) != (entry.size, entry.sha256):
+            raise BlobMismatchError(f"{reference}: the config and manifest.json differ on {name}")
+        if stored.link_to is not None:
+            target = manifest.files.get(stored.link_to)
+            if (
+                target is None
+                or placed[stored.link_to].link_to is not None
+                or entry.link_group is None
+                or target.link_group != entry.link_group
+            ):
+                raise BlobMismatchError(f"{reference}: {name} is a hard link the manifest "
+                                        "does not record")  # fmt: skip
+    layers = {layer.digest: layer.size for layer in oci.layers}
+    needed = {**config.chunk_digests(), config.small_files_digest: config.small_files_size}
+    for digest, size in needed.items():
+        if layers.get(digest) != size:
+            raise BlobMismatchError(f"{reference}: blob {digest} is not a layer of that size")
+
+
+class _Fetcher:
+    """Brings blobs into the cache in parallel, resuming partial downloads."""
+
+    def __init__(self, client: RegistryClient, cache: BlobCache,
+                 progress: ByteProgress | None) -> None:  # fmt: skip
+        self.client, self.cache, self.progress = client, cache, progress
+        self.lock = threading.Lock()
+        self.fetched = self.bytes_fetched = self.bytes_resumed = 0
+        self.stop = threading.Event()
+
+    def fetch(self, digest: str, size: int) -> None:
+        if self.stop.is_set():
+            return
+        partial = self.cache.partial(digest)
+        hasher = hashlib.sha256()
+        done = 0
+        with contextlib.suppress(FileNotFoundError):
+            with partial.open("rb") as handle:
+                while (piece := handle.read(PIECE)) and done + len(piece) <= size:
+                    hasher.update(piece)
+                    done += len(piece)
+            os.truncate(partial, done)  # only whole, in-order bytes are kept
+        resumed = done
+        if self.progress is not None and resumed:
+            self.progress(resumed)
+        try:
+            with partial.open("ab") as out:
+                if done < size:
+                    for piece in self.client.blob_pieces(digest, done):
+                        if self.stop.is_set():
+                            return  # another blob failed: keep what arrived, for a resume
+                        if done + len(piece) > size:
+                            raise BlobMismatchError(
+                                f"blob {digest} of {self.client.reference} is larger than its "
+                                f"{size} bytes: nothing was published"
+                            )
+                        out.write(piece)
+                        hasher.update(piece)
+                        done += len(piece)
+                        with self.lock:
+                            self.bytes_fetched += len(piece)
+                        if self.progress is not None:
+                            self.progress(len(piece))
+            if done != size or "sha256:" + hasher.hexdigest() != digest:
+                raise BlobMismatchError(
+                    f"blob {digest} of {self.client.reference} does not match its digest "
+                    f"({done} of {size} bytes; damaged in the registry or in transit): nothing "
+                    "was published"
+                )
+            self.cache.adopt(digest, partial)
+        except BlobMismatchError:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()  # bytes that fail their digest are never kept
+            self.stop.set()
+            raise
+        except BaseException:
+            self.stop.set()
+            raise
+        with self.lock:
+            self.fetched += 1
+            self.bytes_resumed += resumed
+
+
+def _fetch_all(fetcher: _Fetcher, missing: dict[str, int], jobs: int) -> None:
+    """Fetch ``missing`` in parallel; on the first failure the others stop. A transfer that
+    broke off keeps its partial download, to be resumed; after a blob that failed its digest
+    (a damaged registry), the partials this pull started are removed too."""
+    if not missing:
+        return
+    fetcher.cache.ensure()
+    earlier = {d for d in missing if fetcher.cache.partial(d).exists()}
+    try:
+        _fetch_parallel(fetcher, missing, jobs)
+    except BlobMismatchError:
+        for digest in set(missing) - earlier:
+            with contextlib.suppress(FileNotFoundError):
+                fetcher.cache.partial(digest).unlink()
+        raise
+
+
+def _fetch_parallel(fetcher: _Fetcher, missing: dict[str, int], jobs: int) -> None:
+    with ThreadPoolExecutor(max_workers=min(jobs, len(missing)),
+                            thread_name_prefix="pull") as pool:  # fmt: skip
+        futures = [pool.submit(fetcher.fetch, d, s) for d, s in missing.items()]
+        errors = []
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as error:
+                errors.append(error)
+        if errors:
+            raise errors[0]
+
+
+def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
+    """Write every file from its blobs into ``root``, each hashed against the manifest."""
+    as_root = os.geteuid() == 0
+    small = cache.path(remote.config.small_files_digest)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for directory in remote.config.directories:
+        (root / directory.name).mkdir(parents=True, exist_ok=True, mode=0o700)
+    with small.open("rb") as small_handle:
+        for stored in remote.config.files:
+            if stored.link_to is not None:
+                continue
+            path = root / stored.name
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            digest = hashlib.sha256()
+            with os.fdopen(os.open(path, flags, 0o600), "wb") as out:
+                if stored.offset is not None:
+                    small_handle.seek(stored.offset)
+                    data = small_handle.read(stored.size)
+                    digest.update(data)
+                    out.write(data)
+                for chunk in stored.chunks or []:
+                    data = cache.path(chunk.digest).read_bytes()
+                    if len(data) != chunk.size or _digest(data) != chunk.digest:
+                        cache.drop(chunk.digest)  # damaged in the cache since it was verified
+                        raise BlobMismatchError(
+                            f"cached blob {chunk.digest} no longer matches its digest (dropped "
+                            "from the cache; pull again)"
+                        )
+                    digest.update(data)
+                    out.write(data)
+                os.fchmod(out.fileno(), stored.mode & 0o777)
+                if as_root:
+                    os.fchown(out.fileno(), stored.uid, stored.gid)
+            if digest.hexdigest() != stored.sha256:
+                raise BlobMismatchError(f"image file {stored.name} of {remote.reference} does "
+                                        "not match its sha256 in the manifest")  # fmt: skip
+    for stored in remote.config.files:
+        if stored.link_to is not None:
+            (root / stored.name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.link(root / stored.link_to, root / stored.name, follow_symlinks=False)
+    for directory in sorted(remote.config.directories, key=lambda d: d.name, reverse=True):
+        os.chmod(root / directory.name, directory.mode)
+
+
+def pull_image(
+    client: RegistryClient,
+    to: Path,
+    *,
+    cache: BlobCache,
+    verified_cache: Path | None,
+    force: bool = False,
+    jobs: int = DEFAULT_JOBS,
+    progress: ByteProgress | None = None,
+    total: Callable[[int], None] | None = None,
+    remote: Remote | None = None,
+) -> PullReport:
+    """Pull ``client.reference`` into the image directory ``to`` (see the module docstring).
+
+    ``total`` is told the bytes the pull will account for, before any arrives.
+    """
+    started = time.monotonic()
+    to = to.absolute()
+    remote = remote or describe(client, cache)
+    needed = {**remote.config.chunk_digests(),
+              remote.config.small_files_digest: remote.config.small_files_size}  # fmt: skip
+    missing = {d: s for d, s in needed.items() if not cache.has(d)}
+    if total is not None:
+        total(sum(missing.values()))
+    fetcher = _Fetcher(client, cache, progress)
+    staging = ImageStaging(to, force=force)
+    try:
+        _fetch_all(fetcher, missing, jobs)
+        _assemble(remote, cache, staging.dir)
+        final = staging.publish(remote.manifest)
+    except BaseException:
+        staging.abort()
+        raise
+    if verified_cache is not None:
+        record_verified(final, remote.manifest, verified_cache)  # every hash was checked
+    return _report(remote, final, fetcher, len(needed) - len(missing), started)
+
+
+def _report(remote: Remote, final: Path, fetcher: _Fetcher | None, cached: int,
+            started: float, *, already: bool = False) -> PullReport:  # fmt: skip
+    seconds = time.monotonic() - started
+    total = remote.manifest.total_bytes + len(remote.manifest_bytes)
+    return PullReport(
+        image=str(final),
+        reference=str(remote.reference),
+        manifest_digest=remote.manifest_digest,
+        image_id=remote.manifest.image_id,
+        files=len(remote.manifest.files),
+        image_bytes=total,
+        blobs=len(remote.oci.layers) + 1,
+        blobs_fetched=fetcher.fetched if fetcher else 0,
+        blobs_cached=cached,
+        bytes_fetched=fetcher.bytes_fetched if fetcher else 0,
+        bytes_resumed=fetcher.bytes_resumed if fetcher else 0,
+        seconds=round(seconds, 6),
+        mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+        already_pulled=already,
+    )
+
+
+def pull_cached(
+    client: RegistryClient,
+    state: StateDir,
+    *,
+    jobs: int = DEFAULT_JOBS,
+    progress: ByteProgress | None = None,
+    total: Callable[[int], None] | None = None,
+) -> PullReport:
+    """Pull into the local image cache (``copy --image REF``): an image already pulled by
+    that manifest digest, and still verified, is used as it is."""
+    from snapctl.registry.cache import blob_cache
+
+    started = time.monotonic()
+    cache = blob_cache(state)
+    remote = describe(client, cache)
+    target = pulled_image(state, remote.manifest_digest)
+    now = datetime.now(UTC).isoformat(timespec="seconds")
+    if target.is_dir():
+        try:
+            present = load_manifest(target)
+        except Exception:
+            present = None
+        if (
+            present is not None
+            and present.image_id == remote.manifest.image_id
+            and (is_verified(target, present, state.verified))
+        ):
+            write_record(target, manifest_digest=remote.manifest_digest,
+                         image_id=present.image_id, reference=str(client.reference),
+                         pulled=now)  # fmt: skip
+            return _report(remote, target, None, len(remote.oci.layers), started, already=True)
+    report = pull_image(client, target, cache=cache, verified_cache=state.verified,
+                        force=target.exists(), jobs=jobs, progress=progress, total=total,
+                        remote=remote)  # fmt: skip
+    write_record(target, manifest_digest=remote.manifest_digest, image_id=report.image_id,
+                 reference=str(client.reference), pulled=now)  # fmt: skip
+    return report

@@ -1,0 +1,269 @@
+"""``snapctl image push``: an image directory to a registry, verified on the way out.
+
+Every file is read once: hashed against the image's manifest (an image that no longer matches
+it is refused, as ``image export`` refuses it) while its chunks are cut and uploaded. A blob
+the repository already holds (``HEAD``) is not uploaded again: after a re-bake of the same
+server only the chunks that changed travel. The manifest is put last, so the reference names
+the image only once every blob it lists is in the registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TypedDict
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.images.archive import ArchiveError, parse_manifest, walk_image
+from snapctl.images.lock import hold_image
+from snapctl.images.manifest import MANIFEST_NAME, Manifest
+from snapctl.images.store import MAX_MANIFEST_BYTES, ImageError
+from snapctl.registry import layout
+from snapctl.registry.chunks import cut
+from snapctl.registry.client import Reference, RegistryClient, RegistryError
+
+ByteProgress = Callable[[int], None]
+DEFAULT_JOBS = 8
+
+
+class PushReport(BaseModel):
+    """What a push moved (``--json``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: str = "push"
+    image: str
+    reference: str
+    manifest_digest: str
+    image_id: str
+    files: int
+    image_bytes: int
+    blobs: int
+    blobs_uploaded: int
+    bytes_uploaded: int  # blob bytes sent; blobs the registry held are not counted
+    seconds: float
+    mb_per_s: float  # image bytes per second, 1 MB = 10^6 bytes
+
+
+class _Uploader:
+    """Uploads blobs in parallel, each digest once, skipping those the registry holds."""
+
+    def __init__(self, client: RegistryClient, jobs: int, progress: ByteProgress | None) -> None:
+        self.client = client
+        self.pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="push")
+        # Bounds the chunk bytes copied out for uploads still waiting: about 2 per worker.
+        self.slots = threading.BoundedSemaphore(2 * jobs)
+        self.progress = progress
+        self.seen: set[str] = set()
+        self.futures: list[Future[None]] = []
+        self.lock = threading.Lock()
+        self.uploaded = 0
+        self.bytes_uploaded = 0
+
+    def submit(self, digest: str, data: bytes | memoryview) -> None:
+        if digest in self.seen:
+            if self.progress is not None:
+                self.progress(len(data))
+            return
+        self.seen.add(digest)
+        self._raise_first_failure()
+        self.slots.acquire()
+        try:
+            payload = bytes(data)  # the view dies with its mapping; the upload runs later
+            self.futures.append(self.pool.submit(self._upload, digest, payload))
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def _upload(self, digest: str, data: bytes) -> None:
+        try:
+            if not self.client.has_blob(digest):
+                self.client.upload_blob(digest, data)
+                with self.lock:
+                    self.uploaded += 1
+                    self.bytes_uploaded += len(data)
+            if self.progress is not None:
+                self.progress(len(data))
+        finally:
+            self.slots.release()
+
+    def _raise_first_failure(self) -> None:
+        for future in self.futures:
+            if future.done() and future.exception() is not None:
+                future.result()
+
+    def finish(self) -> None:
+        try:
+            for future in self.futures:
+                future.result()
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def abort(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Owner(TypedDict):
+    mode: int
+    uid: int
+    gid: int
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _store_files(
+    image: Path, manifest: Manifest, uploader: _Uploader, small: bytearray
+) -> list[layout.StoredFile]:
+    """Hash every file against the manifest while its bytes go to the uploader (large files,
+    by chunk) or into ``small``; return where each file went."""
+    stored: list[layout.StoredFile] = []
+    first_of_inode: dict[tuple[int, int], str] = {}
+    for name, entry in sorted(manifest.files.items()):
+        path = image / name
+        st = path.lstat()
+        owner = _Owner(mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid)
+        inode = (st.st_dev, st.st_ino)
+        if inode in first_of_inode:
+            stored.append(layout.StoredFile(name=name, size=entry.size, sha256=entry.sha256,
+                                            link_to=first_of_inode[inode], **owner))  # fmt: skip
+            if uploader.progress is not None:
+                uploader.progress(entry.size)
+            continue
+        first_of_inode[inode] = name
+        if st.st_size != entry.size:
+            raise ArchiveError(f"image file {name} does not match its manifest size", path=path)
+        digest = hashlib.sha256()
+        if entry.size < layout.SMALL_FILE_BYTES:
+            data = path.read_bytes()
+            digest.update(data)
+            placed = layout.StoredFile(name=name, size=len(data), sha256=entry.sha256,
+                                       offset=len(small), **owner)  # fmt: skip
+            small += data
+            if uploader.progress is not None:
+                uploader.progress(len(data))
+        else:
+            chunks: list[layout.Chunk] = []
+            for piece in cut(path):
+                digest.update(piece.data)
+                chunks.append(layout.Chunk(digest=piece.digest, size=len(piece.data)))
+                uploader.submit(piece.digest, piece.data)
+            placed = layout.StoredFile(name=name, size=entry.size, sha256=entry.sha256,
+                                       chunks=chunks, **owner)  # fmt: skip
+        if digest.hexdigest() != entry.sha256 or placed.size != entry.size:
+            raise ArchiveError(f"image file {name} does not match its sha256", path=path)
+        stored.append(placed)
+    return stored
+
+
+def push_image(
+    image: Path,
+    reference: Reference,
+    client: RegistryClient,
+    *,
+    jobs: int = DEFAULT_JOBS,
+    progress: ByteProgress | None = None,
+) -> PushReport:
+    """Push ``image`` to ``reference`` (a tag); every file is checked against the manifest."""
+    if reference.tag is None or reference.digest is not None:
+        raise RegistryError(f"push to a tag, not a digest: {reference}", reference=str(reference))
+    image = image.absolute()
+    started = time.monotonic()
+    try:
+        hold = hold_image(image)  # shared: copies may read meanwhile; rm and replace wait
+    except (FileNotFoundError, NotADirectoryError) as error:
+        raise ImageError(f"{image} is not a published image", path=image) from error
+    with hold:
+        manifest_path = image / MANIFEST_NAME
+        try:
+            with manifest_path.open("rb") as handle:
+                manifest_bytes = handle.read(MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError as error:
+            raise ImageError(f"{image} is not a published image", path=image) from error
+        manifest = parse_manifest(manifest_bytes, manifest_path)
+        directories = walk_image(image, manifest)
+        uploader = _Uploader(client, jobs, progress)
+        try:
+            small = bytearray()
+            stored = _store_files(image, manifest, uploader, small)
+            small_bytes = bytes(small)
+            config = layout.ImageConfig(
+                image_id=manifest.image_id,
+                manifest_digest=_digest(manifest_bytes),
+                small_files_digest=_digest(small_bytes),
+                small_files_size=len(small_bytes),
+                directories=[
+                    layout.StoredDirectory(
+                        name=name, mode=stat.S_IMODE(os.lstat(image / name).st_mode)
+                    )
+                    for name in directories
+                ],
+                files=stored,
+            )
+            config_bytes = config.model_dump_json().encode()
+            uploader.submit(config.manifest_digest, manifest_bytes)
+            uploader.submit(config.small_files_digest, small_bytes)
+            uploader.submit(_digest(config_bytes), config_bytes)
+            uploader.finish()
+        except BaseException:
+            uploader.abort()
+            raise
+    oci = _oci_manifest(manifest, config, manifest_bytes, small_bytes, config_bytes)
+    oci_bytes = oci.model_dump_json(exclude_none=True).encode()
+    assert reference.tag is not None
+    client.put_manifest(reference.tag, layout.OCI_MANIFEST, oci_bytes)
+    seconds = time.monotonic() - started
+    total = manifest.total_bytes + len(manifest_bytes)
+    return PushReport(
+        image=str(image),
+        reference=str(reference),
+        manifest_digest=_digest(oci_bytes),
+        image_id=manifest.image_id,
+        files=len(manifest.files),
+        image_bytes=total,
+        blobs=len(oci.layers) + 1,
+        blobs_uploaded=uploader.uploaded,
+        bytes_uploaded=uploader.bytes_uploaded,
+        seconds=round(seconds, 6),
+        mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+    )
+
+
+def _oci_manifest(
+    manifest: Manifest,
+    config: layout.ImageConfig,
+    manifest_bytes: bytes,
+    small_bytes: bytes,
+    config_bytes: bytes,
+) -> layout.OciManifest:
+    layers = [
+        layout.Descriptor(mediaType=layout.IMAGE_MANIFEST_MEDIA_TYPE,
+                          digest=config.manifest_digest, size=len(manifest_bytes),
+                          annotations={layout.TITLE: MANIFEST_NAME}),
+        layout.Descriptor(mediaType=layout.SMALL_FILES_MEDIA_TYPE,
+                          digest=config.small_files_digest, size=len(small_bytes)),
+    ] + [
+        layout.Descriptor(mediaType=layout.CHUNK_MEDIA_TYPE, digest=digest, size=size)
+        for digest, size in config.chunk_digests().items()
+    ]  # fmt: skip
+    return layout.OciManifest(
+        schemaVersion=2,
+        mediaType=layout.OCI_MANIFEST,
+        artifactType=layout.ARTIFACT_TYPE,
+        config=layout.Descriptor(mediaType=layout.CONFIG_MEDIA_TYPE,
+                                 digest=_digest(config_bytes), size=len(config_bytes)),
+        layers=layers,
+        annotations=layout.manifest_annotations(
+            criu_version=manifest.criu_version, kernel=manifest.kernel,
+            snapctl_version=manifest.snapctl_version, image_id=manifest.image_id,
+            created=manifest.created,
+        ),
+    )  # fmt: skip
