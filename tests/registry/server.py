@@ -72,8 +72,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
-def start_registry(root: Path, *, host: str = "127.0.0.1", port: int | None = None,
-                   popen_prefix: tuple[str, ...] = (), timeout_s: float = 30.0) -> RegistryServer:  # fmt: skip
+def start_registry(
+    root: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    popen_prefix: tuple[str, ...] = (),
+    timeout_s: float = 30.0,
+) -> RegistryServer:
     """Start a registry listening on ``host`` (``popen_prefix`` may enter a namespace)."""
     binary = registry_binary()
     assert binary is not None, f"{BINARY} is not installed (scripts/setup installs it)"

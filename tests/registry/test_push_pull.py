@@ -120,7 +120,7 @@ def test_a_corrupt_manifest_json_is_refused(registry_server: RegistryServer,
     text["files"]["criu/core-1.img"]["sha256"] = "0" * 64
     data.write_bytes(json.dumps(text).encode())
 
-    with pytest.raises(BlobMismatchError, match="manifest.json .* does not match its digest"):
+    with pytest.raises(BlobMismatchError, match=r"manifest\.json .* does not match its digest"):
         pull_image(client(registry_server, "t/badmeta:v1"), tmp_path / "out",
                    cache=BlobCache(tmp_path / "c2"), verified_cache=None)  # fmt: skip
     assert not (tmp_path / "out").exists()
