@@ -55,7 +55,9 @@ COMMANDS: dict[str, LazyCommand] = {
     "bake": LazyCommand(
         "snapctl.cli.bake:bake", "Capture a server into an image without ever serving it."
     ),
-    "image": LazyCommand("snapctl.cli.image:image", "Export, import or remove an image."),
+    "image": LazyCommand(
+        "snapctl.cli.image:image", "Export, import, push, pull or remove an image."
+    ),
     "images": LazyCommand("snapctl.cli.images:images", "List the images in an image root."),
     "qualify": LazyCommand(
         "snapctl.cli.qualify:qualify",

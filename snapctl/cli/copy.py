@@ -14,9 +14,14 @@ from snapctl.cli.serving import Progress, serve
 @click.command(context_settings={"ignore_unknown_options": True})
 @click.option(
     "--image",
+    "image_source",
     required=True,
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    help="A published image directory.",
+    metavar="DIR|REF",
+    help="A published image directory, or a registry reference (REGISTRY/REPOSITORY:TAG or "
+    "@sha256:DIGEST), pulled into the local image cache first.",
+)
+@click.option(
+    "--plain-http", is_flag=True, help="With a reference: speak HTTP to the registry (no TLS)."
 )
 @click.option(
     "--count",
@@ -45,8 +50,9 @@ from snapctl.cli.serving import Progress, serve
 )
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | None,
-         server_cmd: tuple[str, ...], common: CommonOptions) -> None:  # fmt: skip
+def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[str, ...],
+         lazy: bool | None, server_cmd: tuple[str, ...],
+         common: CommonOptions) -> None:  # fmt: skip
     """Restore a copy of an image and serve it.
 
     Before CRIU runs, this host is checked against the image's identity (kernel and its
@@ -65,6 +71,7 @@ def copy(image: Path, count: int, allow_mismatch: tuple[str, ...], lazy: bool | 
     from snapctl.supervision.state import StateDir
 
     check_waivers(allow_mismatch)  # a bad name fails before anything starts
+    image = image_path(image_source, plain_http=plain_http, quiet=common.as_json)
     for name in needless_waivers(allow_mismatch):
         note(f"--allow-mismatch {name} is not needed: {name} never refuses a copy",
              quiet=common.as_json)  # fmt: skip
@@ -142,3 +149,23 @@ def start_many(
         image, options, count, criu=criu, native=native, publish_base=common.publish,
         state=StateDir(), progress_for=progress_for, lazy=lazy,
     )  # fmt: skip
+
+
+def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:
+    """The image directory ``--image`` names: itself, or a reference pulled into the cache."""
+    from snapctl.cli.image import transfer_progress
+    from snapctl.cli.output import note
+    from snapctl.registry.source import is_reference, pull_for_copy, require_image
+    from snapctl.supervision.state import StateDir
+
+    if not is_reference(source):
+        return require_image(source)
+    with transfer_progress("pull", None, quiet=quiet) as (advance, set_total):
+        report = pull_for_copy(source, StateDir(), plain_http=plain_http, progress=advance,
+                               total=set_total)  # fmt: skip
+    if report.already_pulled:
+        note(f"{source}: image {report.image_id[:12]} already pulled", quiet=quiet)
+    else:
+        note(f"pulled {source}: {report.bytes_fetched / 1e6:.1f} MB in {report.seconds:.2f} s",
+             quiet=quiet)  # fmt: skip
+    return Path(report.image)

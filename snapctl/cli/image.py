@@ -13,34 +13,60 @@ from snapctl.cli.output import json_option
 
 if TYPE_CHECKING:
     from snapctl.images.archive import ArchiveReport
+    from snapctl.registry.pull import PullReport
+    from snapctl.registry.push import PushReport
+
+plain_http_option = click.option(
+    "--plain-http", is_flag=True, help="Speak HTTP, not HTTPS, to the registry (no TLS)."
+)
+jobs_option = click.option(
+    "--jobs", default=8, show_default=True, type=click.IntRange(1, 64),
+    help="Blobs transferred at once.",
+)  # fmt: skip
 
 
 @click.group()
 def image() -> None:
-    """Export, import or remove an image."""
+    """Export, import, push, pull or remove an image."""
 
 
 @contextmanager
-def byte_progress(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
-    """A rich progress bar over ``total`` bytes on stderr, only on a terminal and unless quiet."""
+def transfer_progress(
+    label: str, total: int | None, *, quiet: bool
+) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
+    """A rich progress bar of bytes and rate on stderr, only on a terminal and unless quiet:
+    ``(advance, set_total)``, both thread-safe (rich locks its tasks); ``total`` may be set
+    once it is known."""
     from snapctl.cli.output import stderr
 
     console = stderr()
     if quiet or not console.is_terminal:
-        yield lambda done: None
+        yield (lambda done: None), (lambda size: None)
         return
     from rich.progress import (
         BarColumn,
         DownloadColumn,
         Progress,
+        TextColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
 
-    columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task(label, total=total)
-        yield lambda done: progress.advance(task, done)
+        yield (
+            (lambda done: progress.advance(task, done)),
+            (lambda size: progress.update(task, total=size)),
+        )
+
+
+@contextmanager
+def byte_progress(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar over ``total`` bytes on stderr, only on a terminal and unless quiet."""
+    with transfer_progress(label, total, quiet=quiet) as (advance, _):
+        yield advance
 
 
 def render(report: ArchiveReport) -> None:
@@ -142,3 +168,112 @@ def rm(directory: Path, as_json: bool) -> None:
         emit_json({"removed": str(directory.absolute())})
     else:
         stdout().print(f"removed {directory.absolute()}")
+
+
+def render_push(report: PushReport) -> None:
+    from snapctl.cli.output import stdout
+
+    stdout().print(
+        f"pushed image {report.image_id} to {report.reference}: "
+        f"{report.image_bytes / 1e6:.1f} MB in {report.files} files, {report.seconds:.2f} s "
+        f"({report.mb_per_s:.1f} MB/s)\n  uploaded {report.blobs_uploaded} of {report.blobs} "
+        f"blobs ({report.bytes_uploaded / 1e6:.1f} MB; the registry held the rest)\n"
+        f"  digest {report.manifest_digest}",
+        markup=False, highlight=False,
+    )  # fmt: skip
+
+
+def render_pull(report: PullReport) -> None:
+    from snapctl.cli.output import stdout
+
+    if report.already_pulled:
+        stdout().print(
+            f"image {report.image_id} of {report.reference} is already pulled and "
+            f"verified\n  image  {report.image}",
+            markup=False,
+            highlight=False,
+        )
+        return
+    stdout().print(
+        f"pulled image {report.image_id} from {report.reference}: "
+        f"{report.image_bytes / 1e6:.1f} MB in {report.files} files, {report.seconds:.2f} s "
+        f"({report.mb_per_s:.1f} MB/s)\n  fetched {report.blobs_fetched} blobs "
+        f"({report.bytes_fetched / 1e6:.1f} MB, {report.bytes_resumed / 1e6:.1f} MB resumed), "
+        f"{report.blobs_cached} were in the cache\n  image  {report.image}\n"
+        f"  digest {report.manifest_digest}",
+        markup=False, highlight=False,
+    )  # fmt: skip
+
+
+@image.command("push")
+@click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("reference")
+@plain_http_option
+@jobs_option
+@json_option
+def push(directory: Path, reference: str, plain_http: bool, jobs: int, as_json: bool) -> None:
+    """Push an image to an OCI registry (REGISTRY/REPOSITORY:TAG), verifying every file.
+
+    Page data travels as content-defined chunks: blobs the repository already holds are not
+    uploaded again. Credentials come from the docker config ($DOCKER_CONFIG, ~/.docker) or
+    SNAPCTL_REGISTRY_USERNAME/SNAPCTL_REGISTRY_PASSWORD.
+    """
+    from snapctl.cli.output import emit_json
+    from snapctl.images import load_manifest
+    from snapctl.images.manifest import MANIFEST_NAME
+    from snapctl.registry.client import Reference, RegistryClient
+    from snapctl.registry.push import push_image
+
+    parsed = Reference.parse(reference)
+    client = RegistryClient(parsed, plain_http=plain_http)
+    total = load_manifest(directory).total_bytes + (directory / MANIFEST_NAME).stat().st_size
+    try:
+        with byte_progress("push", total, quiet=as_json) as progress:
+            report = push_image(directory, parsed, client, jobs=jobs, progress=progress)
+    finally:
+        client.close()
+    if as_json:
+        emit_json(report)
+    else:
+        render_push(report)
+
+
+@image.command("pull")
+@click.argument("reference")
+@click.option(
+    "--to", "to", required=True, type=click.Path(file_okay=False, path_type=Path),
+    help="Image directory to create (must not exist unless --force).",
+)  # fmt: skip
+@click.option(
+    "--force", is_flag=True, help="Replace an existing image (not while a copy holds it)."
+)
+@plain_http_option
+@jobs_option
+@json_option
+def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
+         as_json: bool) -> None:  # fmt: skip
+    """Pull an image from an OCI registry, verifying every blob, and publish it atomically.
+
+    Blobs already in the local cache, and partial downloads, are not fetched again.
+    """
+    from snapctl.cli.output import emit_json
+    from snapctl.registry.cache import blob_cache
+    from snapctl.registry.client import Reference, RegistryClient
+    from snapctl.registry.pull import pull_image
+    from snapctl.supervision.state import StateDir
+
+    state = StateDir()
+    state.ensure()
+    client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
+    try:
+        with transfer_progress("pull", None, quiet=as_json) as (advance, set_total):
+            report = pull_image(
+                client, to, cache=blob_cache(state), verified_cache=state.verified,
+                force=force, jobs=jobs, progress=advance, total=set_total,
+            )  # fmt: skip
+    finally:
+        client.close()
+    if as_json:
+        emit_json(report)
+    else:
+        render_pull(report)

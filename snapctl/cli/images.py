@@ -15,12 +15,21 @@ from snapctl.cli.output import json_option
                    "else images/ in the state directory).")  # fmt: skip
 @json_option
 def images(root: Path | None, as_json: bool) -> None:
-    """List the images in an image root."""
+    """List the images in an image root.
+
+    Without --root, the images pulled into the local image cache are listed too, by the
+    references they were pulled by.
+    """
     from snapctl.cli.output import emit_json, stdout
     from snapctl.images.catalog import default_image_root, list_images
     from snapctl.supervision.state import StateDir
 
-    rows = list_images(root.absolute() if root else default_image_root(), StateDir().verified)
+    state = StateDir()
+    rows = list_images(root.absolute() if root else default_image_root(), state.verified)
+    if root is None:
+        from snapctl.registry.source import list_pulled
+
+        rows += list_pulled(state)
     if as_json:
         emit_json([row.model_dump(mode="json") for row in rows])
         return
@@ -30,11 +39,13 @@ def images(root: Path | None, as_json: bool) -> None:
     for column in ("image", "id", "created", "server", "size", "criu", "verified"):
         table.add_column(column)
     for row in rows:
+        # A pulled image is shown by the references it was pulled by.
+        name = row.reference or Path(row.path).name
         if row.problem:
-            table.add_row(Path(row.path).name, "-", "-", row.problem, "-", "-", "no")
+            table.add_row(name, "-", "-", row.problem, "-", "-", "no")
             continue
         table.add_row(
-            Path(row.path).name,
+            name,
             (row.image_id or "")[:12],
             row.created or "-",
             row.server or "-",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -14,20 +13,40 @@ if TYPE_CHECKING:
 
 
 @click.command()
-@click.argument("image", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("source", metavar="IMAGE")
 @click.option("--verify", is_flag=True, help="Check every file's size and sha256.")
 @click.option("--brief", is_flag=True, help="Only the summary table.")
+@click.option(
+    "--plain-http", is_flag=True, help="With a reference: speak HTTP to the registry (no TLS)."
+)
 @json_option
-def inspect(image: Path, verify: bool, brief: bool, as_json: bool) -> None:
+def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: bool) -> None:
     """Show an image's manifest (and verify it).
 
-    Shows the process tree, the image's files, the identity a copy is checked against (files
-    outside the image it depends on included) and CRIU's dump statistics.
+    IMAGE is an image directory or a registry reference; for a reference only the manifests
+    and small metadata are fetched, never page data. Shows the process tree, the image's
+    files, the identity a copy is checked against (files outside the image it depends on
+    included) and CRIU's dump statistics.
     """
     from snapctl.images import load_manifest, verify_image
     from snapctl.images.store import record_verified
+    from snapctl.registry.source import describe_remote, is_reference, require_image
     from snapctl.supervision.state import StateDir
 
+    if is_reference(source):
+        if verify:
+            raise click.UsageError("--verify reads every file: pull the image first")
+        remote = describe_remote(source, StateDir(), plain_http=plain_http)
+        if as_json:
+            emit_json(
+                {"reference": source, "manifest_digest": remote.manifest_digest,
+                 "annotations": remote.oci.annotations,
+                 "manifest": remote.manifest.model_dump(mode="json"), "verified": False}
+            )  # fmt: skip
+            return
+        _show(source, remote.manifest, False, brief)
+        return
+    image = require_image(source)
     if verify:
         manifest = verify_image(image)  # always a full hash when asked, cache or not
         state = StateDir()
@@ -41,8 +60,12 @@ def inspect(image: Path, verify: bool, brief: bool, as_json: bool) -> None:
              "verified": verify}
         )  # fmt: skip
         return
+    _show(str(image), manifest, verify, brief)
+
+
+def _show(where: str, manifest: Manifest, verify: bool, brief: bool) -> None:
     console = stdout()
-    console.print(_summary(image, manifest, verify))
+    console.print(_summary(where, manifest, verify))
     if brief:
         return
     console.print(_processes(manifest))
@@ -61,14 +84,14 @@ def _table(title: str, *columns: str) -> Any:
     return table
 
 
-def _summary(image: Path, manifest: Manifest, verify: bool) -> Any:
+def _summary(image: str, manifest: Manifest, verify: bool) -> Any:
     from snapctl.criu.external import host_mounts
 
     table = _table(f"image {manifest.image_id}")
     table.add_column()
     table.add_column()
     for label, value in [
-        ("path", str(image)),
+        ("path", image),
         ("schema", str(manifest.schema_version)),
         ("created", manifest.created),
         ("capture id", manifest.capture_id),

@@ -38,6 +38,7 @@ class ImageSummary(BaseModel):
     schema_version: int | None
     verified: bool
     problem: str | None = None
+    reference: str | None = None  # pulled images: the references they were pulled by
 
 
 def server_summary(argv: list[str]) -> str:

@@ -1,0 +1,76 @@
+"""Where ``copy --image`` and ``inspect`` find an image: a directory, or a registry reference
+pulled into (or read from) the local image cache."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from snapctl.images.catalog import ImageSummary, summarize
+from snapctl.images.store import ImageError
+from snapctl.registry.cache import blob_cache, pulled_root, read_record
+from snapctl.registry.client import Reference, RegistryClient
+from snapctl.registry.pull import DEFAULT_JOBS, PullReport, Remote, describe, pull_cached
+from snapctl.supervision.state import StateDir
+
+
+def is_reference(text: str) -> bool:
+    """True when ``text`` is no existing path and reads as ``REGISTRY/REPOSITORY[...]``: the
+    first component names a host (has a dot or a port, or is localhost)."""
+    if Path(text).exists() or text.startswith(("/", ".", "~")) or "/" not in text:
+        return False
+    host = text.split("/", 1)[0]
+    return "." in host or ":" in host or host == "localhost"
+
+
+def require_image(text: str) -> Path:
+    """A local image directory, or an error naming both readings of ``text``."""
+    path = Path(text)
+    if path.is_dir():
+        return path
+    raise ImageError(
+        f"{text} is neither an image directory nor a registry reference "
+        "(REGISTRY/REPOSITORY[:TAG][@DIGEST])",
+        path=path,
+    )
+
+
+def pull_for_copy(
+    reference: str,
+    state: StateDir,
+    *,
+    plain_http: bool,
+    jobs: int = DEFAULT_JOBS,
+    progress: Callable[[int], None] | None = None,
+    total: Callable[[int], None] | None = None,
+) -> PullReport:
+    """Pull ``reference`` into the local image cache (or find it there, pulled and verified)."""
+    state.ensure()
+    client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
+    try:
+        return pull_cached(client, state, jobs=jobs, progress=progress, total=total)
+    finally:
+        client.close()
+
+
+def describe_remote(reference: str, state: StateDir, *, plain_http: bool) -> Remote:
+    """The manifest, config and manifest.json of ``reference``: no page data is fetched."""
+    client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
+    try:
+        return describe(client, blob_cache(state))
+    finally:
+        client.close()
+
+
+def list_pulled(state: StateDir) -> list[ImageSummary]:
+    """The images in the local image cache, each with the references it was pulled by."""
+    root = pulled_root(state)
+    if not root.is_dir():
+        return []
+    rows = []
+    for image in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        record = read_record(image)
+        row = summarize(image, state.verified)
+        references = ", ".join(record.references) if record else None
+        rows.append(row.model_copy(update={"reference": references}))
+    return rows
