@@ -55,9 +55,9 @@ def test_push_inspect_pull_and_list(registry_server: RegistryServer, tmp_path: P
         True]  # fmt: skip
 
 
-def test_pull_without_plain_http_names_the_fix(registry_server: RegistryServer,
-                                               tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_pull_without_plain_http_names_the_fix(
+    registry_server: RegistryServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ref = f"{registry_server.address}/cli/none:v1"
 
     code = main(["image", "pull", ref, "--to", str(tmp_path / "out")])

@@ -1,0 +1,79 @@
+"""Real CRIU and a real registry: bake → push → ``copy --image REF`` on an empty cache serves
+the donor's answers; a second copy uses the cached pull; ``images`` lists it by reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from snapctl.activation.supervise import collect_orphans, stop_recorded
+from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete
+from tests.registry.server import RegistryServer
+
+pytestmark = [pytest.mark.criu, pytest.mark.registry, pytest.mark.timeout(300)]
+
+
+def stop_all(state: Path) -> None:
+    records = StateDir(state)
+    for record in records.load_records():
+        stop_recorded(record, records)
+    collect_orphans(records)
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Iterator[Path]:
+    """The donor's state dir; whatever a failed test left running (here or in the copy's
+    state dir, ``elsewhere``) is stopped after."""
+    yield tmp_path / "state"
+    for path in (tmp_path / "state", tmp_path / "elsewhere"):
+        stop_all(path)
+
+
+def snapctl(state: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "snapctl", *args],
+        env={**os.environ, "SNAPCTL_STATE_DIR": str(state), API_KEY_ENV: API_KEY, **(env or {})},
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_push_then_copy_from_the_reference_serves_the_donors_answers(
+    registry_server: RegistryServer, tmp_path: Path, state: Path, criu_binary: object
+) -> None:
+    image, ref = tmp_path / "image", f"{registry_server.address}/criu/fixture:v1"
+    key = ("--api-key-env", API_KEY_ENV)
+    donor = json.loads(snapctl(state, "donor", "--image", str(image), "--name", "d", *key,
+                               "--publish", "127.0.0.1:0", "--detach", "--json"))  # fmt: skip
+    reference_answer = complete(donor["published"])
+    snapctl(state, "stop", "d")
+    pushed = json.loads(snapctl(state, "image", "push", str(image), ref, "--plain-http", "--json"))
+
+    # Another state directory: an empty image cache, as on another host.
+    elsewhere = tmp_path / "elsewhere"
+    copy = json.loads(snapctl(elsewhere, "copy", "--image", ref, "--plain-http", "--name", "c",
+                              *key, "--publish", "127.0.0.1:0", "--detach", "--json",
+                              env={"FOO": "1"}))  # fmt: skip
+    try:
+        assert complete(copy["published"]) == reference_answer
+    finally:
+        snapctl(elsewhere, "stop", "c")
+    pulled = elsewhere / "cache" / "images" / f"sha256-{pushed['manifest_digest'][7:23]}"
+    assert (pulled / "manifest.json").is_file()
+    rows = json.loads(snapctl(elsewhere, "images", "--json"))
+    assert [(r["reference"], r["verified"]) for r in rows] == [(ref, True)]
+
+    again = json.loads(snapctl(elsewhere, "copy", "--image", ref, "--plain-http", "--name", "c2",
+                               *key, "--publish", "127.0.0.1:0", "--detach", "--json"))  # fmt: skip
+    try:
+        assert complete(again["published"]) == reference_answer
+    finally:
+        snapctl(elsewhere, "stop", "c2")
