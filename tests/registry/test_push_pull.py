@@ -147,3 +147,29 @@ def test_a_partial_download_resumes_where_it_stopped(registry_server: RegistrySe
     assert report.bytes_resumed == size // 2
     assert report.bytes_fetched == needed - complete[1] - size // 2
     assert report.blobs_cached == 1 and hash_tree(tmp_path / "out") == hash_tree(image)
+
+
+def test_a_cached_blob_damaged_on_disk_is_dropped_and_fetched_again(
+    registry_server: RegistryServer, tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    publish_paged(image, os.urandom(3 << 20))
+    push_image(image, Reference.parse(f"{registry_server.address}/t/disk:v1"),
+               client(registry_server, "t/disk:v1"))  # fmt: skip
+    cache = BlobCache(tmp_path / "cache")
+    pull_image(client(registry_server, "t/disk:v1"), tmp_path / "one", cache=cache,
+               verified_cache=None)  # fmt: skip
+    victim = next(iter(describe(client(registry_server, "t/disk:v1"), cache).config
+                       .chunk_digests()))  # fmt: skip
+    damaged = bytearray(cache.path(victim).read_bytes())
+    damaged[7] ^= 0x80
+    cache.path(victim).write_bytes(bytes(damaged))
+
+    with pytest.raises(BlobMismatchError, match="does not match its sha256"):
+        pull_image(client(registry_server, "t/disk:v1"), tmp_path / "two", cache=cache,
+                   verified_cache=None)  # fmt: skip
+    assert not (tmp_path / "two").exists() and not cache.has(victim)
+
+    again = pull_image(client(registry_server, "t/disk:v1"), tmp_path / "two", cache=cache,
+                       verified_cache=None)  # fmt: skip
+    assert again.blobs_fetched == 1 and hash_tree(tmp_path / "two") == hash_tree(image)
