@@ -19,7 +19,7 @@ import struct
 import tarfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Literal
 
@@ -178,6 +178,26 @@ def walk_image(image: Path, manifest: Manifest) -> list[str]:
     return sorted(directories)
 
 
+@contextlib.contextmanager
+def held_for_reading(image: Path) -> Iterator[tuple[Manifest, bytes, list[str]]]:
+    """Hold ``image`` shared (copies may read meanwhile; rm and replace wait) and yield its
+    manifest, the manifest's bytes and its directories; refuse an image that has a file the
+    manifest does not list, or lacks one it does."""
+    try:
+        hold = hold_image(image)
+    except (FileNotFoundError, NotADirectoryError) as error:
+        raise ImageError(f"{image} is not a published image", path=image) from error
+    with hold:
+        manifest_path = image / MANIFEST_NAME
+        try:
+            with manifest_path.open("rb") as handle:
+                manifest_bytes = handle.read(MAX_MANIFEST_BYTES + 1)
+        except FileNotFoundError as error:
+            raise ImageError(f"{image} is not a published image", path=image) from error
+        manifest = parse_manifest(manifest_bytes, manifest_path)
+        yield manifest, manifest_bytes, walk_image(image, manifest)
+
+
 def _tarinfo(name: str, st: os.stat_result) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.mode = stat.S_IMODE(st.st_mode)
@@ -201,20 +221,7 @@ def export_image(
     if out.exists() and not force:
         raise ArchiveError(f"{out} already exists (use --force to replace it)", path=out)
     started = time.monotonic()
-    try:
-        # Shared: copies may read meanwhile, rm and replace wait for the export to finish.
-        hold = hold_image(image)
-    except (FileNotFoundError, NotADirectoryError) as error:
-        raise ImageError(f"{image} is not a published image", path=image) from error
-    with hold:
-        manifest_path = image / MANIFEST_NAME
-        try:
-            with manifest_path.open("rb") as handle:
-                manifest_bytes = handle.read(MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError as error:
-            raise ImageError(f"{image} is not a published image", path=image) from error
-        manifest = parse_manifest(manifest_bytes, manifest_path)
-        directories = walk_image(image, manifest)
+    with held_for_reading(image) as (manifest, manifest_bytes, directories):
         tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
         try:
             with tmp.open("xb") as raw:

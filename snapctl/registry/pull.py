@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -40,29 +41,36 @@ from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
 from snapctl.supervision.state import StateDir
 
 ByteProgress = Callable[[int], None]
+M = TypeVar("M", bound=BaseModel)
 DEFAULT_JOBS = 8
 PIECE = 4 << 20
 
 
-class PullReport(BaseModel):
-    """What a pull moved (``--json``)."""
+class TransferReport(BaseModel):
+    """What a push or pull moved (``--json``): the fields both have."""
 
     model_config = ConfigDict(extra="forbid")
 
-    action: str = "pull"
+    action: str
     image: str
     reference: str
     manifest_digest: str
     image_id: str
     files: int
     image_bytes: int
-    blobs: int
+    blobs: int  # the OCI manifest's config and layers
+    seconds: float
+    mb_per_s: float  # image bytes per second, 1 MB = 10^6 bytes
+
+
+class PullReport(TransferReport):
+    """What a pull moved (``--json``)."""
+
+    action: str = "pull"
     blobs_fetched: int  # blobs transferred now (in whole or resumed)
     blobs_cached: int  # blobs already complete and verified in the cache
     bytes_fetched: int  # bytes received from the registry
     bytes_resumed: int  # bytes of partial downloads that were not fetched again
-    seconds: float
-    mb_per_s: float  # image bytes per second, 1 MB = 10^6 bytes
     already_pulled: bool = False
 
 
@@ -103,6 +111,13 @@ def _small_blob(client: RegistryClient, cache: BlobCache, descriptor: layout.Des
     return bytes(data)
 
 
+def _parse(model: type[M], data: bytes, what: str) -> M:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as error:
+        raise BlobMismatchError(f"{what}: {manifest_problem(error)}") from error
+
+
 def describe(client: RegistryClient, cache: BlobCache) -> Remote:
     """Read and check the OCI manifest, the config and the image's manifest.json (no page
     data). The small blobs are kept in the cache only once all three agree."""
@@ -113,29 +128,14 @@ def describe(client: RegistryClient, cache: BlobCache) -> Remote:
         raise BlobMismatchError(
             f"the manifest of {reference} has sha256 {digest}, not the digest asked for"
         )
-    try:
-        oci = layout.OciManifest.model_validate_json(oci_bytes)
-    except ValidationError as error:
-        raise BlobMismatchError(
-            f"{reference} is not a snapctl image: {manifest_problem(error)}"
-        ) from error
+    oci = _parse(layout.OciManifest, oci_bytes, f"{reference} is not a snapctl image")
     config_bytes = _small_blob(client, cache, oci.config, layout.MAX_CONFIG_BYTES, "the config")
-    try:
-        config = layout.ImageConfig.model_validate_json(config_bytes)
-    except ValidationError as error:
-        raise BlobMismatchError(
-            f"the config of {reference} is not valid: {manifest_problem(error)}"
-        ) from error
+    config = _parse(layout.ImageConfig, config_bytes, f"the config of {reference} is not valid")
     first = oci.layers[0]
     if first.digest != config.manifest_digest:
         raise BlobMismatchError(f"{reference}: the config names another manifest.json")
     manifest_bytes = _small_blob(client, cache, first, MAX_MANIFEST_BYTES, "manifest.json")
-    try:
-        manifest = Manifest.model_validate_json(manifest_bytes)
-    except ValidationError as error:
-        raise BlobMismatchError(
-            f"manifest.json of {reference} is not valid: {manifest_problem(error)}"
-        ) from error
+    manifest = _parse(Manifest, manifest_bytes, f"manifest.json of {reference} is not valid")
     _check_agreement(reference, oci, config, manifest)
     cache.put(oci.config.digest, config_bytes)
     cache.put(first.digest, manifest_bytes)

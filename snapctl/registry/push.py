@@ -19,37 +19,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypedDict
 
-from pydantic import BaseModel, ConfigDict
-
-from snapctl.images.archive import ArchiveError, parse_manifest, walk_image
-from snapctl.images.lock import hold_image
+from snapctl.images.archive import ArchiveError, held_for_reading
 from snapctl.images.manifest import MANIFEST_NAME, Manifest
-from snapctl.images.store import MAX_MANIFEST_BYTES, ImageError
 from snapctl.registry import layout
 from snapctl.registry.chunks import cut
 from snapctl.registry.client import Reference, RegistryClient, RegistryError
+from snapctl.registry.pull import TransferReport
 
 ByteProgress = Callable[[int], None]
 DEFAULT_JOBS = 8
 
 
-class PushReport(BaseModel):
+class PushReport(TransferReport):
     """What a push moved (``--json``)."""
 
-    model_config = ConfigDict(extra="forbid")
-
     action: str = "push"
-    image: str
-    reference: str
-    manifest_digest: str
-    image_id: str
-    files: int
-    image_bytes: int
-    blobs: int
     blobs_uploaded: int
     bytes_uploaded: int  # blob bytes sent; blobs the registry held are not counted
-    seconds: float
-    mb_per_s: float  # image bytes per second, 1 MB = 10^6 bytes
 
 
 class _Uploader:
@@ -177,19 +163,7 @@ def push_image(
         raise RegistryError(f"push to a tag, not a digest: {reference}", reference=str(reference))
     image = image.absolute()
     started = time.monotonic()
-    try:
-        hold = hold_image(image)  # shared: copies may read meanwhile; rm and replace wait
-    except (FileNotFoundError, NotADirectoryError) as error:
-        raise ImageError(f"{image} is not a published image", path=image) from error
-    with hold:
-        manifest_path = image / MANIFEST_NAME
-        try:
-            with manifest_path.open("rb") as handle:
-                manifest_bytes = handle.read(MAX_MANIFEST_BYTES + 1)
-        except FileNotFoundError as error:
-            raise ImageError(f"{image} is not a published image", path=image) from error
-        manifest = parse_manifest(manifest_bytes, manifest_path)
-        directories = walk_image(image, manifest)
+    with held_for_reading(image) as (manifest, manifest_bytes, directories):
         uploader = _Uploader(client, jobs, progress)
         try:
             small = bytearray()
