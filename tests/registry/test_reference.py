@@ -38,8 +38,9 @@ def test_bad_references_are_refused(text: str) -> None:
         Reference.parse(text)
 
 
-def test_an_existing_directory_is_never_a_reference(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_an_existing_directory_is_never_a_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "localhost:5000" / "img").mkdir(parents=True)
 
