@@ -8,11 +8,9 @@ little, large enough that a 2 GiB image is about 2000 blobs.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 MIN_CHUNK = 256 << 10
@@ -20,17 +18,9 @@ AVG_CHUNK = 1 << 20
 MAX_CHUNK = 4 << 20
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One chunk: its offset and bytes (a view of the mapped file), and its sha256 digest."""
-
-    offset: int
-    data: memoryview
-    digest: str
-
-
-def cut(path: Path) -> Iterator[Piece]:
-    """The chunks of ``path`` in order; the views are valid until the iterator ends."""
+def cut(path: Path) -> Iterator[memoryview]:
+    """The chunks of ``path`` in order, as views of the mapped file, each valid until the
+    next is asked for."""
     import fastcdc
 
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -47,7 +37,7 @@ def cut(path: Path) -> Iterator[Piece]:
             for chunk in fastcdc.fastcdc(view, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK):
                 data = view[chunk.offset : chunk.offset + chunk.length]
                 try:
-                    yield Piece(chunk.offset, data, "sha256:" + hashlib.sha256(data).hexdigest())
+                    yield data
                 finally:
                     data.release()
         finally:

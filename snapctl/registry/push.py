@@ -39,7 +39,9 @@ class PushReport(TransferReport):
 
 
 class _Uploader:
-    """Uploads blobs in parallel, each digest once, skipping those the registry holds."""
+    """Hashes and uploads blobs in parallel, each digest once, skipping those the registry
+    holds. Chunks are hashed here, in the workers (hashlib releases the GIL), while the
+    caller's thread cuts the next ones and hashes the whole file."""
 
     def __init__(self, client: RegistryClient, jobs: int, progress: ByteProgress | None) -> None:
         self.client = client
@@ -48,35 +50,38 @@ class _Uploader:
         self.slots = threading.BoundedSemaphore(2 * jobs)
         self.progress = progress
         self.seen: set[str] = set()
-        self.futures: list[Future[None]] = []
+        self.futures: list[Future[str]] = []
         self.lock = threading.Lock()
         self.uploaded = 0
         self.bytes_uploaded = 0
 
-    def submit(self, digest: str, data: bytes | memoryview) -> None:
-        if digest in self.seen:
-            if self.progress is not None:
-                self.progress(len(data))
-            return
-        self.seen.add(digest)
+    def submit(self, data: bytes | memoryview) -> Future[str]:
+        """Upload ``data`` unless the registry holds it; the future gives its digest."""
         self._raise_first_failure()
         self.slots.acquire()
         try:
             payload = bytes(data)  # the view dies with its mapping; the upload runs later
-            self.futures.append(self.pool.submit(self._upload, digest, payload))
+            future = self.pool.submit(self._upload, payload)
         except BaseException:
             self.slots.release()
             raise
+        self.futures.append(future)
+        return future
 
-    def _upload(self, digest: str, data: bytes) -> None:
+    def _upload(self, data: bytes) -> str:
         try:
-            if not self.client.has_blob(digest):
+            digest = _digest(data)
+            with self.lock:
+                first = digest not in self.seen
+                self.seen.add(digest)
+            if first and not self.client.has_blob(digest):
                 self.client.upload_blob(digest, data)
                 with self.lock:
                     self.uploaded += 1
                     self.bytes_uploaded += len(data)
             if self.progress is not None:
                 self.progress(len(data))
+            return digest
         finally:
             self.slots.release()
 
@@ -137,11 +142,11 @@ def _store_files(
             if uploader.progress is not None:
                 uploader.progress(len(data))
         else:
-            chunks: list[layout.Chunk] = []
+            pending: list[tuple[Future[str], int]] = []
             for piece in cut(path):
-                digest.update(piece.data)
-                chunks.append(layout.Chunk(digest=piece.digest, size=len(piece.data)))
-                uploader.submit(piece.digest, piece.data)
+                digest.update(piece)
+                pending.append((uploader.submit(piece), len(piece)))
+            chunks = [layout.Chunk(digest=f.result(), size=size) for f, size in pending]
             placed = layout.StoredFile(name=name, size=entry.size, sha256=entry.sha256,
                                        chunks=chunks, **owner)  # fmt: skip
         if digest.hexdigest() != entry.sha256 or placed.size != entry.size:
@@ -183,9 +188,8 @@ def push_image(
                 files=stored,
             )
             config_bytes = config.model_dump_json().encode()
-            uploader.submit(config.manifest_digest, manifest_bytes)
-            uploader.submit(config.small_files_digest, small_bytes)
-            uploader.submit(_digest(config_bytes), config_bytes)
+            for blob in (manifest_bytes, small_bytes, config_bytes):
+                uploader.submit(blob)
             uploader.finish()
         except BaseException:
             uploader.abort()
