@@ -15,7 +15,7 @@ from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
 from snapctl.registry.pull import describe, pull_image
-from snapctl.registry.push import push_image
+from snapctl.registry.push import PushReport, push_image
 from tests.images.factories import make_manifest, publish_sample
 from tests.registry.server import RegistryServer
 
@@ -36,13 +36,16 @@ def publish_paged(final: Path, pages: bytes, *, force: bool = False) -> None:
     staging.publish(make_manifest(hash_tree(staging.dir), image_id=os.urandom(16).hex()))
 
 
+def push(server: RegistryServer, image: Path, name: str) -> PushReport:
+    return push_image(image, Reference.parse(f"{server.address}/{name}"), client(server, name))
+
+
 def test_push_then_pull_round_trips_an_image(registry_server: RegistryServer,
                                              tmp_path: Path) -> None:  # fmt: skip
     image = tmp_path / "image"
     publish_paged(image, os.urandom(6 << 20))
     manifest = load_manifest(image)
-    pushed = push_image(image, Reference.parse(f"{registry_server.address}/t/round:v1"),
-                        client(registry_server, "t/round:v1"))  # fmt: skip
+    pushed = push(registry_server, image, "t/round:v1")
     assert pushed.blobs_uploaded == pushed.blobs and pushed.bytes_uploaded > 6 << 20
 
     cache = BlobCache(tmp_path / "cache")
@@ -71,13 +74,11 @@ def test_a_rebake_pushes_only_the_changed_chunks(registry_server: RegistryServer
                                                  tmp_path: Path) -> None:  # fmt: skip
     pages = bytearray(os.urandom(16 << 20))
     publish_paged(tmp_path / "one", bytes(pages))
-    first = push_image(tmp_path / "one", Reference.parse(f"{registry_server.address}/t/rebake:1"),
-                       client(registry_server, "t/rebake:1"))  # fmt: skip
+    first = push(registry_server, tmp_path / "one", "t/rebake:1")
     pages[5 << 20 : (5 << 20) + 4096] = os.urandom(4096)  # a page changed
     pages[9 << 20 : 9 << 20] = os.urandom(8192)  # two pages more, shifting the rest
     publish_paged(tmp_path / "two", bytes(pages))
-    second = push_image(tmp_path / "two", Reference.parse(f"{registry_server.address}/t/rebake:2"),
-                        client(registry_server, "t/rebake:2"))  # fmt: skip
+    second = push(registry_server, tmp_path / "two", "t/rebake:2")
     assert second.bytes_uploaded < 0.3 * first.bytes_uploaded, (second, first)
 
 
@@ -85,8 +86,7 @@ def test_a_corrupt_blob_in_the_registry_publishes_nothing(registry_server: Regis
                                                           tmp_path: Path) -> None:  # fmt: skip
     image = tmp_path / "image"
     publish_paged(image, os.urandom(3 << 20))
-    push_image(image, Reference.parse(f"{registry_server.address}/t/corrupt:v1"),
-               client(registry_server, "t/corrupt:v1"))  # fmt: skip
+    push(registry_server, image, "t/corrupt:v1")
     cache = BlobCache(tmp_path / "cache")
     remote = describe(client(registry_server, "t/corrupt:v1"), cache)
     victim = next(iter(remote.config.chunk_digests()))
@@ -112,8 +112,7 @@ def test_a_corrupt_manifest_json_is_refused(registry_server: RegistryServer,
                                             tmp_path: Path) -> None:  # fmt: skip
     image = tmp_path / "image"
     publish_sample(image)
-    push_image(image, Reference.parse(f"{registry_server.address}/t/badmeta:v1"),
-               client(registry_server, "t/badmeta:v1"))  # fmt: skip
+    push(registry_server, image, "t/badmeta:v1")
     remote = describe(client(registry_server, "t/badmeta:v1"), BlobCache(tmp_path / "c1"))
     data = registry_server.blob_data(remote.oci.layers[0].digest)
     text = json.loads(data.read_bytes())
@@ -130,8 +129,7 @@ def test_a_partial_download_resumes_where_it_stopped(registry_server: RegistrySe
                                                      tmp_path: Path) -> None:  # fmt: skip
     image = tmp_path / "image"
     publish_paged(image, os.urandom(8 << 20))
-    push_image(image, Reference.parse(f"{registry_server.address}/t/resume:v1"),
-               client(registry_server, "t/resume:v1"))  # fmt: skip
+    push(registry_server, image, "t/resume:v1")
     cache = BlobCache(tmp_path / "cache")
     remote = describe(client(registry_server, "t/resume:v1"), cache)
     chunks = list(remote.config.chunk_digests().items())
@@ -154,8 +152,7 @@ def test_a_cached_blob_damaged_on_disk_is_dropped_and_fetched_again(
 ) -> None:
     image = tmp_path / "image"
     publish_paged(image, os.urandom(3 << 20))
-    push_image(image, Reference.parse(f"{registry_server.address}/t/disk:v1"),
-               client(registry_server, "t/disk:v1"))  # fmt: skip
+    push(registry_server, image, "t/disk:v1")
     cache = BlobCache(tmp_path / "cache")
     pull_image(client(registry_server, "t/disk:v1"), tmp_path / "one", cache=cache,
                verified_cache=None)  # fmt: skip
