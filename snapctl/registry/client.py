@@ -120,15 +120,17 @@ class RegistryClient:
 
         self.reference = reference
         self.scheme = "http" if plain_http else "https"
+        self.plain_http = plain_http
         self._oras = oras.provider.Registry(hostname=reference.registry, insecure=plain_http)
         self.session: requests.Session = self._oras.session
         adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=32)
         self.session.mount(f"{self.scheme}://", adapter)
         self._auth_lock = threading.Lock()
         self._headers: dict[str, str] = {}
-        self._credentials()
+        self._credentials(self._oras.auth)
 
-    def _credentials(self) -> None:
+    def _credentials(self, backend: Any) -> None:
+        """Give an ORAS auth backend this registry's credentials, if any are configured."""
         import oras.container
 
         username, password = os.environ.get(USERNAME_ENV), os.environ.get(PASSWORD_ENV)
@@ -138,9 +140,26 @@ class RegistryClient:
             f"{self.reference.registry}/{self.reference.repository}"
         )
         if username and password:
-            self._oras.auth.set_basic_auth(username, password)
+            backend.set_basic_auth(username, password)
         else:
-            self._oras.auth.load_configs(container, configs=docker_configs())
+            backend.load_configs(container, configs=docker_configs())
+
+    def _backend_for(self, response: requests.Response) -> Any:
+        """The ORAS backend that answers this challenge: bearer tokens (the default) or, for a
+        registry that asks for Basic (htpasswd), the basic one with the same credentials."""
+        import oras.auth
+
+        challenge = response.headers.get("Www-Authenticate", "")
+        if not challenge.lower().startswith("basic"):
+            return self._oras.auth
+        basic = oras.auth.get_auth_backend("basic", self.session, self.plain_http)
+        self._credentials(basic)
+        # ORAS keeps the credentials it found as ``_basic_auth``; without any, a Basic
+        # challenge cannot be answered.
+        if not getattr(basic, "_basic_auth", None):
+            raise self.refuse(response, "a request without credentials")
+        self._oras.auth = basic
+        return basic
 
     @property
     def base(self) -> str:
@@ -157,7 +176,7 @@ class RegistryClient:
             response = self.session.request(method, url, headers=headers, **kwargs)
             if response.status_code in (401, 403) and "data" not in kwargs:
                 with self._auth_lock:
-                    new_headers, changed = self._oras.auth.authenticate_request(
+                    new_headers, changed = self._backend_for(response).authenticate_request(
                         response, dict(headers)
                     )
                     if changed:

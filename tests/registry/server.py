@@ -28,6 +28,11 @@ storage:
       enabled: false
 http:
   addr: {host}:{port}
+{auth}"""
+HTPASSWD_AUTH = """auth:
+  htpasswd:
+    realm: snapctl-test
+    path: {path}
 """
 
 
@@ -79,6 +84,7 @@ def start_registry(
     port: int | None = None,
     popen_prefix: tuple[str, ...] = (),
     timeout_s: float = 30.0,
+    htpasswd: tuple[str, str] | None = None,
 ) -> RegistryServer:
     """Start a registry listening on ``host`` (``popen_prefix`` may enter a namespace)."""
     binary = registry_binary()
@@ -87,7 +93,20 @@ def start_registry(
     storage.mkdir(parents=True, exist_ok=True)
     port = port or free_port(host if not popen_prefix else "127.0.0.1")
     config = root / "config.yml"
-    config.write_text(CONFIG.format(storage=storage, host=host, port=port))
+    auth = ""
+    if htpasswd is not None:  # basic auth, as a registry behind docker login would ask
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import crypt  # libxcrypt's bcrypt, the only hash the registry accepts
+
+        user, password = htpasswd
+        (root / "htpasswd").write_text(
+            f"{user}:{crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))}\n"
+        )
+        auth = HTPASSWD_AUTH.format(path=root / "htpasswd")
+    config.write_text(CONFIG.format(storage=storage, host=host, port=port, auth=auth))
     log = root / "registry.log"
     with log.open("wb") as out:
         process = subprocess.Popen([*popen_prefix, binary, "serve", str(config)],
@@ -99,9 +118,13 @@ def start_registry(
             raise AssertionError(f"the registry exited: {log.read_text()[-2000:]}")
         try:
             if not popen_prefix:
-                with urllib.request.urlopen(f"http://{server.address}/v2/", timeout=2) as r:
-                    if r.status == 200:
+                try:
+                    with urllib.request.urlopen(f"http://{server.address}/v2/", timeout=2):
                         return server
+                except urllib.error.HTTPError as error:
+                    if error.code == 401:  # up, and asking for credentials
+                        return server
+                    raise
             else:
                 probe = subprocess.run([*popen_prefix, "python3", "-c",
                                         "import urllib.request as u; "

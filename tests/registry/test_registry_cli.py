@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from snapctl.cli import main, snapctl
 from snapctl.errors import ExitStatus
 from snapctl.images.store import hash_tree
 from tests.images.factories import publish_sample
-from tests.registry.server import RegistryServer
+from tests.registry.server import RegistryServer, start_registry
 
 pytestmark = [pytest.mark.registry, pytest.mark.timeout(120)]
 
@@ -73,3 +74,34 @@ def test_a_missing_tag_is_named(registry_server: RegistryServer, tmp_path: Path,
     code = main(["image", "pull", ref, "--to", str(tmp_path / "out"), "--plain-http"])
 
     assert code == ExitStatus.ERROR and f"{ref} is not in the registry" in capsys.readouterr().err
+
+
+def test_credentials_from_the_docker_config_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = start_registry(tmp_path / "registry", htpasswd=("fleet", "s3cret-pass"))
+    try:
+        manifest = publish_sample(tmp_path / "image")
+        ref = f"{server.address}/auth/sample:v1"
+        monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+        code = main(["image", "push", str(tmp_path / "image"), ref, "--plain-http"])
+        err = capsys.readouterr().err
+        assert code == ExitStatus.ERROR and "HTTP 401" in err and "docker login" in err
+
+        (tmp_path / "docker").mkdir()
+        token = base64.b64encode(b"fleet:s3cret-pass").decode()
+        (tmp_path / "docker" / "config.json").write_text(
+            json.dumps({"auths": {server.address: {"auth": token}}})
+        )
+        pushed = run("image", "push", str(tmp_path / "image"), ref, "--plain-http")
+        assert pushed["image_id"] == manifest.image_id
+
+        monkeypatch.delenv("DOCKER_CONFIG")
+        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.docker either
+        monkeypatch.setenv("SNAPCTL_REGISTRY_USERNAME", "fleet")
+        monkeypatch.setenv("SNAPCTL_REGISTRY_PASSWORD", "s3cret-pass")
+        pulled = run("image", "pull", ref, "--to", str(tmp_path / "pulled"), "--plain-http")
+        assert pulled["image_id"] == manifest.image_id
+        assert "s3cret" not in json.dumps(pulled)
+    finally:
+        server.stop()
