@@ -177,7 +177,8 @@ def render_push(report: PushReport) -> None:
         f"pushed image {report.image_id} to {report.reference}: "
         f"{report.image_bytes / 1e6:.1f} MB in {report.files} files, {report.seconds:.2f} s "
         f"({report.mb_per_s:.1f} MB/s)\n  uploaded {report.blobs_uploaded} of {report.blobs} "
-        f"blobs ({report.bytes_uploaded / 1e6:.1f} MB; the registry held the rest)\n"
+        f"blobs ({report.bytes_uploaded / 1e6:.1f} MB), "
+        f"{report.blobs - report.blobs_uploaded} already in the repository\n"
         f"  digest {report.manifest_digest}",
         markup=False, highlight=False,
     )  # fmt: skip
