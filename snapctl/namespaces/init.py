@@ -58,13 +58,13 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
 
     # Detached copies of the host directories to bind, taken before their mounts are detached
     # or covered (a bind from a detached mount is refused; a cloned tree is not).
-    trees = [(b, mounts.clone_tree(b.host)) for b in spec.binds]
+    trees = [(b, mounts.clone_tree(b.host), os.path.isdir(b.host)) for b in spec.binds]
     _detach_hidden(_needed_paths(spec))
     mounts.mount_tmpfs("/run", "mode=0755")
     mounts.mount_tmpfs("/tmp", "mode=1777")
-    for bind, tree in trees:
+    for bind, tree, is_dir in trees:
         target = Path(bind.target)
-        if os.path.isdir(bind.host):
+        if is_dir:
             target.mkdir(parents=True, exist_ok=True)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)
