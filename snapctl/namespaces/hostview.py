@@ -92,12 +92,13 @@ def mounts_to_detach(mounts: Iterable[HostMount], needed: Iterable[str]) -> list
 
 
 def hidden_mounts(mounts: Iterable[HostMount]) -> list[HostMount]:
-    """Host mounts every sandbox hides, other than snapctl's own and plain tmpfs (which a
-    sandbox drops unless the server needs it): what ``snapctl doctor`` reports."""
+    """Host mounts every sandbox hides, other than the private roots themselves (which it
+    replaces), snapctl's own, and tmpfs elsewhere (dropped unless the server needs one): what
+    ``snapctl doctor`` reports."""
     return [
         m
         for m in mounts
-        if m.point != "/"
+        if m.point not in ("/", *PRIVATE_ROOTS)
         and not m.source.startswith(OWN_SOURCE_PREFIX)
         and (m.fstype in HIDDEN_TYPES or _within_any(m.point, TRANSIENT_ROOTS))
     ]

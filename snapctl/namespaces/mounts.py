@@ -107,14 +107,19 @@ def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
     return [(point, fstype) for point, fstype, _ in mountinfo_entries(pid)]
 
 
-def mount_entries(mounts_text: str) -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of each line of a /proc/*/mounts text, in order."""
+def mount_lines(mounts_text: str) -> list[tuple[str, str, str]]:
+    """(mount point, filesystem type, source) of each line of a /proc/*/mounts text, in order."""
     entries = []
     for line in mounts_text.splitlines():
         fields = line.split()
         if len(fields) >= 3:
-            entries.append((_unescape_mount(fields[1]), fields[2]))
+            entries.append((_unescape_mount(fields[1]), fields[2], _unescape_mount(fields[0])))
     return entries
+
+
+def mount_entries(mounts_text: str) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of each line of a /proc/*/mounts text, in order."""
+    return [(point, fstype) for point, fstype, _ in mount_lines(mounts_text)]
 
 
 def mount_type(mounts_text: str, mount_point: str) -> str | None:

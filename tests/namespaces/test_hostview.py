@@ -79,7 +79,6 @@ def test_doctor_reports_runtime_and_nsfs_mounts_but_not_snapctls_own() -> None:
         "/run/netns",
         "/run/netns/cni-1234",
         "/run/user/0",
-        "/tmp",
         "/var/lib/kubelet/pods/p/volumes/models",
         "/var/lib/kubelet/pods/p/volumes/secret",
         "/var/lib/docker/netns/abc",
