@@ -18,7 +18,12 @@ from pydantic import ValidationError
 from snapctl.errors import SnapctlError
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
-from snapctl.protocol.atomic import fsync_directory, replace_file, write_json_atomic
+from snapctl.protocol.atomic import (
+    describe_mode,
+    fsync_directory,
+    replace_file,
+    write_json_atomic,
+)
 
 CHUNK = 4 << 20
 # A manifest lists every image file and every file the tree depended on: far above the 64 KiB
@@ -175,18 +180,6 @@ def check_file_set(
         )
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "a symbolic link"
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device node"
-    return "not a regular file"
-
-
 def listed_directories(manifest: Manifest) -> set[str]:
     """Every directory that holds a file the manifest lists (relative)."""
     return {str(parent) for name in manifest.files for parent in Path(name).parents}
@@ -229,8 +222,9 @@ def check_image_tree(
                     files.add(relative)
             else:
                 raise error(
-                    f"image entry {relative} is {_kind(mode)}: an image holds only the regular "
-                    f"files its manifest lists, in plain directories ({REFETCH_HINT})",
+                    f"image entry {relative} is a {describe_mode(mode)}: an image holds only "
+                    f"the regular files its manifest lists, in plain directories "
+                    f"({REFETCH_HINT})",
                     path=path,
                 )
     check_file_set(image, manifest, files, error)
@@ -295,7 +289,7 @@ def stage_shm_copy(source: Path, target: Path) -> None:
             if not stat.S_ISREG(st.st_mode):
                 # Verification refuses these too; a copy's /dev/shm never gets one.
                 raise ImageError(
-                    f"cannot stage the saved /dev/shm: {path} is {_kind(st.st_mode)} "
+                    f"cannot stage the saved /dev/shm: {path} is a {describe_mode(st.st_mode)} "
                     f"({REFETCH_HINT})",
                     path=path,
                 )

@@ -21,7 +21,6 @@ MNT_DETACH = 2
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
 AT_FDCWD = -100
-AT_EMPTY_PATH = 0x1000
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
@@ -54,10 +53,6 @@ def umount(target: str | Path, detach: bool = False) -> None:
 
 def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs", flags: int = 0) -> None:
     mount(source, target, "tmpfs", flags, options)
-
-
-def bind(source: str | Path, target: str | Path) -> None:
-    mount(str(source), target, None, MS_BIND)
 
 
 def clone_tree(source: str | Path) -> int:

@@ -131,8 +131,8 @@ def _plant_symlinked_directory(image: Path) -> None:
 
 PLANTED = {
     "unlisted file": (_plant_file, "unexpected file in image: criu/ipcns-msg-11.img"),
-    "symlink": (_plant_symlink, "image entry criu/ipcns-msg-11.img is a symbolic link"),
-    "symlinked directory": (_plant_symlinked_directory, "image entry criu is a symbolic link"),
+    "symlink": (_plant_symlink, "image entry criu/ipcns-msg-11.img is a symlink"),
+    "symlinked directory": (_plant_symlinked_directory, "image entry criu is a symlink"),
 }
 
 

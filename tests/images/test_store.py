@@ -230,25 +230,25 @@ def _plant_file(image: Path) -> str:
 def _plant_symlink(image: Path) -> str:
     # A name CRIU reads if it is there, pointing at a file the manifest vouches for.
     (image / "criu" / "ipcns-msg-11.img").symlink_to("core-1.img")
-    return r"image entry criu/ipcns-msg-11\.img is a symbolic link"
+    return r"image entry criu/ipcns-msg-11\.img is a symlink"
 
 
 def _plant_symlinked_directory(image: Path) -> str:
     # The genuine directory moved aside and linked back: every listed file still matches.
     os.rename(image / "criu", image.parent / "elsewhere")
     (image / "criu").symlink_to(image.parent / "elsewhere")
-    return r"image entry criu is a symbolic link"
+    return r"image entry criu is a symlink"
 
 
 def _plant_listed_file_as_symlink(image: Path) -> str:
     os.rename(image / "logs" / "dump.log", image.parent / "dump.log")
     (image / "logs" / "dump.log").symlink_to(image.parent / "dump.log")
-    return r"image entry logs/dump\.log is a symbolic link"
+    return r"image entry logs/dump\.log is a symlink"
 
 
 def _plant_fifo(image: Path) -> str:
     os.mkfifo(image / "criu" / "pipe")
-    return r"image entry criu/pipe is a FIFO"
+    return r"image entry criu/pipe is a fifo"
 
 
 def _plant_directory(image: Path) -> str:
@@ -287,6 +287,6 @@ def test_staging_a_saved_shm_refuses_a_symlink(tmp_path: Path) -> None:
     source.mkdir()
     target.mkdir()
     (source / "sem.x").symlink_to("/etc/hostname")
-    with pytest.raises(ImageError, match=r"sem\.x is a symbolic link"):
+    with pytest.raises(ImageError, match=r"sem\.x is a symlink"):
         stage_shm_copy(source, target)
     assert list(target.iterdir()) == []
