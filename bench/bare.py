@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from snapctl.criu.external import is_host_key
 from snapctl.namespaces import mounts
 
 # The CRIU options this kind of tree needs (not snapctl overhead: any capturer needs them).
@@ -142,6 +143,11 @@ def restore_tree(criu: Path, image: Path, root: Path) -> BareCopy:
         ]  # fmt: skip
         for key, host_dir in (("control", control), ("logs", logs), ("shm", shm)):
             argv += ["--external", f"mnt[{key}]:{host_dir}"]
+        # Host mounts the image binds back at their own paths (a model directory under /tmp).
+        external = json.loads((image / "manifest.json").read_bytes())["external_mounts"]
+        for key, point in external.items():
+            if is_host_key(key):
+                argv += ["--external", f"mnt[{key}]:{point}"]
         proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, check=False)
         copy.timings["criu"] = time.monotonic() - staged
         if proc.returncode != 0:

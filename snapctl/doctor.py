@@ -24,7 +24,8 @@ from snapctl import __version__
 from snapctl.criu.external import undumpable
 from snapctl.criu.locate import INSTALL_HINT, CriuBinary, find_criu
 from snapctl.errors import SnapctlError
-from snapctl.namespaces.mounts import mount_entries, mount_type
+from snapctl.namespaces.hostview import HostMount, hidden_mounts, hides
+from snapctl.namespaces.mounts import mount_lines, mount_type
 
 CheckStatus = Literal["ok", "warn", "fail", "info"]
 
@@ -49,6 +50,8 @@ OPTIONAL_CAPABILITIES = frozenset({"CAP_SYS_RESOURCE"})
 NAMESPACE_PROBE = ("--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "true")
 MINIMUM_PYTHON = (3, 11)
 SEARCH_ORDER = "SNAPCTL_CRIU, the prefix, PATH"
+# Hidden host mounts named by doctor (a Kubernetes node has one per pod network).
+MAX_HIDDEN_SHOWN = 8
 
 
 class Check(BaseModel):
@@ -321,11 +324,15 @@ def check_kdat_cache(system: System) -> Check:
     )
 
 
+def _host_mounts(system: System) -> list[HostMount]:
+    return [HostMount(*line) for line in mount_lines(system.read_text("/proc/self/mounts"))]
+
+
 def check_host_mounts(system: System) -> Check:
-    """Mounts a sandbox inherits that CRIU cannot dump: captured as external, bound back."""
+    """Mounts a sandbox keeps that CRIU cannot dump: captured as external, bound back."""
     name = "host mounts"
     try:
-        entries = mount_entries(system.read_text("/proc/self/mounts"))
+        entries = [(m.point, m.fstype) for m in _host_mounts(system) if not hides(m)]
     except OSError as error:
         return Check(name=name, status="warn", detail=f"cannot read mounts: {error}")
     points = sorted(undumpable(entries).values())
@@ -336,6 +343,27 @@ def check_host_mounts(system: System) -> Check:
         status="info",
         detail=f"{', '.join(points)}: CRIU cannot dump these; captures record them as "
         "external and copies bind the host's own back (the image needs them on every host)",
+    )
+
+
+def check_hidden_mounts(system: System) -> Check:
+    """Host mounts every sandbox hides (runtime state under /run and /tmp, nsfs, container
+    runtimes' mounts): the server never sees them and images never record them."""
+    name = "hidden host mounts"
+    try:
+        hidden = hidden_mounts(_host_mounts(system))
+    except OSError as error:
+        return Check(name=name, status="warn", detail=f"cannot read mounts: {error}")
+    if not hidden:
+        return Check(name=name, status="ok", detail="none: the sandbox hides nothing here")
+    shown = ", ".join(f"{m.point} ({m.fstype})" for m in hidden[:MAX_HIDDEN_SHOWN])
+    more = f" and {len(hidden) - MAX_HIDDEN_SHOWN} more" if len(hidden) > MAX_HIDDEN_SHOWN else ""
+    return Check(
+        name=name,
+        status="info",
+        detail=f"{shown}{more}: hidden from every sandbox (each has a private /run and /tmp), "
+        "so images never record them and they may come and go; a path the server names "
+        "under /tmp is bound in",
     )
 
 
@@ -383,6 +411,7 @@ def run_doctor(criu: str | None = None, system: System | None = None) -> DoctorR
         check_dev_shm(system),
         check_kdat_cache(system),
         check_host_mounts(system),
+        check_hidden_mounts(system),
         check_cuda_checkpoint(system),
         check_python(system),
     ]

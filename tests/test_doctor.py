@@ -282,3 +282,23 @@ def test_host_mounts_that_criu_cannot_dump_are_named() -> None:
     mounts = MOUNTS + "/dev/vda / ext4 rw 0 0\n/dev/vdb /usr/local/nvidia squashfs ro 0 0\n"
     status, detail = by_name(run_doctor(system=FakeSystem(mounts=mounts)))["host mounts"]
     assert status == "info" and detail.startswith("/usr/local/nvidia: CRIU cannot dump")
+
+
+def test_host_mounts_every_sandbox_hides_are_reported_and_not_called_external() -> None:
+    assert by_name(run_doctor(system=FakeSystem()))["hidden host mounts"][0] == "ok"
+    # What `ip netns add cni-1; ip netns add x; ip netns del x` leaves where /run is no tmpfs.
+    mounts = MOUNTS + (
+        "/dev/vda / ext4 rw 0 0\n/dev/vda /run/netns ext4 rw 0 0\n"
+        "nsfs /run/netns/cni-1 nsfs rw 0 0\nsnapctl-copy-1 /var/lib/snapctl/a/shm tmpfs rw 0 0\n"
+    )
+    checks = by_name(run_doctor(system=FakeSystem(mounts=mounts)))
+    status, detail = checks["hidden host mounts"]
+    assert status == "info"
+    assert detail.startswith("/run/netns (ext4), /run/netns/cni-1 (nsfs): hidden from every")
+    assert checks["host mounts"][0] == "ok"  # neither becomes an external host mount
+
+
+def test_many_hidden_host_mounts_are_counted() -> None:
+    netns = "".join(f"nsfs /run/netns/cni-{n} nsfs rw 0 0\n" for n in range(20))
+    detail = by_name(run_doctor(system=FakeSystem(mounts=MOUNTS + netns)))["hidden host mounts"][1]
+    assert "/run/netns/cni-7 (nsfs) and 12 more: hidden" in detail

@@ -34,7 +34,7 @@ from snapctl.activation.lazy import TRANSFER_AFTER_READY_S
 from snapctl.activation.native import NativeStep, timed, tree_pids
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.criu import CriuBinary, read_dump_stats
-from snapctl.criu.external import undumpable_mounts
+from snapctl.criu.external import sandbox_external_mounts
 from snapctl.criu.inventory import require_dumpable
 from snapctl.criu.ops import dump_tree, write_action_script
 from snapctl.criu.stats import DumpStats
@@ -141,10 +141,9 @@ def capture(
             state=session.state,
         )  # fmt: skip
         timings["identity"] = time.monotonic() - started
-        external_mounts = {
-            **EXTERNAL_MOUNT_KEYS,
-            **undumpable_mounts(session.root.pid, skip=EXTERNAL_MOUNT_KEYS.values()),
-        }
+        external_mounts = sandbox_external_mounts(
+            session.root.pid, EXTERNAL_MOUNT_KEYS, session.dirs.host_binds()
+        )
         with timed(native, timings, "native_checkpoint"):
             native.before_dump(pids, options.timeout_s)
         action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")

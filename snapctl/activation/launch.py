@@ -24,7 +24,13 @@ from snapctl.activation.timeouts import (
     server_timeout_hint,
 )
 from snapctl.errors import ProcessExitedError, SnapctlError, WaitTimeoutError
-from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR, ActivationDirs, SandboxSpec
+from snapctl.namespaces.hostview import PrivatePathError, host_binds
+from snapctl.namespaces.layout import (
+    SANDBOX_CONTROL_DIR,
+    ActivationDirs,
+    BindMount,
+    SandboxSpec,
+)
 from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
 from snapctl.protocol.waiter import wait_for
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
@@ -156,14 +162,19 @@ def launch_in_sandbox(
     program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
     if program is None:
         raise LaunchError(f"{argv[0]}: no such program on PATH", phase="launch")
+    argv = [program, *argv[1:]]
+    try:
+        host_paths = host_binds(argv, str(cwd))
+    except PrivatePathError as error:
+        raise LaunchError(str(error), phase="launch", path=cwd) from error
     spec = SandboxSpec(
-        argv=[program, *argv[1:]],
+        argv=argv,
         cwd=str(cwd),
         env=env,
-        binds=dirs.binds(),
+        binds=[*dirs.binds(), *(BindMount(host=path, target=path) for path in host_paths)],
         lo_addresses=options.lo_addresses,
     )
-    spec_path = dirs.root / "sandbox.json"
+    spec_path = dirs.sandbox_spec
     spec_path.write_text(spec.model_dump_json())
     spec_path.chmod(0o600)
     launcher_log = (dirs.logs / "launcher.log").open("ab")

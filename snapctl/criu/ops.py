@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 
 from snapctl.criu.locate import CriuBinary
+from snapctl.criu.pagemap import link_relative
 from snapctl.criu.relay import TransferHold
 from snapctl.criu.run import (
     CriuError,
@@ -307,7 +308,7 @@ def gated_view(view: Path, target: Path) -> InventoryGate:
     target.mkdir(mode=0o700)
     for entry in view.absolute().iterdir():
         if entry.name != INVENTORY:
-            os.symlink(entry, target / entry.name)
+            link_relative(entry, target / entry.name)
     return InventoryGate(target / INVENTORY, view / INVENTORY)
 
 

@@ -17,8 +17,8 @@ KV or pinned buffers, device memory saved by cuda-checkpoint, each one long cont
 
 How: ``pagemap-PID.img`` flags each entry (at most 1 MiB of pages) ``PE_LAZY``; without that flag
 ``criu restore --lazy-pages`` reads the pages itself and the daemon skips them. The view is a
-directory of symbolic links to the (verified) image's files plus rewritten pagemap files; the
-image itself is never changed. The format is CRIU's image format: two 32-bit magics, then
+directory of relative symbolic links to the (verified) image's files plus rewritten pagemap
+files; the image itself is never changed. The format is CRIU's image format: two 32-bit magics, then
 entries framed by a 32-bit little-endian length, each a proto2 message from
 ``images/pagemap.proto`` with varint fields only (a ``pagemap_head``, then ``pagemap_entry``:
 vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5).
@@ -213,8 +213,7 @@ def lazy_view(
     """
     target.mkdir(mode=0o700)
     summary = ViewSummary()
-    # Absolute targets: a relative link would resolve against ``target``, not the image.
-    for path in sorted(images_dir.absolute().iterdir()):
+    for path in sorted(images_dir.resolve().iterdir()):
         if path.name in omit:
             continue
         link = target / path.name
@@ -231,8 +230,20 @@ def lazy_view(
             if rewritten is not None:
                 _write_new(link, rewritten)
                 continue
-        os.symlink(path, link)
+        link_relative(path, link)
     return summary
+
+
+def link_relative(path: Path, link: Path) -> None:
+    """Make ``link`` a symbolic link to ``path`` by a relative target.
+
+    A restored task opens some image files (its pagemap, its pages) after it entered the copy's
+    mount namespace, through CRIU's descriptor on the images directory. A relative link
+    resolves from there up the host's own mounts, so it reaches the image even where the
+    sandbox hides its path (an image under /tmp); an absolute one resolves inside the copy.
+    """
+    # The directories resolved, the entry itself not: a link to a link stays one.
+    os.symlink(os.path.relpath(path.parent.resolve() / path.name, link.parent.resolve()), link)
 
 
 def _viewed(

@@ -34,7 +34,9 @@ from snapctl.images.store import (
     MAX_MANIFEST_BYTES,
     ImageError,
     ImageStaging,
-    check_file_set,
+    check_image_tree,
+    is_image_directory,
+    listed_directories,
     manifest_problem,
     record_verified,
 )
@@ -160,22 +162,7 @@ def _seal(digest: bytes) -> bytes:
 
 def walk_image(image: Path, manifest: Manifest) -> list[str]:
     """The image's directories (relative, parents first); refuse anything export cannot carry."""
-    directories: list[str] = []
-    files: set[str] = set()
-    for root, dirnames, filenames in os.walk(image):
-        for name in dirnames + filenames:
-            path = Path(root) / name
-            relative = str(path.relative_to(image))
-            mode = path.lstat().st_mode
-            if stat.S_ISDIR(mode):
-                directories.append(relative)
-            elif stat.S_ISREG(mode):
-                if relative != MANIFEST_NAME:
-                    files.add(relative)
-            else:
-                raise ArchiveError(f"image member {relative} is not a file or directory", path=path)
-    check_file_set(image, manifest, files, ArchiveError)
-    return sorted(directories)
+    return check_image_tree(image, manifest, ArchiveError)
 
 
 @contextlib.contextmanager
@@ -345,6 +332,7 @@ class _Unpacker:
         self.directory_modes: dict[str, int] = {}
         self.current = "(start)"
         self.as_root = os.geteuid() == 0
+        self.listed: set[str] | None = None  # directories holding listed files
 
     def refuse(self, message: str) -> ArchiveError:
         return ArchiveError(f"archive {self.archive.name}: {message}", path=self.archive)
@@ -387,6 +375,13 @@ class _Unpacker:
         (self.root / name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def _directory(self, member: tarfile.TarInfo) -> None:
+        assert self.manifest is not None
+        if self.listed is None:
+            self.listed = listed_directories(self.manifest)
+        if member.name in self.manifest.files:
+            raise self.refuse(f"member {member.name} is a directory; the manifest lists a file")
+        if not is_image_directory(member.name, self.listed):
+            raise self.refuse(f"member {member.name} is a directory that holds no image file")
         path = self.root / member.name
         self._parent(member.name)
         if not path.is_dir():
@@ -453,6 +448,8 @@ class _Unpacker:
                 raise self.refuse(f"hard-link group {group} arrived as separate files")
         for name, mode in sorted(self.directory_modes.items(), reverse=True):  # children first
             os.chmod(self.root / name, mode)
+        # What is published is exactly what a copy's verification accepts.
+        check_image_tree(self.root, self.manifest, ArchiveError)
         return self.manifest
 
 

@@ -18,7 +18,12 @@ from pydantic import ValidationError
 from snapctl.errors import SnapctlError
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
-from snapctl.protocol.atomic import fsync_directory, replace_file, write_json_atomic
+from snapctl.protocol.atomic import (
+    describe_mode,
+    fsync_directory,
+    replace_file,
+    write_json_atomic,
+)
 
 CHUNK = 4 << 20
 # A manifest lists every image file and every file the tree depended on: far above the 64 KiB
@@ -104,7 +109,7 @@ def load_manifest(image: Path) -> Manifest:
 
 
 def _stat_key(path: Path) -> list[int]:
-    st = path.stat()
+    st = path.lstat()
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
@@ -135,14 +140,27 @@ def record_verified(image: Path, manifest: Manifest, cache_dir: Path) -> None:
         replace_file(cache, json.dumps(_cache_record(image, manifest)).encode())
 
 
-def is_verified(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
-    """True when a full verification against this manifest is cached and no file changed
-    since (no hashing)."""
+def _cache_hit(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
     try:
         cached = json.loads(_cache_file(cache_dir, manifest, image).read_text())
         return bool(cached == _cache_record(image, manifest))
     except (OSError, ValueError):
         return False
+
+
+def is_verified(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
+    """True when a full verification against this manifest is cached, no listed file changed
+    since and nothing else is there (no hashing)."""
+    try:
+        check_image_tree(image, manifest)
+    except (ImageError, OSError):
+        return False
+    return _cache_hit(image, manifest, cache_dir)
+
+
+REFETCH_HINT = "re-import the image from its archive or bake it again"
+# The directories every image has; empty ones are as published (a saved /dev/shm may be empty).
+IMAGE_DIRS = ("criu", "shm", "logs")
 
 
 def check_file_set(
@@ -152,10 +170,65 @@ def check_file_set(
     file present that the manifest does not list."""
     missing = sorted(set(manifest.files) - present)
     if missing:
-        raise error(f"image file missing: {missing[0]}", path=image / missing[0])
+        raise error(f"image file missing: {missing[0]} ({REFETCH_HINT})", path=image / missing[0])
     extra = sorted(present - set(manifest.files))
     if extra:
-        raise error(f"unexpected file in image: {extra[0]}", path=image / extra[0])
+        raise error(
+            f"unexpected file in image: {extra[0]} is not in the manifest, and CRIU or a "
+            f"restore could read it ({REFETCH_HINT})",
+            path=image / extra[0],
+        )
+
+
+def listed_directories(manifest: Manifest) -> set[str]:
+    """Every directory that holds a file the manifest lists (relative)."""
+    return {str(parent) for name in manifest.files for parent in Path(name).parents}
+
+
+def is_image_directory(relative: str, listed: set[str]) -> bool:
+    """Whether an image may have this directory (``listed``: :func:`listed_directories`): one
+    of its own, one holding a listed file, or a saved /dev/shm's (empty ones are kept)."""
+    return relative in IMAGE_DIRS or relative.startswith("shm/") or relative in listed
+
+
+def check_image_tree(
+    image: Path, manifest: Manifest, error: type[ImageError] = ImageError
+) -> list[str]:
+    """Check every entry under ``image`` (never following a link) against ``manifest``: the
+    regular files must be exactly those it lists, each directory one that holds them (or a
+    saved /dev/shm's), and nothing else may be there (a symlink, a FIFO, a device node).
+
+    Returns the directories, relative, parents first. Raises ``error`` naming the first entry
+    that is wrong and how to get a good image back.
+    """
+    listed = listed_directories(manifest)
+    directories: list[str] = []
+    files: set[str] = set()
+    for root, dirnames, filenames in os.walk(image):  # links to directories are not entered
+        for name in sorted(dirnames) + sorted(filenames):
+            path = Path(root) / name
+            relative = str(path.relative_to(image))
+            mode = path.lstat().st_mode
+            if stat.S_ISDIR(mode):
+                if not is_image_directory(relative, listed):
+                    raise error(
+                        f"unexpected directory in image: {relative} holds no file of the "
+                        f"manifest ({REFETCH_HINT})",
+                        path=path,
+                    )
+                directories.append(relative)
+            elif stat.S_ISREG(mode):
+                if relative != MANIFEST_NAME:
+                    files.add(relative)
+            else:
+                raise error(
+                    f"image entry {relative} is a {describe_mode(mode)}: an image holds only "
+                    f"the regular files its manifest lists, in plain directories "
+                    f"({REFETCH_HINT})",
+                    path=path,
+                )
+    check_file_set(image, manifest, files, error)
+    return sorted(directories)
 
 
 def _link_groups(files: dict[str, FileEntry]) -> dict[str, frozenset[str]]:
@@ -177,8 +250,8 @@ def verify_image(image: Path, cache_dir: Path | None = None) -> Manifest:
     as a re-hash. A damaged or unwritable cache only costs a full verification.
     """
     manifest = load_manifest(image)
-    check_file_set(image, manifest, {str(p.relative_to(image)) for p in _files(image)})
-    if cache_dir is not None and is_verified(image, manifest, cache_dir):
+    check_image_tree(image, manifest)  # every time: the cache vouches only for listed files
+    if cache_dir is not None and _cache_hit(image, manifest, cache_dir):
         return manifest
     actual = hash_tree(image)
     for name, expected in sorted(manifest.files.items()):
@@ -213,6 +286,13 @@ def stage_shm_copy(source: Path, target: Path) -> None:
             if stat.S_ISDIR(st.st_mode):
                 destination.mkdir(mode=st.st_mode & 0o7777, exist_ok=True)
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                # Verification refuses these too; a copy's /dev/shm never gets one.
+                raise ImageError(
+                    f"cannot stage the saved /dev/shm: {path} is a {describe_mode(st.st_mode)} "
+                    f"({REFETCH_HINT})",
+                    path=path,
+                )
             key = (st.st_dev, st.st_ino)
             if key in seen:
                 os.link(seen[key], destination)

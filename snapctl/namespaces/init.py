@@ -16,27 +16,21 @@ import sys
 from pathlib import Path
 
 from snapctl.namespaces import mounts
+from snapctl.namespaces.hostview import HostMount, mounts_to_detach, server_paths
 from snapctl.namespaces.layout import SandboxSpec
 
 PR_SET_PDEATHSIG = 1
 
 
-def _needed_paths(spec: SandboxSpec) -> set[str]:
-    """Paths whose filesystems the server itself needs, so their tmpfs mounts must stay."""
-    paths = {spec.cwd, os.path.realpath(sys.executable)}
-    if spec.argv and os.path.isabs(spec.argv[0]):
-        paths.add(os.path.realpath(spec.argv[0]))
-    return paths
+def _needed_paths(spec: SandboxSpec) -> list[str]:
+    """Paths whose mounts the server (and this init, until it execs) needs kept."""
+    return [*server_paths(spec.argv, spec.cwd), os.path.realpath(sys.executable)]
 
 
-def _drop_foreign_tmpfs(needed: set[str], keep_points: set[str]) -> None:
-    """Detach tmpfs mounts the server does not need: CRIU would tar their contents into the
-    image, and record host paths (say the donor's own directories) a copy cannot have."""
-    for point, fstype in reversed(mounts.mountinfo()):
-        if fstype != "tmpfs" or point in keep_points:
-            continue
-        if any(path == point or path.startswith(point.rstrip("/") + "/") for path in needed):
-            continue
+def _detach_hidden(needed: list[str]) -> None:
+    """Detach every host mount the sandbox hides (see ``hostview``)."""
+    table = [HostMount(*entry) for entry in mounts.mountinfo_entries()]
+    for point in mounts_to_detach(table, needed):
         # A mount can already be gone with a parent detached before it.
         with contextlib.suppress(OSError):
             mounts.umount(point, detach=True)
@@ -62,17 +56,21 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
     libc.prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
     mounts.make_private_recursive("/")
 
-    # Hold the host directories before their parents may be unmounted or covered.
-    sources = {b.target: os.open(b.host, os.O_PATH | os.O_DIRECTORY) for b in spec.binds}
-    needed = _needed_paths(spec)
-    _drop_foreign_tmpfs(needed | {b.host for b in spec.binds}, keep_points=set())
+    # Detached copies of the host directories to bind, taken before their mounts are detached
+    # or covered (a bind from a detached mount is refused; a cloned tree is not).
+    trees = [(b, mounts.clone_tree(b.host), os.path.isdir(b.host)) for b in spec.binds]
+    _detach_hidden(_needed_paths(spec))
     mounts.mount_tmpfs("/run", "mode=0755")
-    for target, fd in sources.items():
-        Path(target).mkdir(parents=True, exist_ok=True)
-        mounts.bind(f"/proc/self/fd/{fd}", target)
-        os.close(fd)
-    # Now that the targets hold them, drop the host-side mounts of the sources too.
-    _drop_foreign_tmpfs(needed, keep_points={"/run", *sources})
+    mounts.mount_tmpfs("/tmp", "mode=1777")
+    for bind, tree, is_dir in trees:
+        target = Path(bind.target)
+        if is_dir:
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+        mounts.attach_tree(tree, target)
+        os.close(tree)
     # A /proc of the new PID namespace, so pids read there match os.getpid().
     mounts.umount("/proc", detach=True)
     mounts.mount("proc", "/proc", "proc", mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC)

@@ -99,6 +99,17 @@ class ActivationDirs:
         return self.root / "work"
 
     @property
+    def sandbox_spec(self) -> Path:
+        """The :class:`SandboxSpec` the sandbox was launched with (donors only)."""
+        return self.root / "sandbox.json"
+
+    def host_binds(self) -> list[str]:
+        """The host paths the launched sandbox binds at the same place inside
+        (``hostview.host_binds``)."""
+        spec = SandboxSpec.model_validate_json(self.sandbox_spec.read_bytes())
+        return [b.target for b in spec.binds if b.host == b.target]
+
+    @property
     def owner_file(self) -> Path:
         return self.root / "owner.json"
 

@@ -1,4 +1,5 @@
-"""Thin wrappers over mount(2)/umount2(2) (Python has none) and a mount-table reader."""
+"""Thin wrappers over mount(2)/umount2(2), open_tree(2)/move_mount(2) (Python has none) and a
+mount-table reader."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 MNT_DETACH = 2
+# open_tree(2) and move_mount(2) (x86_64 and every other architecture since Linux 5.2).
+SYS_OPEN_TREE = 428
+SYS_MOVE_MOUNT = 429
+AT_FDCWD = -100
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -47,8 +55,26 @@ def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs", flags: 
     mount(source, target, "tmpfs", flags, options)
 
 
-def bind(source: str | Path, target: str | Path) -> None:
-    mount(str(source), target, None, MS_BIND)
+def clone_tree(source: str | Path) -> int:
+    """A detached copy of the mount at ``source`` (not of its submounts), as a descriptor that
+    :func:`attach_tree` mounts elsewhere: unlike a path it survives ``source`` being unmounted."""
+    fd = _libc.syscall(
+        SYS_OPEN_TREE, AT_FDCWD, str(source).encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC
+    )
+    if fd < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"open_tree {source}: {os.strerror(errno)}")
+    return int(fd)
+
+
+def attach_tree(tree_fd: int, target: str | Path) -> None:
+    """Mount a tree from :func:`clone_tree` at ``target``."""
+    _check(
+        _libc.syscall(
+            SYS_MOVE_MOUNT, tree_fd, b"", AT_FDCWD, str(target).encode(), MOVE_MOUNT_F_EMPTY_PATH
+        ),
+        f"move_mount onto {target}",
+    )
 
 
 def make_private_recursive(target: str = "/") -> None:
@@ -60,7 +86,7 @@ def _unescape_mount(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
-def _mountinfo_entries(pid: int | str) -> list[tuple[str, str, str]]:
+def mountinfo_entries(pid: int | str = "self") -> list[tuple[str, str, str]]:
     """(mount point, filesystem type, source) of every mount seen by ``pid``, in table order."""
     entries: list[tuple[str, str, str]] = []
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
@@ -73,17 +99,22 @@ def _mountinfo_entries(pid: int | str) -> list[tuple[str, str, str]]:
 
 def mountinfo(pid: int | str = "self") -> list[tuple[str, str]]:
     """(mount point, filesystem type) of every mount seen by ``pid``, in table order."""
-    return [(point, fstype) for point, fstype, _ in _mountinfo_entries(pid)]
+    return [(point, fstype) for point, fstype, _ in mountinfo_entries(pid)]
 
 
-def mount_entries(mounts_text: str) -> list[tuple[str, str]]:
-    """(mount point, filesystem type) of each line of a /proc/*/mounts text, in order."""
+def mount_lines(mounts_text: str) -> list[tuple[str, str, str]]:
+    """(mount point, filesystem type, source) of each line of a /proc/*/mounts text, in order."""
     entries = []
     for line in mounts_text.splitlines():
         fields = line.split()
         if len(fields) >= 3:
-            entries.append((_unescape_mount(fields[1]), fields[2]))
+            entries.append((_unescape_mount(fields[1]), fields[2], _unescape_mount(fields[0])))
     return entries
+
+
+def mount_entries(mounts_text: str) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) of each line of a /proc/*/mounts text, in order."""
+    return [(point, fstype) for point, fstype, _ in mount_lines(mounts_text)]
 
 
 def mount_type(mounts_text: str, mount_point: str) -> str | None:
@@ -96,7 +127,7 @@ def mount_type(mounts_text: str, mount_point: str) -> str | None:
 
 
 def _mounts_by_source(pid: int | str) -> set[tuple[str, str]]:
-    return {(source, point) for point, _, source in _mountinfo_entries(pid)}
+    return {(source, point) for point, _, source in mountinfo_entries(pid)}
 
 
 def processes_with_mount(source: str, point: str) -> list[int]:

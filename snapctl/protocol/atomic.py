@@ -140,11 +140,12 @@ def read_json_bounded(path: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def _require_regular(path: Path, info: os.stat_result) -> None:
     if not stat.S_ISREG(info.st_mode):
-        kind = _describe_mode(info.st_mode)
+        kind = describe_mode(info.st_mode)
         raise ProtocolError(f"{path.name} must be a regular file, found a {kind}", path=path)
 
 
-def _describe_mode(mode: int) -> str:
+def describe_mode(mode: int) -> str:
+    """What a file of this mode is, in a word or two ("symlink", "fifo"): for errors."""
     if stat.S_ISLNK(mode):
         return "symlink"
     if stat.S_ISDIR(mode):

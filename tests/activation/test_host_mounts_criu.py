@@ -4,6 +4,7 @@ recorded as external and bound back into every copy, with real CRIU."""
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,16 +27,17 @@ pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
 
 @pytest.fixture
-def ramfs(tmp_path: Path) -> Iterator[Path]:
-    """A ramfs (which CRIU refuses to dump: "FS mnt ... unsupported") holding one file."""
-    target = tmp_path / "driver"
-    target.mkdir()
+def ramfs() -> Iterator[Path]:
+    """A ramfs (which CRIU refuses to dump: "FS mnt ... unsupported") holding one file, outside
+    /tmp (which every sandbox replaces by a private tmpfs, hiding what the host mounts there)."""
+    target = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="snapctl-test-driver-"))
     mounts.mount("snapctl-test-ramfs", target, "ramfs", 0)
     try:
         (target / "marker").write_text("host side\n")
         yield target
     finally:
         mounts.umount(target, detach=True)
+        target.rmdir()
 
 
 @pytest.fixture

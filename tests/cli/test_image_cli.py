@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ from click.testing import CliRunner
 from snapctl.cli import main, snapctl
 from snapctl.errors import ExitStatus
 from snapctl.images.lock import hold_image
+from snapctl.images.store import verify_image
+from snapctl.supervision.state import StateDir
 from tests.images.factories import publish_sample
 
 
@@ -110,3 +114,61 @@ def test_copy_refuses_a_bad_waiver_before_starting(
 
     assert code == ExitStatus.ERROR and message in capsys.readouterr().err
     assert not (tmp_path / "state" / "activations").exists()
+
+
+def _plant_symlink(image: Path) -> None:
+    (image / "criu" / "ipcns-msg-11.img").symlink_to("core-1.img")
+
+
+def _plant_file(image: Path) -> None:
+    (image / "criu" / "ipcns-msg-11.img").write_bytes(b"\0" * 16)
+
+
+def _plant_symlinked_directory(image: Path) -> None:
+    os.rename(image / "criu", image.parent / "elsewhere")
+    (image / "criu").symlink_to(image.parent / "elsewhere")
+
+
+PLANTED = {
+    "unlisted file": (_plant_file, "unexpected file in image: criu/ipcns-msg-11.img"),
+    "symlink": (_plant_symlink, "image entry criu/ipcns-msg-11.img is a symlink"),
+    "symlinked directory": (_plant_symlinked_directory, "image entry criu is a symlink"),
+}
+
+
+@pytest.mark.parametrize(("plant", "message"), PLANTED.values(), ids=PLANTED.keys())
+def test_inspect_verify_refuses_anything_planted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], plant: Callable[[Path], None], message: str
+) -> None:
+    publish_sample(tmp_path / "image")
+    assert main(["inspect", str(tmp_path / "image"), "--verify"]) == 0
+    plant(tmp_path / "image")
+    capsys.readouterr()
+
+    code = main(["inspect", str(tmp_path / "image"), "--verify"])
+
+    err = capsys.readouterr().err
+    assert code != 0 and message in err and "bake it again" in err
+
+
+@pytest.mark.criu  # copy finds CRIU before it reads the image
+@pytest.mark.parametrize(("plant", "message"), PLANTED.values(), ids=PLANTED.keys())
+def test_copy_refuses_anything_planted_before_criu_runs(
+    tmp_path: Path,
+    state: Path,
+    capsys: pytest.CaptureFixture[str],
+    plant: Callable[[Path], None],
+    message: str,
+) -> None:
+    publish_sample(tmp_path / "image")
+    # Verified as a copy verifies (the cache then vouches for every listed file), then planted.
+    verify_image(tmp_path / "image", cache_dir=StateDir(state).verified)
+    assert list(StateDir(state).verified.iterdir())
+    plant(tmp_path / "image")
+    capsys.readouterr()
+
+    code = main(["copy", "--image", str(tmp_path / "image")])
+
+    assert code != 0 and message in capsys.readouterr().err
+    assert not (state / "activations").exists() or not any((state / "activations").iterdir())
+    assert not list(state.glob("logs/copy-*/restore.log"))  # CRIU never ran

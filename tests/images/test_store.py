@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from snapctl.images import ImageError, ImageStaging, Manifest, hash_tree, stage_shm_copy
 from snapctl.images.lock import ImageBusyError, hold_image
-from snapctl.images.store import load_manifest, verify_image
+from snapctl.images.store import is_verified, load_manifest, verify_image
 from tests.images.factories import make_manifest, publish_sample
 
 
@@ -219,3 +220,73 @@ def test_staging_shm_into_a_missing_directory_is_an_image_error(tmp_path: Path) 
     with pytest.raises(ImageError, match=r"cannot stage the saved /dev/shm: .*sem\.x") as info:
         stage_shm_copy(source, tmp_path / "missing")
     assert info.value.phase == "image"
+
+
+def _plant_file(image: Path) -> str:
+    (image / "criu" / "ipcns-msg-11.img").write_bytes(b"\0" * 16)
+    return r"unexpected file in image: criu/ipcns-msg-11\.img is not in the manifest"
+
+
+def _plant_symlink(image: Path) -> str:
+    # A name CRIU reads if it is there, pointing at a file the manifest vouches for.
+    (image / "criu" / "ipcns-msg-11.img").symlink_to("core-1.img")
+    return r"image entry criu/ipcns-msg-11\.img is a symlink"
+
+
+def _plant_symlinked_directory(image: Path) -> str:
+    # The genuine directory moved aside and linked back: every listed file still matches.
+    os.rename(image / "criu", image.parent / "elsewhere")
+    (image / "criu").symlink_to(image.parent / "elsewhere")
+    return r"image entry criu is a symlink"
+
+
+def _plant_listed_file_as_symlink(image: Path) -> str:
+    os.rename(image / "logs" / "dump.log", image.parent / "dump.log")
+    (image / "logs" / "dump.log").symlink_to(image.parent / "dump.log")
+    return r"image entry logs/dump\.log is a symlink"
+
+
+def _plant_fifo(image: Path) -> str:
+    os.mkfifo(image / "criu" / "pipe")
+    return r"image entry criu/pipe is a fifo"
+
+
+def _plant_directory(image: Path) -> str:
+    (image / "criu" / "sub").mkdir()
+    return r"unexpected directory in image: criu/sub holds no file of the manifest"
+
+
+PLANTED = {
+    "unlisted file": _plant_file,
+    "symlink": _plant_symlink,
+    "symlinked directory": _plant_symlinked_directory,
+    "listed file as a symlink": _plant_listed_file_as_symlink,
+    "fifo": _plant_fifo,
+    "unlisted directory": _plant_directory,
+}
+
+
+@pytest.mark.parametrize("plant", PLANTED.values(), ids=PLANTED.keys())
+def test_anything_planted_in_a_verified_image_is_refused_cache_or_not(
+    tmp_path: Path, plant: Callable[[Path], str]
+) -> None:
+    final, cache = tmp_path / "img", tmp_path / "cache"
+    manifest = publish_sample(final)
+    verify_image(final, cache_dir=cache)
+    assert is_verified(final, manifest, cache)
+    message = plant(final)
+    for cache_dir in (cache, None):
+        with pytest.raises(ImageError, match=message) as info:
+            verify_image(final, cache_dir=cache_dir)
+        assert "re-import the image from its archive or bake it again" in info.value.message
+    assert not is_verified(final, manifest, cache)  # `snapctl images` does not vouch for it
+
+
+def test_staging_a_saved_shm_refuses_a_symlink(tmp_path: Path) -> None:
+    source, target = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    target.mkdir()
+    (source / "sem.x").symlink_to("/etc/hostname")
+    with pytest.raises(ImageError, match=r"sem\.x is a symlink"):
+        stage_shm_copy(source, target)
+    assert list(target.iterdir()) == []
