@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from snapctl.namespaces import mounts
+from snapctl.namespaces import mounts, seccomp
 from snapctl.namespaces.hostview import HostMount, mounts_to_detach, server_paths
 from snapctl.namespaces.layout import SandboxSpec
 
@@ -86,6 +86,7 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
     os.dup2(log, 2)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
     os.chdir(spec.cwd)
+    seccomp.refuse_io_uring()  # CRIU cannot dump an io_uring; libraries fall back without
     os.execve(spec.argv[0], spec.argv, spec.env)
 
 

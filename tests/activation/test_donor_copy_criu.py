@@ -48,6 +48,7 @@ def test_donor_then_two_copies_serve_identically(
     assert report.dump_stats.pages_written > 0
     assert len(report.pids) >= 2  # frontend and the spawned engine
     assert report.pids == tree_pids(report.root_pid)  # the tree as the probe left it
+    assert all(seccomp_mode(pid) == "2" for pid in report.pids)  # io_uring refused in the tree
     manifest = verify_image(image)
     assert manifest.capture_id and any(n.startswith("shm/") for n in manifest.files)
     assert "***" not in " ".join(manifest.server_argv) or "--api-key" in manifest.server_argv
@@ -64,6 +65,7 @@ def test_donor_then_two_copies_serve_identically(
         running.append(copy)
         assert copy_report.published and copy_report.handshake_phases[-1] == "validated"
         assert copy_report.pids == tree_pids(copy_report.root_pid)
+        assert all(seccomp_mode(pid) == "2" for pid in copy_report.pids)  # filter restored
         assert complete(copy_report.published) == reference
         assert get(copy_report.published, "/v1/debug/param-digests")[1] == digests
         stop_clean(copy)
@@ -96,6 +98,12 @@ def test_copy_while_donor_runs_shares_no_state(
     assert get(copy_report.published, "/v1/debug/shm")[1]["marker"] == before["marker"]
     stop_clean(copy)
     stop_clean(donor)
+
+
+def seccomp_mode(pid: int) -> str:
+    """The ``Seccomp:`` mode of a process (2: a filter is installed)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(line.split()[1] for line in status.splitlines() if line.startswith("Seccomp:"))
 
 
 def control_mount(pid: int) -> tuple[str, str]:
