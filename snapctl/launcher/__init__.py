@@ -15,6 +15,7 @@ watch, for the rest of the process's life, because closing one waits for a kerne
 
 from __future__ import annotations
 
+import logging
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
@@ -22,13 +23,14 @@ from typing import Protocol
 from snapctl.errors import CanaryMismatchError, SnapctlError
 from snapctl.launcher._control import DEFAULT_POLL_S, ServerControl, describe_error
 from snapctl.protocol.controldir import ControlDir
-from snapctl.protocol.models import Oracle, Phase, SnapshotConfig
+from snapctl.protocol.models import ControlFile, ErrorReport, Oracle, Phase, SnapshotConfig
 
 __all__ = [
     "DEFAULT_POLL_S",
     "BindTarget",
     "StartupCaptureError",
     "StartupHooks",
+    "report_failure",
     "run_startup_capture",
 ]
 
@@ -126,6 +128,27 @@ def run_startup_capture(
         if secondary is not None:
             message += f" (error.json not written: {type(secondary).__name__}: {secondary})"
         raise StartupCaptureError(phase, message) from error
+
+
+def report_failure(
+    config: SnapshotConfig, phase: Phase, error: BaseException, activation_id: str | None = None
+) -> None:
+    """Record a failure outside :func:`run_startup_capture` in ``error.json`` (best effort):
+    the engine failed to start before it, or binding failed after ``validated``."""
+    try:
+        control = ControlDir(config.control_dir)
+        ready = control.read(ControlFile.CAPTURE_READY)
+        report = ErrorReport(
+            # Without capture-ready.json no capture happened: any fresh id names this start.
+            capture_id=uuid.uuid4().hex if ready is None else ready.capture_id,
+            activation_id=activation_id,
+            phase=phase.value,
+            error_type=type(error).__name__,
+            error=describe_error(error),
+        )
+        control.write(report, overwrite=True)
+    except Exception as secondary:
+        logging.getLogger(__name__).warning("could not write error.json: %s", secondary)
 
 
 def _require_match(oracle: Oracle, result: Oracle, what: str) -> None:

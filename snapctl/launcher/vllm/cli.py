@@ -1,0 +1,87 @@
+"""``python -m snapctl.launcher.vllm serve MODEL [options] [--snapshot-config JSON]``.
+
+The options are ``vllm serve``'s, parsed by vLLM's own parser; ``--snapshot-config`` (which
+released vLLM does not know) is taken out first. The worker extension that computes digests is
+added, since the debug routes need it in both modes.
+"""
+
+from __future__ import annotations
+
+import sys
+from argparse import Namespace
+
+from snapctl.launcher.vllm.worker import EXTENSION
+
+SNAPSHOT_FLAG = "--snapshot-config"
+EXTENSION_FLAG = "--worker-extension-cls"
+
+
+class UsageError(ValueError):
+    """The command line cannot be run (the message names the fix)."""
+
+
+def split_snapshot_config(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without ``--snapshot-config VALUE`` (or ``=VALUE``), and that value."""
+    rest: list[str] = []
+    value: str | None = None
+    iterator = iter(argv)
+    for arg in iterator:
+        if arg == SNAPSHOT_FLAG:
+            value = next(iterator, None)
+            if value is None:
+                raise UsageError(f"{SNAPSHOT_FLAG} needs a JSON value")
+        elif arg.startswith(SNAPSHOT_FLAG + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    return rest, value
+
+
+def with_worker_extension(argv: list[str]) -> list[str]:
+    given = [a for a in argv if a == EXTENSION_FLAG or a.startswith(EXTENSION_FLAG + "=")]
+    if not given:
+        return [*argv, EXTENSION_FLAG, EXTENSION]
+    if f"{EXTENSION_FLAG}={EXTENSION}" in argv or EXTENSION in argv:
+        return argv
+    raise UsageError(
+        f"{EXTENSION_FLAG} is taken by snapctl's digest extension ({EXTENSION}); "
+        "drop yours or make it a subclass and name that"
+    )
+
+
+def parse(argv: list[str]) -> tuple[Namespace, str | None]:
+    """vLLM's serve arguments and the raw ``--snapshot-config`` value."""
+    if not argv or argv[0] != "serve":
+        raise UsageError("usage: python -m snapctl.launcher.vllm serve MODEL [vllm serve options]")
+    rest, snapshot_config = split_snapshot_config(argv[1:])
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(prog="python -m snapctl.launcher.vllm serve"))
+    args = parser.parse_args(with_worker_extension(rest))
+    if getattr(args, "model_tag", None) is not None:
+        args.model = args.model_tag  # as `vllm serve MODEL` does
+    validate_parsed_serve_args(args)
+    return args, snapshot_config
+
+
+def require_single_frontend(args: Namespace) -> None:
+    """Startup capture needs one Python HTTP frontend on one local rank (as #59851 checks)."""
+    if args.headless or getattr(args, "grpc", False) or args.uds:
+        raise UsageError("startup capture requires one HTTP frontend (no --headless/--grpc/--uds)")
+    if getattr(args, "api_server_count", None) not in (None, 1):
+        raise UsageError("startup capture requires --api-server-count 1")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        if getattr(args, name, 1) != 1:
+            raise UsageError(f"startup capture requires {name}=1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from snapctl.launcher.vllm.serve import run
+
+    try:
+        args, snapshot_config = parse(sys.argv[1:] if argv is None else argv)
+    except UsageError as error:
+        print(f"snapctl.launcher.vllm: {error}", file=sys.stderr)
+        return 2
+    return run(args, snapshot_config)

@@ -1,0 +1,114 @@
+"""The startup hooks on vLLM's engine, with #59851's semantics.
+
+The canary is vLLM's own: one greedy token of a fixed private prompt through the engine, with
+its log probability. Memory follows #59851's release/reload policy where vLLM supports it:
+``sleep(level=2)`` before capture, then wake the weights, reload them from their files and wake
+the KV cache. On platforms without sleep mode (vLLM's CPU build) the weights stay in memory
+through capture and are reloaded from their files all the same. Either way every recovery reads
+the weights files again and then compares the sha256 of every named parameter, computed in the
+worker, with the digests of the first load, so a changed or unreadable weights file fails
+closed even where one changed weight would move the canary by less than its tolerance.
+
+The hooks are called from the capture thread (:func:`snapctl.launcher.run_startup_capture`
+blocks); each runs its coroutine on the server's event loop and waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from snapctl.errors import CanaryMismatchError
+from snapctl.protocol.models import Oracle
+
+CANARY_PROMPT = "The capital of France is"  # vLLM's own (vllm/snapshot/engine.py)
+CANARY_REQUEST_ID = "vllm-snapshot-canary"
+
+T = TypeVar("T")
+
+
+class CanaryError(RuntimeError):
+    """The canary did not return exactly one token with its log probability."""
+
+
+class VllmHooks:
+    """``snapctl.launcher.StartupHooks`` on an ``EngineClient`` (vLLM's ``AsyncLLM``)."""
+
+    def __init__(
+        self, engine: Any, loop: asyncio.AbstractEventLoop, timeout_s: float, sleep_mode: bool
+    ) -> None:
+        self.engine = engine
+        self.loop = loop
+        self.timeout_s = timeout_s
+        self.sleep_mode = sleep_mode
+        self.loaded_digests: dict[str, str] | None = None
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        bounded = asyncio.wait_for(coroutine, self.timeout_s)
+        return asyncio.run_coroutine_threadsafe(bounded, self.loop).result()
+
+    def canary(self) -> Oracle:
+        return self._run(run_canary(self.engine))
+
+    def release_memory(self) -> None:
+        self._run(self._release())
+
+    def restore_memory(self) -> None:
+        self._run(self._restore())
+
+    async def _release(self) -> None:
+        if self.loaded_digests is None:
+            self.loaded_digests = await parameter_digests(self.engine)
+        await self.engine.pause_generation(mode="wait")
+        if self.sleep_mode:
+            await self.engine.sleep(level=2)
+
+    async def _restore(self) -> None:
+        if self.sleep_mode:
+            await self.engine.wake_up(tags=["weights"])
+        await self.engine.collective_rpc("reload_weights")
+        if self.sleep_mode:
+            await self.engine.wake_up(tags=["kv_cache"])
+        # Nothing cached from before the reload may answer a request after it.
+        await self.engine.reset_prefix_cache()
+        assert self.loaded_digests is not None
+        difference = digest_difference(self.loaded_digests, await parameter_digests(self.engine))
+        if difference is not None:
+            raise CanaryMismatchError(f"the reloaded weights differ from the first load: {difference}")
+        await self.engine.resume_generation()
+
+
+async def run_canary(engine: Any) -> Oracle:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, min_tokens=1, max_tokens=1, seed=0, logprobs=0)
+    final = None
+    async for output in engine.generate(CANARY_PROMPT, params, request_id=CANARY_REQUEST_ID):
+        final = output
+    if final is None:
+        raise CanaryError("the canary generation returned no output")
+    try:
+        candidate = final.outputs[0]
+        (token_id,) = candidate.token_ids
+        logprob = float(candidate.logprobs[0][token_id].logprob)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
+        raise CanaryError("the canary did not return one token with its logprob") from error
+    return Oracle(token_ids=[int(token_id)], text=str(candidate.text), sampled_token_logprob=logprob)
+
+
+async def parameter_digests(engine: Any) -> dict[str, str]:
+    """The worker's parameter digests (one worker: local single-rank execution)."""
+    (digests,) = await engine.collective_rpc("snapctl_parameter_digests")
+    return {str(name): str(value) for name, value in digests.items()}
+
+
+def digest_difference(expected: dict[str, str], got: dict[str, str]) -> str | None:
+    if expected.keys() != got.keys():
+        missing = sorted(expected.keys() - got.keys())[:3]
+        extra = sorted(got.keys() - expected.keys())[:3]
+        return f"parameters missing {missing}, unexpected {extra}"
+    changed = sorted(name for name in expected if expected[name] != got[name])
+    if changed:
+        return f"{len(changed)} parameter(s) changed, first {changed[0]}"
+    return None

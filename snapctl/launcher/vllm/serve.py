@@ -1,0 +1,164 @@
+"""The two ways to run: plain ``vllm serve``, and startup capture before public serving.
+
+Plain mode is vLLM's ``run_server``: bind, build the engine and the app, serve. Startup mode
+follows #59851's ``run_startup_snapshot_server``, with one change of order: the app and its
+state are built before the capture barrier, so a validated activation only binds and starts
+uvicorn. The public socket is bound only after ``validated``. Every failure after the snapshot
+config is read writes ``error.json`` with its phase; the engine is shut down and the process
+exits without serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+from argparse import Namespace
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from snapctl.launcher.vllm import app as vllm_app
+from snapctl.launcher.vllm.cli import UsageError, require_single_frontend
+from snapctl.launcher.vllm.hooks import VllmHooks
+
+if TYPE_CHECKING:
+    from snapctl.launcher import BindTarget
+    from snapctl.protocol.models import SnapshotConfig
+
+log = logging.getLogger("snapctl.launcher.vllm")
+
+
+def run(args: Namespace, snapshot_config: str | None) -> int:
+    import uvloop
+    from pydantic import ValidationError
+
+    from snapctl.protocol.models import SnapshotConfig
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+
+    cli_env_setup()
+    configure_logging_from_args(args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # Leave a blocking start on SIGTERM (PID 1 of a namespace ignores it without a handler);
+    # uvicorn's own handler replaces this one once serving.
+    signal.signal(signal.SIGTERM, _interrupt)
+    if snapshot_config is None:
+        uvloop.run(_serve_plain(args))
+        return 0
+    try:
+        config = SnapshotConfig.model_validate_json(snapshot_config)
+    except ValidationError as error:
+        log.error("invalid --snapshot-config: %s", error)
+        return 2
+    try:
+        return uvloop.run(_serve_after_capture(args, config))
+    except KeyboardInterrupt:
+        log.info("terminated before serving")
+        return 0
+
+
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt("terminated")
+
+
+async def _serve_plain(args: Namespace) -> None:
+    from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+    from vllm.entrypoints.launchers.launcher import setup_server
+
+    listen_address, sock = setup_server(args, reuse_port=False)
+    try:
+        async with build_async_engine_client(args) as engine:
+            app = await vllm_app.build(engine, args)
+            shutdown = await vllm_app.serve(app, sock, listen_address, args)
+        await shutdown  # after the engine is closed, as vLLM's run_server_worker does
+    finally:
+        sock.close()
+
+
+async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
+    from snapctl.launcher import StartupCaptureError, report_failure
+    from snapctl.protocol.controldir import ControlDir
+    from snapctl.protocol.models import Phase
+
+    phase = Phase.INITIALIZE_ENGINE
+    target: BindTarget | None = None
+    sock = None
+    try:
+        require_single_frontend(args)
+        # Refuse an unusable control directory before minutes of engine start, as vLLM does.
+        ControlDir(config.control_dir).validate(require_empty=True)
+        sleep_mode = _prepare_args(args)
+        from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+
+        async with build_async_engine_client(args) as engine:
+            app = await vllm_app.build(engine, args)
+            hooks = VllmHooks(engine, asyncio.get_running_loop(), config.timeout_s, sleep_mode)
+            try:
+                target = await _capture_in_thread(config, hooks)
+            except StartupCaptureError as error:
+                log.error("startup capture failed: %s", error)  # error.json is written
+                return 1
+            log.info("activation %s (%s) validated", target.activation_id, target.kind)
+            phase = Phase.SERVE
+            if target.host is not None:
+                args.host = target.host
+            args.port = target.port
+            listen_address, sock = vllm_app.bind(args)
+            shutdown = await vllm_app.serve(app, sock, listen_address, args)
+        await shutdown
+        return 0
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:
+        log.error("%s failed: %s: %s", phase.value, type(error).__name__, error)
+        report_failure(config, phase, error, None if target is None else target.activation_id)
+        return 1
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _prepare_args(args: Namespace) -> bool:
+    """Checks ``setup_server`` makes before binding; sleep mode where vLLM supports it."""
+    from vllm.entrypoints.launchers.launcher import validate_api_server_args
+    from vllm.platforms import current_platform
+    from vllm.utils.system_utils import set_ulimit
+
+    validate_api_server_args(args)
+    set_ulimit()
+    sleep_mode = bool(current_platform.is_sleep_mode_available())
+    if sleep_mode:
+        args.enable_sleep_mode = True
+    elif getattr(args, "enable_sleep_mode", False):
+        raise UsageError("--enable-sleep-mode is not supported on this platform")
+    return sleep_mode
+
+
+async def _capture_in_thread(config: SnapshotConfig, hooks: VllmHooks) -> BindTarget:
+    """Run the blocking capture protocol in a daemon thread while the loop serves the engine;
+    a daemon thread, so a terminated start never waits for it."""
+    from snapctl.launcher import run_startup_capture
+
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[BindTarget] = loop.create_future()
+
+    def settle(result: BindTarget | None, error: BaseException | None) -> None:
+        if done.cancelled():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)  # type: ignore[arg-type]
+
+    def body() -> None:
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = run_startup_capture(config, hooks)
+        except BaseException as failure:
+            error = failure
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=body, name="snapctl-capture", daemon=True).start()
+    return await done

@@ -1,0 +1,65 @@
+"""Worker-side methods, added to vLLM's worker with ``--worker-extension-cls``.
+
+They run in ``VLLM::Worker``, where the weights are, and return only small results (hex
+digests) over the engine's RPC. A digest is of a parameter as the model computes with it: vLLM's
+CPU build packs linear weights into kernel handles and leaves an empty ``weight`` parameter, so
+for such a layer the digest is of the weight the handle applies (the layer run on an identity
+matrix, exact in its dtype). Digests are compared with digests taken the same way, never with
+the checkpoint file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+EXTENSION = "snapctl.launcher.vllm.worker.SnapshotWorkerExtension"
+
+
+def _tensor_sha256(tensor: Any) -> tuple[str, int]:
+    import torch
+
+    raw = tensor.detach().contiguous().cpu().reshape(-1).view(dtype=torch.uint8).numpy()
+    return hashlib.sha256(memoryview(raw)).hexdigest(), int(raw.nbytes)
+
+
+def effective_parameters(model: Any) -> Iterator[tuple[str, Any]]:
+    """Every named parameter; an emptied linear weight replaced by the weight its kernel holds."""
+    import torch
+
+    for name, parameter in model.named_parameters():
+        module_name, _, leaf = name.rpartition(".")
+        if parameter.numel() == 0 and leaf == "weight":
+            module = model.get_submodule(module_name)
+            linear = getattr(module, "cpu_linear", None)
+            size = getattr(module, "input_size_per_partition", None)
+            if linear is not None and size:
+                with torch.inference_mode():
+                    identity = torch.eye(int(size), dtype=parameter.dtype)
+                    yield name, linear(identity, parameter, None)  # x @ W.T with x = I: W.T
+                continue
+        yield name, parameter
+
+
+class SnapshotWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    model_runner: Any
+
+    def snapctl_parameter_digests(self) -> dict[str, str]:
+        """sha256 of every named parameter, by name."""
+        model = self.model_runner.get_model()
+        return {name: _tensor_sha256(t)[0] for name, t in effective_parameters(model)}
+
+    def snapctl_retained_digest(self) -> dict[str, Any]:
+        """sha256 over the model's buffers (rotary tables and the like): memory computed at
+        start and kept across a capture, never reloaded, so a copy's must equal the donor's."""
+        digest = hashlib.sha256()
+        total = 0
+        model = self.model_runner.get_model()
+        for name, buffer in sorted(model.named_buffers(), key=lambda item: item[0]):
+            hexdigest, size = _tensor_sha256(buffer)
+            digest.update(f"{name}:{hexdigest}\n".encode())
+            total += size
+        return {"sha256": digest.hexdigest(), "mb": round(total / 2**20, 3), "device": "cpu"}
