@@ -27,11 +27,12 @@ INTERMEDIATE = 512
 VOCAB = 512
 SPECIAL = ["<s>", "</s>"]
 
-WORDS = (
+TEXT = (
     "the capital of france is paris once upon a time there was an engine that was cold and "
     "then it was warm hello my name is def main return print request pair says asks streamed "
     "answer in the beginning model weights tokens snapshot restore copy donor image server"
-).split()
+)
+WORDS = TEXT.split()
 
 
 def corpus() -> list[str]:

@@ -21,7 +21,6 @@ RETAINED_PATH = "/v1/debug/retained-digest"
 async def build(engine: Any, args: Namespace) -> Any:
     """vLLM's app with its state initialised and the debug routes added (nothing bound)."""
     from fastapi.responses import JSONResponse
-
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
@@ -45,8 +44,8 @@ async def build(engine: Any, args: Namespace) -> Any:
 
 def _preload_uvicorn() -> None:
     """Import the protocol modules uvicorn loads on start, so none is imported after release."""
-    import uvicorn.lifespan.on  # noqa: F401
-    import uvicorn.protocols.http.auto  # noqa: F401
+    import uvicorn.lifespan.on
+    import uvicorn.protocols.http.auto
     import uvicorn.protocols.websockets.auto  # noqa: F401
 
 

@@ -75,7 +75,9 @@ class VllmHooks:
         assert self.loaded_digests is not None
         difference = digest_difference(self.loaded_digests, await parameter_digests(self.engine))
         if difference is not None:
-            raise CanaryMismatchError(f"the reloaded weights differ from the first load: {difference}")
+            raise CanaryMismatchError(
+                f"the reloaded weights differ from the first load: {difference}"
+            )
         await self.engine.resume_generation()
 
 
@@ -94,7 +96,9 @@ async def run_canary(engine: Any) -> Oracle:
         logprob = float(candidate.logprobs[0][token_id].logprob)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
         raise CanaryError("the canary did not return one token with its logprob") from error
-    return Oracle(token_ids=[int(token_id)], text=str(candidate.text), sampled_token_logprob=logprob)
+    return Oracle(
+        token_ids=[int(token_id)], text=str(candidate.text), sampled_token_logprob=logprob
+    )
 
 
 async def parameter_digests(engine: Any) -> dict[str, str]:

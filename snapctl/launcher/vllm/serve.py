@@ -32,10 +32,10 @@ log = logging.getLogger("snapctl.launcher.vllm")
 def run(args: Namespace, snapshot_config: str | None) -> int:
     import uvloop
     from pydantic import ValidationError
-
-    from snapctl.protocol.models import SnapshotConfig
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
+
+    from snapctl.protocol.models import SnapshotConfig
 
     cli_env_setup()
     configure_logging_from_args(args)
@@ -52,7 +52,7 @@ def run(args: Namespace, snapshot_config: str | None) -> int:
         log.error("invalid --snapshot-config: %s", error)
         return 2
     try:
-        return uvloop.run(_serve_after_capture(args, config))
+        return int(uvloop.run(_serve_after_capture(args, config)))
     except KeyboardInterrupt:
         log.info("terminated before serving")
         return 0

@@ -1,0 +1,38 @@
+"""The vLLM bridge's pieces that need no vLLM: its command line and the digest comparison."""
+
+from __future__ import annotations
+
+import pytest
+
+from snapctl.launcher.vllm.cli import (
+    EXTENSION_FLAG,
+    UsageError,
+    split_snapshot_config,
+    with_worker_extension,
+)
+from snapctl.launcher.vllm.hooks import digest_difference
+from snapctl.launcher.vllm.worker import EXTENSION
+
+
+def test_snapshot_config_is_taken_out_in_both_spellings() -> None:
+    argv = ["/m", "--snapshot-config", '{"mode":"startup"}', "--port", "1"]
+    assert split_snapshot_config(argv) == (["/m", "--port", "1"], '{"mode":"startup"}')
+    assert split_snapshot_config(["/m", "--snapshot-config={}"]) == (["/m"], "{}")
+    assert split_snapshot_config(["/m"]) == (["/m"], None)
+    with pytest.raises(UsageError, match="needs a JSON value"):
+        split_snapshot_config(["/m", "--snapshot-config"])
+
+
+def test_the_digest_extension_is_added_once_and_a_foreign_one_refused() -> None:
+    assert with_worker_extension(["/m"]) == ["/m", EXTENSION_FLAG, EXTENSION]
+    given = ["/m", EXTENSION_FLAG, EXTENSION]
+    assert with_worker_extension(given) == given
+    with pytest.raises(UsageError, match="taken by snapctl"):
+        with_worker_extension(["/m", f"{EXTENSION_FLAG}=my.Extension"])
+
+
+def test_digest_difference_names_the_first_changed_parameter() -> None:
+    loaded = {"a": "1", "b": "2"}
+    assert digest_difference(loaded, dict(loaded)) is None
+    assert digest_difference(loaded, {"a": "1", "b": "3"}) == "1 parameter(s) changed, first b"
+    assert "missing ['b']" in str(digest_difference(loaded, {"a": "1"}))

@@ -1,0 +1,70 @@
+"""Real vLLM for the ``vllm`` marker: its venv and the tiny model made by ``scripts/setup --vllm``.
+
+Tests marked ``vllm`` skip where that set-up is absent, except under CI, where they fail
+(``scripts/test`` runs ``scripts/setup --vllm``, so a skip there would hide a broken set-up).
+They are also ``criu`` tests: root and CRIU are required as for those.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import in_ci
+
+ROOT = Path(__file__).resolve().parents[2]
+# The server's environment: offline, no usage reports. (The KV cache is sized by an option, not
+# VLLM_CPU_KVCACHE_SPACE, whose least value, 1 GiB, would be most of the image.)
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+KV_CACHE_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class RealVllm:
+    python: Path
+    model: Path
+
+    def serve_command(self, *extra: str) -> list[str]:
+        return [
+            str(self.python), "-m", "snapctl.launcher.vllm", "serve", str(self.model),
+            "--dtype", "float32", "--max-model-len", "256",
+            "--kv-cache-memory-bytes", str(KV_CACHE_BYTES), *extra,
+        ]  # fmt: skip
+
+
+def real_vllm() -> tuple[RealVllm | None, str]:
+    venv = Path(os.environ.get("SNAPCTL_VLLM_VENV", ROOT / ".venv-vllm"))
+    model = Path(os.environ.get("SNAPCTL_VLLM_MODEL", ROOT / ".models" / "tiny-llama"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        return None, f"needs the vLLM venv {venv} (scripts/setup --vllm)"
+    if not (model / "model.safetensors").exists():
+        return None, f"needs the tiny model {model} (scripts/setup --vllm)"
+    return RealVllm(python, model), ""
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("vllm") is None:
+        return
+    found, problem = real_vllm()
+    if found is not None:
+        return
+    if in_ci():
+        pytest.fail(f"CI must run vllm tests, but this machine {problem}", pytrace=False)
+    pytest.skip(problem)
+
+
+@pytest.fixture(scope="session")
+def vllm() -> RealVllm:
+    found, problem = real_vllm()
+    if found is None:
+        pytest.fail(f"the vllm fixture used without @pytest.mark.vllm: {problem}", pytrace=False)
+    return found

@@ -1,0 +1,172 @@
+"""Real vLLM end to end: ``snapctl qualify`` of ``python -m snapctl.launcher.vllm serve``.
+
+One plain qualification (reference, donor, CRIU restore fault, two copies after the donor is
+gone, recovery fault, stale control, CRIU dump fault) captures the module's one image; the lazy
+qualification and the ``openai`` client test restore that image again, so the module starts
+vLLM cold only three times (two references and one donor). Each run's wall time is printed
+(``-s``) so CI's logs keep the figures.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from snapctl.qualification.report import Report
+from snapctl.qualification.watch import HOST_SHM
+from snapctl.supervision.state import StateDir
+from tests.qualification.criu_helpers import assert_nothing_left
+from tests.vllm.conftest import ROOT, VLLM_ENV, RealVllm
+
+pytestmark = [pytest.mark.criu, pytest.mark.vllm]
+
+API_KEY = "vllm-test-key"
+SNAPCTL = ROOT / ".venv" / "bin" / "snapctl"
+QUALIFY_TIMEOUT_S = 1200  # the whole plain qualification (about 2.5 min on an idle machine)
+
+
+@dataclass(frozen=True)
+class Qualified:
+    returncode: int
+    report: Report
+    image: Path
+    state: StateDir
+    shm_before: set[str]
+
+
+def _snapctl(args: list[str], state: StateDir, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, **VLLM_ENV, SNAPCTL_STATE_DIR=str(state.root), SNAPCTL_VLLM_KEY=API_KEY)
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(SNAPCTL), *args], env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+    print(f"snapctl {args[0]}: exit {done.returncode} in {time.monotonic() - started:.1f} s")
+    return done
+
+
+def _qualify(vllm: RealVllm, state: StateDir, image: Path, *extra: str) -> tuple[int, Report]:
+    done = _snapctl(
+        ["qualify", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
+         "--timeout", "600", *extra, "--", *vllm.serve_command("--api-key", API_KEY)],
+        state, QUALIFY_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.stdout.strip(), done.stderr[-3000:]
+    return done.returncode, Report.model_validate_json(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def qualified(vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory) -> Qualified:
+    root = tmp_path_factory.mktemp("vllm")
+    state = StateDir(root / "state")
+    shm_before = set(os.listdir(HOST_SHM))
+    returncode, report = _qualify(vllm, state, root / "image")
+    return Qualified(returncode, report, root / "image", state, shm_before)
+
+
+def _unpassed(report: Report) -> list[str]:
+    return [
+        f"{run.name}: {check.name}: {check.status}: {check.evidence}"
+        for run in report.runs
+        for check in run.checks
+        if check.status != "passed"
+    ]
+
+
+@pytest.mark.timeout(QUALIFY_TIMEOUT_S + 60)
+def test_plain_qualification_passes_every_check(qualified: Qualified) -> None:
+    assert _unpassed(qualified.report) == []
+    assert qualified.returncode == 0
+    names = [run.name for run in qualified.report.runs]
+    assert names == [
+        "reference", "donor", "criu-restore-fault", "copy-1", "copy-2", "fault",
+        "stale-files", "stale-replay", "criu-dump-fault",
+    ]  # fmt: skip
+    for run in qualified.report.runs:
+        print(run.name, run.timings.model_dump(exclude_none=True))
+    assert_nothing_left(qualified.state, qualified.shm_before)
+
+
+@pytest.mark.timeout(QUALIFY_TIMEOUT_S + 60)
+def test_lazy_copies_qualify_from_the_same_image(vllm: RealVllm, qualified: Qualified) -> None:
+    assert qualified.image.is_dir(), "the plain qualification published no image"
+    returncode, report = _qualify(
+        vllm, qualified.state, qualified.image, "--lazy", "--runs", "copy-1,copy-2,lazy-fault"
+    )
+    assert _unpassed(report) == []
+    assert returncode == 0
+    assert [run.name for run in report.runs] == ["reference", "copy-1", "copy-2", "lazy-fault"]
+    assert_nothing_left(qualified.state, qualified.shm_before)
+
+
+@pytest.fixture
+def copies(qualified: Qualified) -> Iterator[list[str]]:
+    """A plain and a lazy copy of the image, published on loopback; their base URLs."""
+    names: list[str] = []
+    try:
+        urls = []
+        for index, lazy in enumerate(("--no-lazy", "--lazy")):
+            name = f"vllm-openai-{index}"
+            port = 18470 + index
+            done = _snapctl(
+                ["copy", "--image", str(qualified.image), "--name", name, "--detach", lazy,
+                 "--publish", f"127.0.0.1:{port}", "--api-key-env", "SNAPCTL_VLLM_KEY"],
+                qualified.state, 300,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr[-3000:]
+            names.append(name)
+            urls.append(f"http://127.0.0.1:{port}/v1")
+        yield urls
+    finally:
+        for name in names:
+            stopped = _snapctl(["stop", name], qualified.state, 120)
+            assert stopped.returncode == 0, stopped.stderr
+            assert "cleanup: clean" in stopped.stdout + stopped.stderr
+
+
+@pytest.mark.timeout(600)
+def test_openai_client_gets_equal_answers_from_plain_and_lazy_copies(
+    vllm: RealVllm, copies: list[str]
+) -> None:
+    """The copies serve one after the other (until each activation has a private /tmp, two
+    vLLM trees restored at once may meet on ZMQ socket paths there)."""
+    import openai
+
+    def ask(client: openai.OpenAI, prompt: str) -> tuple[str, list[int], list[float]]:
+        answer = client.completions.create(
+            model=str(vllm.model), prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        token_ids = list(getattr(choice, "token_ids", None) or [])
+        return choice.text, token_ids, [float(x) for x in choice.logprobs.token_logprobs]
+
+    prompts = [f"Request {i} of a pair" for i in range(4)]
+    answers = []
+    for url in copies:
+        client = openai.OpenAI(base_url=url, api_key=API_KEY, max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+        with ThreadPoolExecutor(max_workers=4) as pool:  # concurrent requests
+            batch = list(pool.map(lambda p, c=client: ask(c, p), prompts))
+        stream = client.completions.create(
+            model=str(vllm.model), prompt=prompts[0], max_tokens=12, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+        assert streamed == batch[0][0]
+        answers.append(batch)
+    plain, lazy = answers
+    for (text, ids, logprobs), (lazy_text, lazy_ids, lazy_logprobs) in zip(
+        plain, lazy, strict=True
+    ):
+        assert (lazy_text, lazy_ids) == (text, ids) and ids
+        assert max(abs(a - b) for a, b in zip(logprobs, lazy_logprobs, strict=True)) <= 1e-3
