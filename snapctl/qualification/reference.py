@@ -35,12 +35,34 @@ SNAPSHOT_FLAG = "--snapshot-config"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
-def is_fixture(argv: list[str]) -> bool:
-    """Whether ``argv`` runs the bundled fixture server (``python -m fixtures serve``)."""
+VLLM_BRIDGE = "snapctl.launcher.vllm"
+
+
+def _runs_module(argv: list[str], module: str) -> bool:
+    """Whether ``argv`` is ``python -m MODULE ... serve ...``."""
     return (
-        any(argv[i] == "-m" and argv[i + 1] == "fixtures" for i in range(len(argv) - 1))
+        any(argv[i] == "-m" and argv[i + 1] == module for i in range(len(argv) - 1))
         and "serve" in argv
     )
+
+
+def is_fixture(argv: list[str]) -> bool:
+    """Whether ``argv`` runs the bundled fixture server (``python -m fixtures serve``)."""
+    return _runs_module(argv, "fixtures")
+
+
+def is_vllm_bridge(argv: list[str]) -> bool:
+    """Whether ``argv`` runs vLLM through snapctl's bridge (``python -m snapctl.launcher.vllm``)."""
+    return _runs_module(argv, VLLM_BRIDGE)
+
+
+def model_argument(argv: list[str]) -> str | None:
+    """``--model``, or the first argument after ``serve`` (``vllm serve MODEL``)."""
+    model = flag_value(argv, "--model")
+    if model is None and "serve" in argv:
+        following = argv[argv.index("serve") + 1 :]
+        model = next((arg for arg in following[:1] if not arg.startswith("-")), None)
+    return model
 
 
 def flag_value(argv: list[str], flag: str) -> str | None:
@@ -86,11 +108,7 @@ def server_command(options: LaunchOptions, state: StateDir) -> tuple[list[str], 
 
 def weights_file(argv: list[str]) -> Path | None:
     """The model weights file a server reads: ``--model`` itself, or its largest weights file."""
-    model = flag_value(argv, "--model")
-    if model is None and "serve" in argv:
-        # ``vllm serve MODEL``: the first argument after ``serve``, when it is a local path.
-        following = argv[argv.index("serve") + 1 :]
-        model = next((arg for arg in following[:1] if not arg.startswith("-")), None)
+    model = model_argument(argv)
     if model is None:
         return None
     path = Path(model)
@@ -103,16 +121,22 @@ def weights_file(argv: list[str]) -> Path | None:
 
 
 def model_file_digests(argv: list[str]) -> dict[str, str] | None:
-    """sha256 of every tensor of the fixture's model file, read from disk (None otherwise)."""
-    model = flag_value(argv, "--model")
-    if not is_fixture(argv) or model is None:
+    """sha256 of every parameter of the model's files, read from disk, for the fixture and for
+    vLLM through snapctl's bridge (in vLLM's parameter names and layout); None otherwise."""
+    model = model_argument(argv)
+    if model is None:
+        return None
+    if is_fixture(argv):
+        command = [argv[0], "-m", "fixtures", "reference-digests", "--model", model]
+    elif is_vllm_bridge(argv):
+        command = [argv[0], "-m", VLLM_BRIDGE, "reference-digests", model]
+    else:
         return None
     proc = subprocess.run(
-        [argv[0], "-m", "fixtures", "reference-digests", "--model", model],
-        cwd=repo_root(), capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
+        command, cwd=repo_root(), capture_output=True, text=True, check=False, timeout=300
+    )
     if proc.returncode != 0:
-        raise SnapctlError(f"fixtures reference-digests failed: {proc.stderr.strip()[-300:]}")
+        raise SnapctlError(f"{' '.join(command[1:4])} failed: {proc.stderr.strip()[-300:]}")
     payload = json.loads(proc.stdout)
     return {str(name): str(digest) for name, digest in payload.items()}
 

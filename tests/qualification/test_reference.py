@@ -10,6 +10,8 @@ from snapctl.errors import SnapctlError
 from snapctl.qualification.reference import (
     flag_value,
     is_fixture,
+    is_vllm_bridge,
+    model_argument,
     server_from_manifest,
     weights_file,
     without_snapshot_config,
@@ -22,6 +24,15 @@ def test_is_fixture() -> None:
     assert is_fixture(FIXTURE)
     assert not is_fixture(["vllm", "serve", "/m"])
     assert not is_fixture(["python", "-m", "fixtures", "build-model"])
+
+
+def test_the_vllm_bridge_and_its_model_argument() -> None:
+    bridge = ["/v/bin/python", "-m", "snapctl.launcher.vllm", "serve", "/m", "--dtype", "float32"]
+    assert is_vllm_bridge(bridge) and not is_fixture(bridge)
+    assert not is_vllm_bridge(FIXTURE)
+    assert model_argument(bridge) == "/m"
+    assert model_argument(FIXTURE) == "/m"
+    assert model_argument(["vllm", "serve", "--port", "1"]) is None
 
 
 def test_flag_value_and_snapshot_config_removal() -> None:

@@ -1,4 +1,5 @@
-"""``python -m snapctl.launcher.vllm serve MODEL [options] [--snapshot-config JSON]``.
+"""``python -m snapctl.launcher.vllm serve MODEL [options] [--snapshot-config JSON]``, and
+``python -m snapctl.launcher.vllm reference-digests MODEL`` (see :mod:`.reference`).
 
 The options are ``vllm serve``'s, parsed by vLLM's own parser; ``--snapshot-config`` (which
 released vLLM does not know) is taken out first. The worker extension that computes digests is
@@ -77,10 +78,19 @@ def require_single_frontend(args: Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["reference-digests"] and len(argv) == 2:
+        import json
+        from pathlib import Path
+
+        from snapctl.launcher.vllm.reference import reference_digests
+
+        print(json.dumps(reference_digests(Path(argv[1]))))
+        return 0
     from snapctl.launcher.vllm.serve import run
 
     try:
-        args, snapshot_config = parse(sys.argv[1:] if argv is None else argv)
+        args, snapshot_config = parse(argv)
     except UsageError as error:
         print(f"snapctl.launcher.vllm: {error}", file=sys.stderr)
         return 2

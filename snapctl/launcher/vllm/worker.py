@@ -4,8 +4,8 @@ They run in ``VLLM::Worker``, where the weights are, and return only small resul
 digests) over the engine's RPC. A digest is of a parameter as the model computes with it: vLLM's
 CPU build packs linear weights into kernel handles and leaves an empty ``weight`` parameter, so
 for such a layer the digest is of the weight the handle applies (the layer run on an identity
-matrix, exact in its dtype). Digests are compared with digests taken the same way, never with
-the checkpoint file.
+matrix, exact in its dtype), in the parameter's layout. :mod:`.reference` computes the same
+digests from the checkpoint files.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 EXTENSION = "snapctl.launcher.vllm.worker.SnapshotWorkerExtension"
 
 
-def _tensor_sha256(tensor: Any) -> tuple[str, int]:
+def tensor_sha256(tensor: Any) -> tuple[str, int]:
     import torch
 
     raw = tensor.detach().contiguous().cpu().reshape(-1).view(dtype=torch.uint8).numpy()
@@ -37,7 +37,8 @@ def effective_parameters(model: Any) -> Iterator[tuple[str, Any]]:
             if linear is not None and size:
                 with torch.inference_mode():
                     identity = torch.eye(int(size), dtype=parameter.dtype)
-                    yield name, linear(identity, parameter, None)  # x @ W.T with x = I: W.T
+                    # x @ W.T with x = I is W.T, exactly: one product by 1 per element.
+                    yield name, linear(identity, parameter, None).t()
                 continue
         yield name, parameter
 
@@ -50,7 +51,7 @@ class SnapshotWorkerExtension:
     def snapctl_parameter_digests(self) -> dict[str, str]:
         """sha256 of every named parameter, by name."""
         model = self.model_runner.get_model()
-        return {name: _tensor_sha256(t)[0] for name, t in effective_parameters(model)}
+        return {name: tensor_sha256(t)[0] for name, t in effective_parameters(model)}
 
     def snapctl_retained_digest(self) -> dict[str, Any]:
         """sha256 over the model's buffers (rotary tables and the like): memory computed at
@@ -59,7 +60,7 @@ class SnapshotWorkerExtension:
         total = 0
         model = self.model_runner.get_model()
         for name, buffer in sorted(model.named_buffers(), key=lambda item: item[0]):
-            hexdigest, size = _tensor_sha256(buffer)
+            hexdigest, size = tensor_sha256(buffer)
             digest.update(f"{name}:{hexdigest}\n".encode())
             total += size
         return {"sha256": digest.hexdigest(), "mb": round(total / 2**20, 3), "device": "cpu"}
