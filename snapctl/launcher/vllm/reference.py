@@ -28,7 +28,7 @@ FALLBACK_PACKED = {
 
 
 def packed_modules(model_dir: Path) -> dict[str, list[str]]:
-    """The model class's stacking of checkpoint modules (vLLM's registry, read without an engine)."""
+    """How the model class stacks checkpoint modules (from vLLM's registry, no engine)."""
     architectures = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
     try:
         from vllm.model_executor.models.registry import ModelRegistry
