@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, help="repetitions per size (default 7; --quick 3)")
     parser.add_argument("--work-dir", type=Path, help="parent of the scratch directory (/tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    parser.add_argument(
+        "--vllm",
+        action="store_true",
+        help="real vLLM instead (scripts/setup --vllm): cold start against plain and lazy "
+        "copies of the same server, with the donor's and a bare dump's frozen time",
+    )
     return parser
 
 
@@ -44,6 +50,26 @@ def _sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError("sizes are positive integers, e.g. 64,512")
     return sizes
+
+
+def _vllm(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from bench import vllm
+    from bench.run import workdir
+    from snapctl.criu import find_criu
+    from snapctl.supervision.process import become_subreaper
+
+    become_subreaper()
+    with workdir(args.work_dir, args.keep) as work:
+        say(f"scratch directory {work}")
+        results = vllm.run(find_criu(), work, args.reps or 3, say)
+    if args.json:
+        sys.stdout.write(json.dumps(dataclasses.asdict(results)) + "\n")
+    else:
+        sys.stdout.write(vllm.render(results))
+    return 0
 
 
 def say(message: str) -> None:
@@ -60,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from bench.run import Runner, full, quick, workdir
 
+        if args.vllm:
+            return _vllm(args)
         plan = quick() if args.quick else full()
         if args.sizes:
             plan.sizes_mb = plan.donor_sizes_mb = args.sizes

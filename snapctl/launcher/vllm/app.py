@@ -8,6 +8,7 @@ before the capture barrier, so a validated activation only binds and starts uvic
 
 from __future__ import annotations
 
+import logging
 import socket
 from argparse import Namespace
 from typing import Any
@@ -64,13 +65,12 @@ async def serve(app: Any, sock: socket.socket, listen_address: str, args: Namesp
     import vllm.envs as envs
     from vllm.entrypoints.launchers.launcher import serve_http
     from vllm.entrypoints.launchers.utils.server_utils import get_uvicorn_log_config
-    from vllm.logger import init_logger
 
     extra: dict[str, Any] = {}
     log_config = get_uvicorn_log_config(args)
     if log_config is not None:
         extra["log_config"] = log_config
-    init_logger("snapctl.launcher.vllm").info("Starting vLLM server on %s", listen_address)
+    logging.getLogger("vllm.snapctl").info("Starting vLLM server on %s", listen_address)
     return await serve_http(
         app,
         sock=sock,

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from snapctl.launcher import BindTarget
     from snapctl.protocol.models import SnapshotConfig
 
-log = logging.getLogger("snapctl.launcher.vllm")
+# Under "vllm.", so vLLM's logging configuration (handler and format) applies.
+log = logging.getLogger("vllm.snapctl")
 
 
 def run(args: Namespace, snapshot_config: str | None) -> int:
@@ -39,7 +40,6 @@ def run(args: Namespace, snapshot_config: str | None) -> int:
 
     cli_env_setup()
     configure_logging_from_args(args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # Leave a blocking start on SIGTERM (PID 1 of a namespace ignores it without a handler);
     # uvicorn's own handler replaces this one once serving.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -90,9 +90,14 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
         ControlDir(config.control_dir).validate(require_empty=True)
         sleep_mode = _prepare_args(args)
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
+        from vllm.utils.gc_utils import freeze_gc_heap
 
         async with build_async_engine_client(args) as engine:
             app = await vllm_app.build(engine, args)
+            # vLLM's lifespan collects and freezes the heap when uvicorn starts; done here, its
+            # collection after `validated` has nothing left to walk (nor, in a lazy copy, to
+            # fault in).
+            freeze_gc_heap()
             hooks = VllmHooks(engine, asyncio.get_running_loop(), config.timeout_s, sleep_mode)
             try:
                 target = await _capture_in_thread(config, hooks)

@@ -1,0 +1,278 @@
+"""``python -m bench --vllm``: real vLLM, a cold start against snapctl copies of the same server.
+
+Optional (it needs ``scripts/setup --vllm``): the tiny Llama served by
+``python -m snapctl.launcher.vllm serve``. In one run it measures an ordinary cold start to the
+first correct completion, the snapctl donor (capture-ready, dump, frozen time, image size), a
+bare ``criu dump`` of the same tree launched the same way, and plain and lazy copies of the
+donor's image to their first correct completion with the per-phase split. The donor is stopped
+before the copies, which run one at a time (until each activation has a private /tmp, vLLM trees
+restored side by side may meet on their ZMQ socket paths there).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import bare
+from bench.contenders import copy_phases
+from bench.workload import Answer, WorkloadError, free_port, host_connect
+from snapctl.activation.copy import start_copy
+from snapctl.activation.donor import new_session, start_donor
+from snapctl.activation.launch import (
+    LaunchOptions,
+    launch_in_sandbox,
+    repo_root,
+    snapshot_config_arg,
+    wait_capture_ready,
+)
+from snapctl.activation.native import NoNativeStep
+from snapctl.criu import CriuBinary, read_dump_stats
+from snapctl.supervision.state import StateDir
+
+PROMPT = "The capital of"
+MAX_TOKENS = 8
+TIMEOUT_S = 900.0
+KV_CACHE_BYTES = 64 * 2**20
+SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+Say = Callable[[str], None]
+
+
+@dataclass
+class VllmResults:
+    """Seconds unless named otherwise; copies keyed ``plain``/``lazy``, one sample per rep."""
+
+    cold_start_s: float = 0.0
+    donor: dict[str, float] = field(default_factory=dict)
+    bare_dump: dict[str, float] = field(default_factory=dict)
+    image_bytes: int = 0
+    copies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def vllm_setup() -> tuple[Path, Path]:
+    """The vLLM venv's Python and the tiny model (``scripts/setup --vllm``'s defaults)."""
+    root = repo_root()
+    venv = Path(os.environ.get("SNAPCTL_VLLM_VENV", root / ".venv-vllm"))
+    model = Path(os.environ.get("SNAPCTL_VLLM_MODEL", root / ".models" / "tiny-llama"))
+    if not (venv / "bin" / "python").exists() or not (model / "config.json").exists():
+        raise SystemExit(f"bench --vllm needs {venv} and {model}: run scripts/setup --vllm")
+    return venv / "bin" / "python", model
+
+
+def server_argv(python: Path, model: Path, port: int = 8000) -> list[str]:
+    return [
+        str(python), "-m", "snapctl.launcher.vllm", "serve", str(model), "--dtype", "float32",
+        "--max-model-len", "256", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
+        "--port", str(port),
+    ]  # fmt: skip
+
+
+def complete(connection: http.client.HTTPConnection, model: Path) -> Answer:
+    body = json.dumps(
+        {
+            "model": str(model),
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
+    )
+    try:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        payload = response.read()
+    finally:
+        connection.close()
+    if response.status != 200:
+        raise WorkloadError(f"completion answered HTTP {response.status}: {payload[:200]!r}")
+    choice = json.loads(payload)["choices"][0]
+    return Answer(text=choice["text"], token_ids=list(choice["token_ids"]))
+
+
+def first_correct(
+    port: int, model: Path, reference: Answer | None, alive: Callable[[], bool]
+) -> Answer:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            answer = complete(host_connect(port)(), model)
+        except (OSError, http.client.HTTPException, WorkloadError):
+            if not alive():
+                raise WorkloadError("the server exited before answering") from None
+            time.sleep(0.002)
+            continue
+        if reference is not None and answer != reference:
+            raise WorkloadError(f"wrong completion: {answer} (expected {reference})")
+        return answer
+    raise WorkloadError(f"no completion within {TIMEOUT_S:g} s")
+
+
+def run(criu: CriuBinary, work: Path, reps: int, say: Say) -> VllmResults:
+    python, model = vllm_setup()
+    os.environ.update(SERVER_ENV)  # the donor's environment, which every copy must match
+    state = StateDir(work / "state")
+    state.ensure()
+    results = VllmResults()
+    reference = _cold_start(python, model, work, results, say)
+    image = work / "vllm-image"
+    _donor(python, model, image, criu, state, results, say)
+    _bare_dump(python, model, criu, state, work, results, say)
+    for rep in range(reps):
+        for lazy in (False, True) if rep % 2 == 0 else (True, False):
+            _copy(python, model, image, criu, state, lazy, reference, results, say)
+    shutil.rmtree(image, ignore_errors=True)
+    return results
+
+
+def _cold_start(python: Path, model: Path, work: Path, results: VllmResults, say: Say) -> Answer:
+    port = free_port()
+    log = work / "cold.log"
+    started = time.monotonic()
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            server_argv(python, model, port), stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+            env={**os.environ, **SERVER_ENV}, start_new_session=True,
+        )  # fmt: skip
+    try:
+        answer = first_correct(port, model, None, lambda: proc.poll() is None)
+        results.cold_start_s = time.monotonic() - started
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    say(f"vllm cold start: first correct completion after {results.cold_start_s:.1f} s")
+    return answer
+
+
+def _options(python: Path, model: Path) -> LaunchOptions:
+    return LaunchOptions(
+        server_argv=server_argv(python, model), timeout_s=TIMEOUT_S, server_timeout_s=TIMEOUT_S
+    )
+
+
+def _donor(
+    python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir,
+    results: VllmResults, say: Say,
+) -> None:  # fmt: skip
+    session, report, _ = start_donor(
+        _options(python, model), image=image, force=False, criu=criu, native=NoNativeStep(),
+        publish=None, state=state, progress=lambda step: None,
+    )  # fmt: skip
+    try:
+        assert report.dump_stats is not None
+        results.donor = dict(report.timings_s)
+        results.donor["frozen"] = report.dump_stats.frozen_time_us / 1e6
+        results.image_bytes = sum(p.stat().st_size for p in image.rglob("*") if p.is_file())
+    finally:
+        session.stop()
+    say(
+        f"vllm donor: capture-ready {results.donor['launch_to_capture_ready']:.1f} s, frozen "
+        f"{results.donor['frozen']:.2f} s, image {results.image_bytes / 2**30:.2f} GiB"
+    )
+
+
+def _bare_dump(
+    python: Path, model: Path, criu: CriuBinary, state: StateDir, work: Path,
+    results: VllmResults, say: Say,
+) -> None:  # fmt: skip
+    """The same tree, launched the same way, dumped by raw CRIU without snapctl."""
+    options = _options(python, model)
+    assert options.server_argv is not None
+    session = new_session(state, "donor", None)
+    images = work / f"bare-dump-{uuid.uuid4().hex[:8]}"
+    try:
+        argv = [*options.server_argv, "--snapshot-config", snapshot_config_arg(TIMEOUT_S)]
+        session.launcher, session.root = launch_in_sandbox(
+            argv, Path.cwd(), session.dirs, options, dict(os.environ)
+        )
+        wait_capture_ready(session.dirs, session.root, TIMEOUT_S)
+        wall = bare.dump(criu.path, session.root.pid, images)
+        frozen = read_dump_stats(images).frozen_time_us / 1e6
+        results.bare_dump = {"dump": wall, "frozen": frozen}
+    finally:
+        session.stop()
+        shutil.rmtree(images, ignore_errors=True)
+    say(f"vllm bare criu dump: frozen {frozen:.2f} s (dump {wall:.2f} s)")
+
+
+def _copy(
+    python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir, lazy: bool,
+    reference: Answer, results: VllmResults, say: Say,
+) -> None:  # fmt: skip
+    marks: list[tuple[str, float]] = []
+    started = time.monotonic()
+    session, report = start_copy(
+        image, _options(python, model), criu=criu, native=NoNativeStep(),
+        publish=("127.0.0.1", 0), state=state,
+        progress=lambda step: marks.append((step, time.monotonic())), lazy=lazy,
+    )  # fmt: skip
+    try:
+        assert report.published is not None
+        returned = time.monotonic() - started
+        port = int(report.published.rsplit(":", 1)[1])
+        first_correct(port, model, reference, lambda: True)
+        ready = time.monotonic() - started
+        if session.lazy is not None:
+            session.lazy.wait(TIMEOUT_S)  # let the transfer end before the next contender
+    finally:
+        _, audit = session.stop()
+    if not audit.clean:
+        raise RuntimeError(f"snapctl copy left things behind: {audit.describe()}")
+    phases = copy_phases(started, marks, report.timings_s)
+    sample = {
+        "ready_s": ready,
+        "returned_s": returned,
+        "phases": phases,
+        "validated_to_http_200": report.timings_s["validated_to_http_200"],
+    }
+    kind = "lazy" if lazy else "plain"
+    results.copies.setdefault(kind, []).append(sample)
+    say(f"vllm copy ({kind}): first correct completion after {ready:.2f} s")
+
+
+def render(results: VllmResults) -> str:
+    """The figures as a Markdown table, against the issue's targets."""
+    lines = [
+        "| what | median | target |",
+        "|---|---|---|",
+        f"| cold start → first correct completion | {results.cold_start_s:.1f} s | |",
+        f"| donor launch → capture-ready | {results.donor.get('launch_to_capture_ready', 0):.1f} s"
+        " | |",
+        f"| donor dump (frozen) | {results.donor.get('dump', 0):.2f} s "
+        f"({results.donor.get('frozen', 0):.2f} s) | frozen within 10 % of bare |",
+        f"| bare criu dump (frozen) | {results.bare_dump.get('dump', 0):.2f} s "
+        f"({results.bare_dump.get('frozen', 0):.2f} s) | |",
+        f"| image size | {results.image_bytes / 2**30:.2f} GiB | |",
+    ]
+    for kind, target in (("plain", 30), ("lazy", 100)):
+        samples = results.copies.get(kind, [])
+        if not samples:
+            continue
+        ready = _median([s["ready_s"] for s in samples])
+        speedup = results.cold_start_s / ready if ready else 0.0
+        lines.append(
+            f"| {kind} copy → first correct completion | {ready:.2f} s ({speedup:.0f}x sooner) "
+            f"| ≥ {target}x sooner |"
+        )
+        for phase in samples[0]["phases"]:
+            value = _median([s["phases"][phase] for s in samples])
+            target_text = "≤ 0.1 s" if phase == "stage" else ""
+            lines.append(f"| {kind}: {phase} | {value * 1000:.0f} ms | {target_text} |")
+        after = _median([s["validated_to_http_200"] for s in samples])
+        lines.append(f"| {kind}: validated → first 200 | {after * 1000:.0f} ms | ≤ 0.1 s |")
+    return "\n".join(lines) + "\n"
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
