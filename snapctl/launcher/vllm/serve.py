@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import threading
+import time
 from argparse import Namespace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -105,12 +106,16 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
                 log.error("startup capture failed: %s", error)  # error.json is written
                 return 1
             log.info("activation %s (%s) validated", target.activation_id, target.kind)
+            validated_at = time.monotonic()
             phase = Phase.SERVE
             if target.host is not None:
                 args.host = target.host
             args.port = target.port
             listen_address, sock = vllm_app.bind(args)
+            log.info("bound %s %.1f ms after validated", listen_address, _ms_since(validated_at))
+            watch = asyncio.create_task(_log_when_serving(app, validated_at))
             shutdown = await vllm_app.serve(app, sock, listen_address, args)
+            watch.cancel()
         await shutdown
         return 0
     except KeyboardInterrupt:
@@ -122,6 +127,17 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
     finally:
         if sock is not None:
             sock.close()
+
+
+def _ms_since(start: float) -> float:
+    return (time.monotonic() - start) * 1000
+
+
+async def _log_when_serving(app: Any, validated_at: float) -> None:
+    """Log when uvicorn has started (its ``started`` flag), as time since ``validated``."""
+    while not getattr(getattr(app.state, "server", None), "started", False):
+        await asyncio.sleep(0.001)
+    log.info("serving %.1f ms after validated", _ms_since(validated_at))
 
 
 def _prepare_args(args: Namespace) -> bool:
