@@ -4,6 +4,7 @@ of the saved ``/dev/shm`` for a restore (hard links kept)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -276,6 +277,9 @@ def stage_shm_copy(source: Path, target: Path) -> None:
 
     CRIU's ``link_remap.N`` and a named semaphore's ``sem.NAME`` are one inode; copied as two
     files the restore still succeeds but ``sem_open`` by name reaches a different semaphore.
+    Holes stay holes: a server's shared-memory segments are mostly never written (vLLM's are
+    hundreds of MiB, a few KiB of data), and copying their zeros would cost both the time and
+    the copy's memory.
     """
     seen: dict[tuple[int, int], Path] = {}
     path = source
@@ -297,13 +301,45 @@ def stage_shm_copy(source: Path, target: Path) -> None:
             if key in seen:
                 os.link(seen[key], destination)
                 continue
-            shutil.copy2(path, destination, follow_symlinks=False)
+            if stat.S_ISREG(st.st_mode):
+                _copy_sparse(path, destination, st.st_size)
+                shutil.copystat(path, destination, follow_symlinks=False)
+            else:
+                shutil.copy2(path, destination, follow_symlinks=False)
             os.chown(destination, st.st_uid, st.st_gid, follow_symlinks=False)
             seen[key] = destination
     except OSError as error:
         raise ImageError(
             f"cannot stage the saved /dev/shm: {path}: {error.strerror or error}", path=path
         ) from error
+
+
+def _copy_sparse(source: Path, destination: Path, size: int) -> None:
+    """Copy only the data extents of ``source`` (SEEK_DATA/SEEK_HOLE), then set its size."""
+    src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        dst = os.open(destination, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            offset = 0
+            while offset < size:
+                try:
+                    data = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError as error:
+                    if error.errno == errno.ENXIO:  # only a hole is left
+                        break
+                    raise
+                offset = os.lseek(src, data, os.SEEK_HOLE)
+                os.lseek(dst, data, os.SEEK_SET)
+                while data < offset:
+                    sent = os.sendfile(dst, src, data, offset - data)
+                    if sent == 0:
+                        raise OSError(errno.EIO, f"{source} shrank while it was copied")
+                    data += sent
+            os.ftruncate(dst, size)
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
 
 
 def sync_tree(root: Path) -> None:

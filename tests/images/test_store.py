@@ -130,6 +130,28 @@ def test_stage_shm_copy_keeps_hard_links(tmp_path: Path) -> None:
     assert (target / "other").read_bytes() == b"o"
 
 
+def test_stage_shm_copy_keeps_holes_and_data(tmp_path: Path) -> None:
+    source, target = tmp_path / "src", tmp_path / "dst"
+    source.mkdir()
+    target.mkdir()
+    size = 64 << 20
+    with open(source / "psm_x", "wb") as segment:  # a mostly unwritten shared-memory segment
+        segment.truncate(size)
+        segment.seek(1 << 20)
+        segment.write(b"head")
+        segment.seek(size - 4)
+        segment.write(b"tail")
+    os.chmod(source / "psm_x", 0o640)
+    (source / "empty").write_bytes(b"")
+    stage_shm_copy(source, target)
+    copied = target / "psm_x"
+    assert copied.read_bytes() == (source / "psm_x").read_bytes()
+    assert copied.stat().st_size == size
+    assert copied.stat().st_blocks * 512 < 1 << 20  # holes, not 64 MiB of zeros
+    assert copied.stat().st_mode & 0o777 == 0o640
+    assert (target / "empty").read_bytes() == b""
+
+
 def test_replacing_an_image_a_copy_holds_is_refused(tmp_path: Path) -> None:
     final = tmp_path / "img"
     original = publish_sample(final)
