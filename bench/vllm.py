@@ -11,8 +11,6 @@ restored side by side may meet on their ZMQ socket paths there).
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
 import shutil
 import subprocess
@@ -23,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import bare
+from bench import bare, workload
 from bench.contenders import copy_phases
-from bench.workload import Answer, WorkloadError, free_port, host_connect
+from bench.workload import Answer, free_port, host_connect
 from snapctl.activation.copy import start_copy
 from snapctl.activation.donor import new_session, start_donor
 from snapctl.activation.launch import (
@@ -39,8 +37,6 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary, read_dump_stats
 from snapctl.supervision.state import StateDir
 
-PROMPT = "The capital of"
-MAX_TOKENS = 8
 TIMEOUT_S = 900.0
 KV_CACHE_BYTES = 64 * 2**20
 SERVER_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -76,45 +72,14 @@ def server_argv(python: Path, model: Path, port: int = 8000) -> list[str]:
     ]  # fmt: skip
 
 
-def complete(connection: http.client.HTTPConnection, model: Path) -> Answer:
-    body = json.dumps(
-        {
-            "model": str(model),
-            "prompt": PROMPT,
-            "max_tokens": MAX_TOKENS,
-            "temperature": 0,
-            "return_token_ids": True,
-            "ignore_eos": True,
-        }
-    )
-    try:
-        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        payload = response.read()
-    finally:
-        connection.close()
-    if response.status != 200:
-        raise WorkloadError(f"completion answered HTTP {response.status}: {payload[:200]!r}")
-    choice = json.loads(payload)["choices"][0]
-    return Answer(text=choice["text"], token_ids=list(choice["token_ids"]))
-
-
 def first_correct(
     port: int, model: Path, reference: Answer | None, alive: Callable[[], bool]
 ) -> Answer:
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            answer = complete(host_connect(port)(), model)
-        except (OSError, http.client.HTTPException, WorkloadError):
-            if not alive():
-                raise WorkloadError("the server exited before answering") from None
-            time.sleep(0.002)
-            continue
-        if reference is not None and answer != reference:
-            raise WorkloadError(f"wrong completion: {answer} (expected {reference})")
-        return answer
-    raise WorkloadError(f"no completion within {TIMEOUT_S:g} s")
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    return workload.first_correct(
+        host_connect(port), reference, TIMEOUT_S, alive,
+        ask=lambda connection: workload.complete(connection, str(model), extra),
+    )  # fmt: skip
 
 
 def run(criu: CriuBinary, work: Path, reps: int, say: Say) -> VllmResults:

@@ -54,11 +54,15 @@ def launch_options(retained_mb: int, timeout_s: float = 300.0) -> LaunchOptions:
     )
 
 
-def complete(connection: http.client.HTTPConnection) -> Answer:
-    """One greedy completion; raises OSError/HTTPException while the server is not up."""
-    body = json.dumps(
-        {"model": "snapctl-fixture", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
-    )
+def complete(
+    connection: http.client.HTTPConnection,
+    model: str = "snapctl-fixture",
+    extra: dict[str, Any] | None = None,
+) -> Answer:
+    """One greedy completion; raises OSError/HTTPException while the server is not up.
+    ``extra`` adds request fields (vLLM needs ``return_token_ids``)."""
+    request = {"model": model, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = json.dumps(request | (extra or {}))
     try:
         connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
@@ -76,13 +80,14 @@ def first_correct(
     reference: Answer | None,
     timeout_s: float,
     alive: Callable[[], bool] = lambda: True,
+    ask: Callable[[http.client.HTTPConnection], Answer] = complete,
 ) -> Answer:
-    """Poll until a completion answers, then require it to equal ``reference``."""
+    """Poll until a completion (``ask``) answers, then require it to equal ``reference``."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
         try:
-            answer = complete(connect())
+            answer = ask(connect())
         except (OSError, http.client.HTTPException) as error:
             last = f"{type(error).__name__}: {error}"
             if not alive():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import in_ci
+from tests.conftest import skip_or_fail
 
 ROOT = Path(__file__).resolve().parents[2]
 # The server's environment: offline, no usage reports. (The KV cache is sized by an option, not
@@ -55,11 +55,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("vllm") is None:
         return
     found, problem = real_vllm()
-    if found is not None:
-        return
-    if in_ci():
-        pytest.fail(f"CI must run vllm tests, but this machine {problem}", pytrace=False)
-    pytest.skip(problem)
+    if found is None:
+        skip_or_fail("vllm", problem)
 
 
 @pytest.fixture(scope="session")
