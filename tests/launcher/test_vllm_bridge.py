@@ -36,3 +36,27 @@ def test_digest_difference_names_the_first_changed_parameter() -> None:
     assert digest_difference(loaded, dict(loaded)) is None
     assert digest_difference(loaded, {"a": "1", "b": "3"}) == "1 parameter(s) changed, first b"
     assert "missing ['b']" in str(digest_difference(loaded, {"a": "1"}))
+
+
+def test_a_stop_is_reported_in_the_phase_the_hook_calls_tell() -> None:
+    import asyncio
+
+    from snapctl.launcher.vllm.hooks import VllmHooks
+    from snapctl.protocol.models import Phase
+
+    hooks = VllmHooks(engine=None, loop=asyncio.new_event_loop(), timeout_s=1, sleep_mode=False)
+    seen = []
+    for done in range(8):
+        hooks.calls_done, hooks.in_call = done, False
+        seen.append(hooks.phase)
+        if done < 7:
+            hooks.in_call = True
+            seen.append(hooks.phase)
+    assert seen == [
+        *[Phase.PREPARE] * 10,  # canary, release, restore, canary, release and between them
+        Phase.CAPTURE_BARRIER,
+        Phase.RECOVERY_RESTORE_MEMORY,  # the restore after the barrier
+        Phase.RECOVERY_CANARY, Phase.RECOVERY_CANARY,  # between it and the canary, and in it
+        Phase.RECOVER,  # writing validated
+    ]  # fmt: skip
+    hooks.loop.close()

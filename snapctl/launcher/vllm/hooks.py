@@ -20,12 +20,18 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from snapctl.errors import CanaryMismatchError
-from snapctl.protocol.models import Oracle
+from snapctl.protocol.models import Oracle, Phase
 
 CANARY_PROMPT = "The capital of France is"  # vLLM's own (vllm/snapshot/engine.py)
 CANARY_REQUEST_ID = "vllm-snapshot-canary"
 
 T = TypeVar("T")
+
+# run_startup_capture calls the hooks in a fixed order: canary, release, restore, canary, release
+# (prepare), then, after the barrier, restore and canary (recovery). The phase of each call:
+HOOK_PHASES = (Phase.PREPARE,) * 5 + (Phase.RECOVERY_RESTORE_MEMORY, Phase.RECOVERY_CANARY)
+# ... and of the time after the n-th call has returned, from the third last call on.
+AFTER_HOOK_PHASES = {5: Phase.CAPTURE_BARRIER, 6: Phase.RECOVERY_CANARY, 7: Phase.RECOVER}
 
 
 class CanaryError(RuntimeError):
@@ -43,10 +49,25 @@ class VllmHooks:
         self.timeout_s = timeout_s
         self.sleep_mode = sleep_mode
         self.loaded_digests: dict[str, str] | None = None
+        self.calls_done = 0
+        self.in_call = False
+
+    @property
+    def phase(self) -> Phase:
+        """The protocol phase the capture is in, as far as the hook calls tell: what a stop
+        from outside (SIGTERM) reports in error.json, as the capture itself would."""
+        if self.in_call:
+            return HOOK_PHASES[min(self.calls_done, len(HOOK_PHASES) - 1)]
+        return AFTER_HOOK_PHASES.get(min(self.calls_done, 7), Phase.PREPARE)
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         bounded = asyncio.wait_for(coroutine, self.timeout_s)
-        return asyncio.run_coroutine_threadsafe(bounded, self.loop).result()
+        self.in_call = True
+        try:
+            return asyncio.run_coroutine_threadsafe(bounded, self.loop).result()
+        finally:
+            self.in_call = False
+            self.calls_done += 1
 
     def canary(self) -> Oracle:
         return self._run(run_canary(self.engine))

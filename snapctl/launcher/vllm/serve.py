@@ -84,6 +84,7 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
 
     phase = Phase.INITIALIZE_ENGINE
     target: BindTarget | None = None
+    hooks: VllmHooks | None = None
     sock = None
     try:
         require_single_frontend(args)
@@ -118,8 +119,13 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
             watch.cancel()
         await shutdown
         return 0
-    except KeyboardInterrupt:
-        raise
+    except (KeyboardInterrupt, asyncio.CancelledError) as stop:
+        # A stop (SIGTERM) before serving is recorded like a failure, in the phase it came in,
+        # as #59851 and snapctl's launcher do; the capture thread, if any, dies with the process.
+        if target is None:
+            stopped_in = phase if hooks is None else hooks.phase
+            report_failure(config, stopped_in, stop)
+        raise KeyboardInterrupt("terminated") from stop
     except BaseException as error:
         log.error("%s failed: %s: %s", phase.value, type(error).__name__, error)
         report_failure(config, phase, error, None if target is None else target.activation_id)
