@@ -11,13 +11,14 @@ from __future__ import annotations
 import sys
 from argparse import Namespace
 
+from snapctl.errors import SnapctlError
 from snapctl.launcher.vllm.worker import EXTENSION
 
 SNAPSHOT_FLAG = "--snapshot-config"
 EXTENSION_FLAG = "--worker-extension-cls"
 
 
-class UsageError(ValueError):
+class UsageError(SnapctlError, ValueError):
     """The command line cannot be run (the message names the fix)."""
 
 

@@ -19,7 +19,7 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from snapctl.errors import CanaryMismatchError
+from snapctl.errors import CanaryMismatchError, SnapctlError
 from snapctl.protocol.models import Oracle, Phase
 
 CANARY_PROMPT = "The capital of France is"  # vLLM's own (vllm/snapshot/engine.py)
@@ -34,7 +34,7 @@ HOOK_PHASES = (Phase.PREPARE,) * 5 + (Phase.RECOVERY_RESTORE_MEMORY, Phase.RECOV
 AFTER_HOOK_PHASES = {5: Phase.CAPTURE_BARRIER, 6: Phase.RECOVERY_CANARY, 7: Phase.RECOVER}
 
 
-class CanaryError(RuntimeError):
+class CanaryError(SnapctlError, RuntimeError):
     """The canary did not return exactly one token with its log probability."""
 
 
