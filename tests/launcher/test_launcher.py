@@ -831,3 +831,22 @@ def test_status_write_failure_fails_recover(control: ControlDir, start: Any) -> 
     assert report.phase == "recover"
     assert report.activation_id == activation.activation_id
     assert hooks.events == PREPARE_EVENTS
+
+
+def test_report_failure_names_the_capture_when_there_was_one(control: ControlDir) -> None:
+    from snapctl.launcher import report_failure
+    from snapctl.protocol.models import ControlFile, Phase, SnapshotConfig
+    from tests.protocol.factories import make_ready
+
+    config = SnapshotConfig(mode="startup", control_dir=str(control.path), timeout_s=5)
+    report_failure(config, Phase.INITIALIZE_ENGINE, RuntimeError("no engine"))
+    before = control.read(ControlFile.ERROR)
+    assert before is not None and before.phase == "initialize engine"
+    assert before.error == "no engine" and before.activation_id is None
+
+    ready = make_ready()
+    control.write(ready)
+    report_failure(config, Phase.SERVE, OSError("address in use"), "copy-abc123abc123")
+    after = control.read(ControlFile.ERROR)
+    assert after is not None and after.capture_id == ready.capture_id
+    assert (after.phase, after.activation_id) == ("serve", "copy-abc123abc123")
