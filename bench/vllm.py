@@ -5,8 +5,7 @@ Optional (it needs ``scripts/setup --vllm``): the tiny Llama served by
 first correct completion, the snapctl donor (capture-ready, dump, frozen time, image size), a
 bare ``criu dump`` of the same tree launched the same way, and plain and lazy copies of the
 donor's image to their first correct completion with the per-phase split. The donor is stopped
-before the copies, which run one at a time (until each activation has a private /tmp, vLLM trees
-restored side by side may meet on their ZMQ socket paths there).
+before the copies, which run one at a time, so no figure is of cores shared with another tree.
 """
 
 from __future__ import annotations

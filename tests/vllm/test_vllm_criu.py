@@ -135,8 +135,7 @@ def copies(qualified: Qualified) -> Iterator[list[str]]:
 def test_openai_client_gets_equal_answers_from_plain_and_lazy_copies(
     vllm: RealVllm, copies: list[str]
 ) -> None:
-    """The copies serve one after the other (until each activation has a private /tmp, two
-    vLLM trees restored at once may meet on ZMQ socket paths there)."""
+    """The copies serve one after the other (the lazy one's figures are then its own)."""
     import openai
 
     def ask(client: openai.OpenAI, prompt: str) -> tuple[str, list[int], list[float]]:
