@@ -198,6 +198,9 @@ def stop_recorded(
             how = error.message
         finally:
             root.close()
+    if supervisor is not None and not supervisor.alive():
+        supervisor.close()  # a zombie (killed, never reaped) cleans up nothing: we do it
+        supervisor = None
     if supervisor is not None:
         # The supervisor sees the tree gone, cleans up and drops the record; give it the time.
         deadline = time.monotonic() + stop_timeout_s
