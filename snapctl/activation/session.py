@@ -24,6 +24,7 @@ from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
+from snapctl.supervision.names import NameReservation
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
 from snapctl.supervision.state import ActivationRecord, StateDir
 
@@ -147,6 +148,8 @@ class Session:
     lazy: LazyTransfer | None = None
     # Why the activation was stopped behind the user's back (a lazy-pages daemon that died).
     failure: str | None = None
+    # The name, held until the record is dropped (see snapctl.supervision.names).
+    reservation: NameReservation | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
 
@@ -296,6 +299,8 @@ class Session:
         with self._lock:
             self.stopped = True
             self.state.drop_record(self.name)
+            if self.reservation is not None:
+                self.reservation.release()
         if self.failure is not None:
             # The logs outlive the activation: say there why it was stopped.
             with contextlib.suppress(OSError):

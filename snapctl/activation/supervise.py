@@ -117,10 +117,10 @@ def detach(
         send(
             {
                 "error": error.message,
-                "status": int(getattr(error, "exit_status", ExitStatus.ERROR)),
+                "status": int(error.exit_status),
                 "phase": error.phase,
                 "path": None if error.path is None else str(error.path),
-                "log_tail": error.log_tail or getattr(error, "tail", None),
+                "log_tail": error.excerpt,
             }
         )
         os._exit(1)

@@ -93,8 +93,22 @@ def startup_timeout_options(function: Callable[..., Any]) -> Callable[..., Any]:
     return function
 
 
+def check_name_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--name``/``NAME``: refused as a usage error before anything starts."""
+    if value is None:
+        return None
+    from snapctl.supervision.names import InvalidNameError, check_name
+
+    try:
+        return check_name(value)
+    except InvalidNameError as error:
+        raise click.BadParameter(error.message) from error
+
+
 _OPTIONS = {
-    "name": click.option("--name", help="Name for ps/stop/logs (default: the activation id)."),
+    "name": click.option("--name", callback=check_name_option,
+                         help="Name for ps/stop/logs (default: the activation id): 1 to 64 "
+                              "letters, digits, '_', '.', '-'."),
     "host": click.option("--host", default="127.0.0.1", show_default=True,
                          help="Address the server binds inside its network namespace."),
     "port": click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),

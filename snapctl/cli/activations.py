@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from snapctl.cli._activation_options import check_name_option
 from snapctl.cli.output import emit_json, json_option, stdout
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def _find(name: str) -> ActivationRecord:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", callback=check_name_option)
 @click.option("--timeout", "timeout_s", default=10.0, show_default=True,
               help="Seconds to wait after SIGTERM before SIGKILL.")  # fmt: skip
 @json_option
@@ -82,7 +83,7 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", callback=check_name_option)
 @click.option("-f", "--follow", is_flag=True,
               help="Keep printing what the server writes until the activation stops.")  # fmt: skip
 def logs(name: str, follow: bool) -> None:

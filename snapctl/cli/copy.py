@@ -71,6 +71,13 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.supervision.state import StateDir
 
     check_waivers(allow_mismatch)  # a bad name fails before anything starts
+    if common.name and count > 1:
+        from snapctl.supervision.names import InvalidNameError, numbered_names
+
+        try:
+            numbered_names(common.name, count)
+        except InvalidNameError as error:
+            raise click.BadParameter(error.message, param_hint="'--name' with '--count'") from error
     image = image_path(image_source, plain_http=plain_http, quiet=common.as_json)
     for name in needless_waivers(allow_mismatch):
         note(f"--allow-mismatch {name} is not needed: {name} never refuses a copy",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapctl.protocol.atomic import (
@@ -33,12 +33,27 @@ MAX_MANIFEST_BYTES = 16 << 20
 
 
 class ImageError(SnapctlError):
-    """An image is missing, incomplete, already present, or fails verification."""
+    """An image is missing, incomplete, or fails verification (subclasses: it already exists,
+    or cannot be written)."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
 
     def __init__(
         self, message: str, *, phase: str = "image", path: str | Path | None = None
     ) -> None:
         super().__init__(message, phase=phase, path=path)
+
+
+class ImageExistsError(ImageError):
+    """The image directory asked for already exists (and replacing it was not asked for)."""
+
+    exit_status = ExitStatus.CONFLICT
+
+
+class ImageWriteError(ImageError):
+    """An image could not be written (staged, synced, published) on this host's disk."""
+
+    exit_status = ExitStatus.ERROR
 
 
 def _size_and_sha256(path: Path) -> tuple[int, str]:
@@ -371,7 +386,7 @@ class ImageStaging:
         self.force = force
         self._hold: ImageHold | None = None
         if self.final.exists() and not force:
-            raise ImageError(
+            raise ImageExistsError(
                 f"image directory {self.final} already exists (use --force to replace it)",
                 path=self.final,
             )
@@ -385,10 +400,10 @@ class ImageStaging:
                 (self.dir / sub).mkdir(mode=0o700)
         except OSError as error:
             self.abort()
-            raise ImageError(
-                f"cannot create a staging directory beside {self.final}: {error.strerror}",
-                path=self.final.parent,
-            ) from error
+            what = f"cannot create a staging directory beside {self.final}"
+            if is_no_space(error):
+                raise NoSpaceError.at(self.final.parent, what, phase="image") from error
+            raise ImageWriteError(f"{what}: {error.strerror}", path=self.final.parent) from error
 
     def publish(self, manifest: Manifest) -> Path:
         """Write the manifest last, then rename the staging directory into place.
@@ -401,18 +416,21 @@ class ImageStaging:
         """
         try:
             sync_tree(self.dir)
-        except OSError as error:
-            raise ImageError(
-                f"cannot write {self.final} to disk: {error.strerror}", path=self.dir
-            ) from error
-        write_json_atomic(
-            self.dir / MANIFEST_NAME, manifest.model_dump(mode="json"), max_bytes=MAX_MANIFEST_BYTES
-        )
+            write_json_atomic(
+                self.dir / MANIFEST_NAME, manifest.model_dump(mode="json"),
+                max_bytes=MAX_MANIFEST_BYTES,
+            )  # fmt: skip
+        except (OSError, SnapctlError) as error:
+            what = f"cannot write {self.final} to disk"
+            if is_no_space(error):
+                raise NoSpaceError.at(self.dir, what, phase="image") from error
+            detail = error.strerror if isinstance(error, OSError) else error.message
+            raise ImageWriteError(f"{what}: {detail}", path=self.dir) from error
         try:
             if not os.path.lexists(self.final):
                 os.rename(self.dir, self.final)
             elif not self.force:
-                raise ImageError(
+                raise ImageExistsError(
                     f"image directory {self.final} appeared while this image was staged",
                     path=self.final,
                 )
@@ -431,7 +449,7 @@ class ImageStaging:
                 shutil.rmtree(old, ignore_errors=True)
             fsync_directory(self.final.parent)
         except OSError as error:
-            raise ImageError(
+            raise ImageWriteError(
                 f"cannot publish {self.final}: {error.strerror}", path=self.final
             ) from error
         finally:

@@ -48,3 +48,5 @@ def test_an_activation_whose_supervisor_is_a_zombie_is_collected_the_first_time(
         server.wait()
         if session.root is not None:
             session.root.close()
+        if session.dirs.root.exists():  # not collected: unmount its tmpfs all the same
+            session.dirs.remove()
