@@ -7,7 +7,11 @@ from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, activation_options
+from snapctl.cli._activation_options import (
+    CommonOptions,
+    activation_options,
+    check_publish_option,
+)
 from snapctl.cli.serving import Progress, serve
 
 
@@ -78,6 +82,7 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
             numbered_names(common.name, count)
         except InvalidNameError as error:
             raise click.BadParameter(error.message, param_hint="'--name' with '--count'") from error
+    check_publish_option(common, count)
     image = image_path(image_source, plain_http=plain_http, quiet=common.as_json)
     for name in needless_waivers(allow_mismatch):
         note(f"--allow-mismatch {name} is not needed: {name} never refuses a copy",
