@@ -281,7 +281,7 @@ def start_donor(
     # Refuse a name in use and an existing or unwritable image path before anything launches.
     reservation = reserve_session_name(state, "donor", options.name)
     try:
-        staging = ImageStaging(image, force=force)
+        staging = ImageStaging(image, force=force, claims=state.claims)
     except BaseException:
         reservation.release()
         raise

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.namespaces.layout import ActivationDirs
+from snapctl.supervision.leftovers import sweep_claims, sweep_records
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
 from snapctl.supervision.state import ActivationRecord, StateDir
 
@@ -269,3 +270,25 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
             )
         )
     return collected
+
+
+class GarbageReport(BaseModel):
+    """What one ``snapctl gc`` cleaned up: orphaned activations, and the leftovers of killed
+    snapctl processes outside them (staging directories, records' .tmp files)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    activations: list[CollectedActivation]
+    removed: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return all(entry.audit.clean for entry in self.activations)
+
+
+def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageReport:
+    """Everything ``snapctl gc`` does: orphaned activations first (which drops their records),
+    then what killed processes left elsewhere, only where no live process owns it."""
+    activations = collect_orphans(state, stop_timeout_s)
+    removed = sweep_claims(state.claims) + sweep_records(state.records)
+    return GarbageReport(activations=activations, removed=removed)

@@ -148,7 +148,10 @@ def import_(archive: Path, to: Path, force: bool, as_json: bool) -> None:
     state = StateDir()
     state.ensure()
     with byte_progress("import", archive.stat().st_size, quiet=as_json) as progress:
-        report = import_image(archive, to, force=force, cache_dir=state.verified, progress=progress)
+        report = import_image(
+            archive, to, force=force, cache_dir=state.verified, progress=progress,
+            claims=state.claims,
+        )  # fmt: skip
     if as_json:
         emit_json(report)
     else:

@@ -461,10 +461,11 @@ def import_image(
     force: bool = False,
     cache_dir: Path | None = None,
     progress: ByteProgress | None = None,
+    claims: Path | None = None,
 ) -> ArchiveReport:
     """Unpack ``archive`` into the image directory ``to``, verifying while streaming; publish
     by rename only when every member and the archive's seal matched. ``progress`` counts
-    compressed bytes."""
+    compressed bytes; ``claims`` is where the staging directory is claimed (ImageStaging)."""
     archive, to = archive.absolute(), to.absolute()
     started = time.monotonic()
     try:
@@ -475,7 +476,7 @@ def import_image(
         size = os.fstat(raw.fileno()).st_size
         seal = os.pread(raw.fileno(), SEAL_BYTES, max(0, size - SEAL_BYTES))
         sealed = seal[:8] == _seal(b"\0" * 32)[:8] and seal[8 : 8 + len(SEAL_LABEL)] == SEAL_LABEL
-        staging = ImageStaging(to, force=force)
+        staging = ImageStaging(to, force=force, claims=claims)
         unpacker = _Unpacker(archive, staging.dir)
         # Unsealed, the whole file is streamed: a hostile member is named before the seal is.
         body = _SealedBody(raw, size - SEAL_BYTES if sealed else size, progress)

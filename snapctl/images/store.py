@@ -25,6 +25,7 @@ from snapctl.protocol.atomic import (
     replace_file,
     write_json_atomic,
 )
+from snapctl.supervision.leftovers import ClaimHandle, claim
 
 CHUNK = 4 << 20
 # A manifest lists every image file and every file the tree depended on: far above the 64 KiB
@@ -378,13 +379,17 @@ class ImageStaging:
     """A staging directory beside the final image path, published by one rename.
 
     Replacing an existing image (``force``) holds it exclusively from here until the rename,
-    so an image a copy still reads is never replaced under it.
+    so an image a copy still reads is never replaced under it. With ``claims`` (the state
+    directory's, see ``snapctl.supervision.leftovers``) the staging directory and the name the
+    old image is moved aside to are claimed before either exists, so ``snapctl gc`` removes
+    them if this process is killed before it does.
     """
 
-    def __init__(self, final: Path, force: bool = False) -> None:
+    def __init__(self, final: Path, force: bool = False, claims: Path | None = None) -> None:
         self.final = final.absolute()
         self.force = force
         self._hold: ImageHold | None = None
+        self._claim: ClaimHandle | None = None
         if self.final.exists() and not force:
             raise ImageExistsError(
                 f"image directory {self.final} already exists (use --force to replace it)",
@@ -393,7 +398,10 @@ class ImageStaging:
         if self.final.is_dir():
             self._hold = hold_image(self.final, exclusive=True)
         self.dir = self.final.parent / f".{self.final.name}.staging-{uuid.uuid4().hex[:8]}"
+        self._old = self.final.parent / f".{self.final.name}.replaced-{uuid.uuid4().hex[:8]}"
         try:
+            if claims is not None:
+                self._claim = claim(claims, [self.dir, self._old])
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.dir.mkdir(mode=0o700)
             for sub in ("criu", "shm", "logs"):
@@ -438,7 +446,7 @@ class ImageStaging:
                 if self._hold is None:  # it appeared since __init__: hold it like any other
                     self._hold = hold_image(self.final, exclusive=True)
                 # Move the old image aside first so a crash never leaves neither.
-                old = self.final.parent / f".{self.final.name}.replaced-{uuid.uuid4().hex[:8]}"
+                old = self._old
                 os.rename(self.final, old)
                 try:
                     os.rename(self.dir, self.final)
@@ -454,14 +462,22 @@ class ImageStaging:
             ) from error
         finally:
             self._release()
+        self._drop_claim()
         return self.final
 
     def abort(self) -> None:
         """Remove the staging directory and drop the hold; harmless after ``publish``."""
         shutil.rmtree(self.dir, ignore_errors=True)
         self._release()
+        self._drop_claim()
 
     def _release(self) -> None:
         if self._hold is not None:
             self._hold.release()
             self._hold = None
+
+    def _drop_claim(self) -> None:
+        # Only once nothing it names is left (a failed publish still owns its staging dir).
+        if self._claim is not None and not (self.dir.exists() or self._old.exists()):
+            self._claim.release()
+            self._claim = None

@@ -78,6 +78,11 @@ class StateDir:
         return self.root / "views"
 
     @property
+    def claims(self) -> Path:
+        """Claims on staging directories beside images (see ``snapctl.supervision.leftovers``)."""
+        return self.root / "claims"
+
+    @property
     def criu(self) -> Path:
         """CRIU's kernel probe cache where /run is not a tmpfs (see ``snapctl.criu.kdat``)."""
         return self.root / "criu"
