@@ -26,6 +26,7 @@ from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
 from snapctl.supervision.names import NameReservation
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
+from snapctl.supervision.signals import track, untrack
 from snapctl.supervision.state import ActivationRecord, StateDir
 
 
@@ -152,6 +153,10 @@ class Session:
     reservation: NameReservation | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # From here until stop() ends, an interrupted command still stops it (see signals).
+        track(self)
 
     @property
     def control(self) -> ControlDir:
@@ -309,6 +314,7 @@ class Session:
             [f"{listening[0]}:{listening[1]}"] if listening and _port_open(listening) else []
         )
         shm_files = sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name))
+        untrack(self)
         return how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
 
     def stop_failed_start(self, error: BaseException) -> None:

@@ -21,6 +21,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.supervision.leftovers import sweep_claims, sweep_records
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
+from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
 from snapctl.supervision.state import ActivationRecord, StateDir
 
 Progress = Callable[[str], None]
@@ -32,29 +33,25 @@ def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[s
 
 
 def run_all_until_stopped(
-    sessions: list[Session], stop_timeout_s: float = 10.0
+    sessions: list[Session], stop_timeout_s: float = 10.0, stop: threading.Event | None = None
 ) -> list[tuple[str, CleanupAudit]]:
-    """Serve until every tree exited, or SIGINT/SIGTERM arrives; then stop and audit each.
+    """Serve until every tree exited, or a stop is requested; then stop and audit each.
 
+    ``stop`` is the request of the caller's :class:`StopSignals` (which must be in place from
+    before the sessions started); without one, SIGINT/SIGTERM request it from here on.
     A tree that exits (or is stopped with ``snapctl stop``, or was killed as unsafe, see
     ``Session.failure``) is cleaned up at once, while the others keep serving.
     """
-    stop = threading.Event()
+    if stop is None:
+        with StopSignals() as signals:
+            signals.started()
+            return run_all_until_stopped(sessions, stop_timeout_s, signals.requested)
     results: dict[int, tuple[str, CleanupAudit]] = {}
-
-    def request_stop(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.is_set() and len(results) < len(sessions):
-            for index, session in enumerate(sessions):
-                if index not in results and not session.alive():
-                    results[index] = session.stop(stop_timeout_s)
-            stop.wait(0.2)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    while not stop.is_set() and len(results) < len(sessions):
+        for index, session in enumerate(sessions):
+            if index not in results and not session.alive():
+                results[index] = session.stop(stop_timeout_s)
+        stop.wait(0.2)
     for index, session in enumerate(sessions):
         if index not in results:
             results[index] = session.stop(stop_timeout_s)
@@ -74,10 +71,12 @@ class DetachedStartError(SnapctlError):
 
 @dataclass(frozen=True)
 class InSupervisor:
-    """What :func:`detach` returns in the forked supervisor: what it must now supervise."""
+    """What :func:`detach` returns in the forked supervisor: what it must now supervise, and
+    the stop request its signals set (they are its own from the fork on)."""
 
     supervised: Any
     report: Any
+    stop: threading.Event
 
 
 def detach(
@@ -89,16 +88,27 @@ def detach(
     In the supervisor this returns :class:`InSupervisor`. In the parent it relays the
     supervisor's progress to ``on_progress(lane, step)`` and returns its report (a JSON-ready
     dict) once the activation is ready, or raises its error as :class:`DetachedStartError`.
+
+    SIGINT/SIGTERM never leave an activation without its supervisor: in the parent, until the
+    report, they are passed on to the supervisor, whose start then stops what it started and
+    reports that; in the supervisor, :class:`StopSignals` holds them from the fork on.
     """
     read_fd, write_fd = os.pipe()
+    # Installed before the fork, so the supervisor has them from its first instruction.
+    signals = StopSignals().install()
     pid = os.fork()
     if pid:
         os.close(write_fd)
+        signals.restore()
+        previous = {signum: signal.signal(signum, forward_to(pid)) for signum in STOP_SIGNALS}
         try:
             return _relay(read_fd, on_progress)
         except DetachedStartError:
             os.waitpid(pid, 0)  # it exits right after reporting its error: reap it
             raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     os.close(read_fd)
     os.setsid()
     writer = os.fdopen(write_fd, "w")
@@ -113,7 +123,20 @@ def detach(
         return lambda step: send({"lane": lane, "progress": step})
 
     try:
-        supervised, report = start(progress_for)
+        try:
+            supervised, report = start(progress_for)
+        except BaseException:
+            stop_all_tracked()  # what a start interrupted at any point had started
+            raise
+    except KeyboardInterrupt:
+        send(
+            {
+                "error": "interrupted while starting (SIGINT/SIGTERM); what had started was "
+                "stopped", "status": int(ExitStatus.INTERRUPTED), "phase": None,
+                "path": None, "log_tail": None,
+            }
+        )  # fmt: skip
+        os._exit(ExitStatus.INTERRUPTED)
     except SnapctlError as error:
         send(
             {
@@ -134,6 +157,7 @@ def detach(
             }
         )  # fmt: skip
         os._exit(1)
+    signals.started()  # from here a signal asks the supervising loop to stop
     send({"report": report.model_dump(mode="json") if hasattr(report, "model_dump") else report})
     with contextlib.suppress(OSError):
         writer.close()
@@ -141,7 +165,7 @@ def detach(
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    return InSupervisor(supervised, report)
+    return InSupervisor(supervised, report, signals.requested)
 
 
 def _relay(read_fd: int, on_progress: Callable[[str, str], None]) -> dict[str, Any]:

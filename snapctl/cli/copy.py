@@ -124,8 +124,7 @@ def serve_many(
 ) -> None:  # fmt: skip
     """``--count N``: restore N copies at once, report each and the total, then supervise."""
     from snapctl.activation.copy import CopiesReport
-    from snapctl.cli.output import Steps, emit_json
-    from snapctl.cli.serving import render_copies, run_detached, start_interruptible, wait_and_stop
+    from snapctl.cli.serving import render_copies, run_detached, run_in_foreground
 
     if common.detach:
         run_detached(
@@ -138,15 +137,11 @@ def serve_many(
             ),
         )
         return
-    with Steps(quiet=common.as_json) as steps:
-        sessions, report = start_interruptible(
-            lambda: start_many(image, options, count, criu, native, common, steps.lane, lazy)
-        )
-    if common.as_json:
-        emit_json(report)
-    else:
-        render_copies(report.copies, report.total_s)
-    wait_and_stop(sessions, as_json=common.as_json)
+    run_in_foreground(
+        lambda steps: start_many(image, options, count, criu, native, common, steps.lane, lazy),
+        as_json=common.as_json,
+        show=lambda report: render_copies(report.copies, report.total_s),
+    )
 
 
 def start_many(
