@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -18,9 +19,9 @@ from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.namespaces.layout import ActivationDirs
-from snapctl.supervision.leftovers import sweep_claims, sweep_records
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError
+from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
+from snapctl.supervision.leftovers import TMP_GRACE_S, sweep_claims, sweep_records
+from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
 from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
 from snapctl.supervision.state import ActivationRecord, StateDir
 
@@ -266,6 +267,8 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
     collected = []
     records = state.load_records()
     for root in sorted(state.activations.iterdir()) if state.activations.is_dir() else []:
+        if root.name.startswith("."):
+            continue  # being created (see sweep_creating)
         dirs = ActivationDirs(root=root, logs=state.logs / root.name)
         owner = dirs.owner()
         if owner is not None and owner.alive():
@@ -310,9 +313,44 @@ class GarbageReport(BaseModel):
         return all(entry.audit.clean for entry in self.activations)
 
 
+def sweep_creating(state: StateDir) -> list[str]:
+    """Remove activation directories a killed process was still creating (nothing in them
+    runs or is mounted yet: both come after the rename); return them."""
+    removed = []
+    for path in sorted(state.activations.glob(f".*{CREATING_SUFFIX}")):
+        try:
+            owner: ActivationOwner | None = ActivationOwner.model_validate_json(
+                (path / "owner.json").read_bytes()
+            )
+        except (OSError, ValueError):
+            owner = None  # killed before its owner file was complete: judged by age
+        if owner.alive() if owner else time.time() - path.stat().st_mtime < TMP_GRACE_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def sweep_stale_records(state: StateDir) -> list[str]:
+    """Drop records whose activation directory is gone and whose tree and supervisor are
+    both dead (a stop killed between removing the activation and dropping its record)."""
+    removed = []
+    for record in state.load_records():
+        if (state.activations / record.activation_id).exists():
+            continue
+        if is_same_process(record.root_pid, record.root_start_time) or is_same_process(
+            record.supervisor_pid, record.supervisor_start_time
+        ):
+            continue
+        state.drop_record(record.name)
+        removed.append(str(state.record_path(record.name)))
+    return removed
+
+
 def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageReport:
     """Everything ``snapctl gc`` does: orphaned activations first (which drops their records),
     then what killed processes left elsewhere, only where no live process owns it."""
     activations = collect_orphans(state, stop_timeout_s)
-    removed = sweep_claims(state.claims) + sweep_records(state.records)
+    removed = sweep_creating(state) + sweep_stale_records(state)
+    removed += sweep_claims(state.claims) + sweep_records(state.records)
     return GarbageReport(activations=activations, removed=removed)
