@@ -88,6 +88,10 @@ class Kill:
     before_gc: dict[str, int]
     after_gc: dict[str, int]
     gc_status: int
+    # Activations whose supervisor was not killed (still supervised: not leftovers), and how
+    # many of them gc stopped though it must not have.
+    supervised_survivors: int = 0
+    gc_killed_supervised: int = 0
     after_gc_detail: list[str] = field(default_factory=list)
     corrupt_images: list[str] = field(default_factory=list)
     next_copy: str | None = None  # None: not tried this time; "ok" or why it failed
@@ -107,6 +111,7 @@ class Driver:
         self.windows: dict[str, float] = {}
         self.kills: list[Kill] = []
         self.shm_baseline = set(os.listdir("/dev/shm"))
+        self.shm_names: set[str] = set()
         self.netns_baseline = _netns()
         self.env = {**os.environ, "SNAPCTL_STATE_DIR": str(self.state), API_KEY_ENV: API_KEY}
         self.env.pop("CI", None)
@@ -182,15 +187,23 @@ class Driver:
                 with contextlib.suppress(psutil.NoSuchProcess):
                     supervisor.kill()
         process.communicate(timeout=60)
+        # A supervisor not killed goes on (its command returned or died, not it): it finishes
+        # its start, serves or fails, and gc must leave it alone; then it is stopped by name.
+        survivors = [] if mode == "process+supervisor" else _supervisors(process.pid, _cli(*argv))
+        supervised = self.wait_supervised(survivors)
         before = self.leftovers()
         gc = self.run("gc", "--json")
+        spared = self.still_supervised(supervised)
+        for name in spared:
+            self.run("stop", name)
         after = self.leftovers(settle_s=5.0)
         kill = Kill(
             index=index, command=command.name, mode=mode, detach=detach, delay_s=round(delay, 3),
             window=window, exited_before_kill=exited,
             hit=not exited or (mode == "process+supervisor" and bool(supervisors)),
             before_gc=_counts(before),
-            after_gc=_counts(after), gc_status=gc.returncode,
+            after_gc=_counts(after), gc_status=gc.returncode, supervised_survivors=len(supervised),
+            gc_killed_supervised=len(supervised) - len(spared),
             after_gc_detail=[f"{kind}: {item}" for kind, items in after.items() for item in items],
         )  # fmt: skip
         kill.corrupt_images = self.corrupt_images()
@@ -199,6 +212,30 @@ class Driver:
         self.reap()
         self.clear(after)
         return kill
+
+    def wait_supervised(self, supervisors: list[psutil.Process]) -> list[str]:
+        """Wait until each surviving supervisor serves (has a record) or has given up; return
+        the names it serves."""
+        deadline = time.monotonic() + 120
+        pids = {s.pid for s in supervisors}
+        while pids and time.monotonic() < deadline:
+            serving = {r["supervisor_pid"] for r in self.records()}
+            running = {pid for pid in pids if _running(pid)}
+            if running <= serving:
+                break
+            time.sleep(0.1)
+        return [r["name"] for r in self.records() if r["supervisor_pid"] in pids]
+
+    def still_supervised(self, names: list[str]) -> list[str]:
+        rows = {row["name"]: row for row in json.loads(self.must("ps", "--json"))}
+        return [n for n in names if n in rows and rows[n]["running"] and rows[n]["supervised"]]
+
+    def records(self) -> list[dict[str, Any]]:
+        found = []
+        for path in (self.state / "records").glob("*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                found.append(json.loads(path.read_text()))
+        return found
 
     def window(self, command: Command, image: Path, process: subprocess.Popen[bytes]) -> str:
         """Where the command was when it was killed, from what it had made so far."""
@@ -239,13 +276,24 @@ class Driver:
         return {
             "processes": processes,
             "mounts": mounts.mounts_under(self.root),
-            "shm": sorted(set(os.listdir("/dev/shm")) - self.shm_baseline),
+            "shm": self.host_shm_leaks(),
             "netns": sorted(_netns() - self.netns_baseline),
             "staging": sorted(map(str, staging)),
             "tmp_records": sorted(map(str, tmp_records)),
             "activations": _entries(self.state / "activations"),
             "records": [p for p in _entries(records) if p.endswith(".json")],
         }
+
+    def host_shm_leaks(self) -> list[str]:
+        """Names an activation of this round used in its private /dev/shm (or an image saved)
+        that exist in the host's: other processes on this host use /dev/shm too."""
+        for shm in self.state.glob("activations/*/shm"):
+            with contextlib.suppress(OSError):
+                self.shm_names.update(os.listdir(shm))
+        for manifest in self.images.glob("*/manifest.json"):
+            with contextlib.suppress(OSError, ValueError):
+                self.shm_names.update(json.loads(manifest.read_text()).get("shm_files", []))
+        return sorted((set(os.listdir("/dev/shm")) - self.shm_baseline) & self.shm_names)
 
     def corrupt_images(self) -> list[str]:
         """Image directories that exist but do not verify (half-published or damaged)."""
@@ -289,7 +337,12 @@ class Driver:
         """After counting, start the next kill from a clean slate whatever was left."""
         for line in left["processes"]:
             with contextlib.suppress(psutil.NoSuchProcess, ValueError):
-                psutil.Process(int(line.split()[0])).kill()
+                psutil.Process(int(line.split()[0])).kill()  # our descendant (subreaper)
+        if any(left.values()):
+            self.run("gc")
+            for point in reversed(mounts.mounts_under(self.root)):
+                with contextlib.suppress(OSError):
+                    mounts.umount(Path(point))
         for image in self.images.iterdir():
             if image.name.startswith("kill-") or image.name.startswith("."):
                 subprocess.run(["rm", "-rf", "--one-file-system", str(image)], check=False)
@@ -318,6 +371,8 @@ class Driver:
             "kills_with_leftovers_after_gc": len(dirty_after),
             "leftovers_after_gc": dict(after),
             "gc_failures": sum(1 for k in self.kills if k.gc_status != 0),
+            "supervised_survivors": sum(k.supervised_survivors for k in self.kills),
+            "gc_killed_supervised": sum(k.gc_killed_supervised for k in self.kills),
             "corrupt_images": sum(len(k.corrupt_images) for k in self.kills),
             "next_copies": len(tried),
             "next_copy_failures": sum(1 for k in tried if k.next_copy != "ok"),
@@ -362,6 +417,13 @@ def _supervisors(pid: int, cmdline: list[str]) -> list[psutil.Process]:
             if candidate.pid != pid and candidate.cmdline() == cmdline:
                 found.append(candidate)
     return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _entries(directory: Path) -> list[str]:
