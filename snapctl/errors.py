@@ -148,12 +148,15 @@ class NoSpaceError(SnapctlError):
     @classmethod
     def at(cls, path: Path, what: str, *, phase: str | None = None) -> NoSpaceError:
         """``what`` failed for lack of space on the filesystem holding ``path``."""
-        return cls(
-            f"{what}: no space left on device (ENOSPC) at {path}, {free_space(path)} "
-            "(free space there, or choose another directory)",
-            phase=phase,
-            path=path,
-        )
+        return cls(no_space_message(path, what), phase=phase, path=path)
+
+
+def no_space_message(path: Path, what: str) -> str:
+    """``what`` failed: no space (ENOSPC) at ``path``, with the space free there."""
+    return (
+        f"{what}: no space left on device (ENOSPC) at {path}, {free_space(path)} "
+        "(free space there, or choose another directory)"
+    )
 
 
 # CRIU and other tools say ENOSPC in their logs this way (strerror), not by errno.
@@ -164,6 +167,8 @@ def is_no_space(error: BaseException) -> bool:
     """True if ``error`` or anything it was raised from ran out of disk space."""
     seen: BaseException | None = error
     while seen is not None:
+        if isinstance(seen, NoSpaceError):
+            return True
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
         if isinstance(seen, SnapctlError) and _NO_SPACE_TEXT in f"{seen.message}{seen.excerpt}":

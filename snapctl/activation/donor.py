@@ -38,7 +38,7 @@ from snapctl.criu.external import sandbox_external_mounts
 from snapctl.criu.inventory import require_dumpable
 from snapctl.criu.ops import dump_tree, write_action_script
 from snapctl.criu.stats import DumpStats
-from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
+from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.protocol.models import CaptureReady
@@ -245,9 +245,10 @@ def capture(
     except BaseException as error:
         staging.abort()
         if is_no_space(error):
-            raise NoSpaceError.at(
-                staging.dir.parent, "capture failed, no image published", phase="capture"
-            ) from error
+            # Still the capture's error (and exit status), saying ENOSPC, where, and how much.
+            where = staging.dir.parent
+            message = no_space_message(where, "capture failed, no image published")
+            raise CaptureError(message, phase="capture", path=where) from error
         if isinstance(error, SnapctlError):
             raise CaptureError(
                 f"capture failed, no image published: {error}",

@@ -20,7 +20,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, Protocol
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -97,12 +97,7 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         return self.install()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.restore()
 
 
