@@ -57,25 +57,27 @@ class CleanupAudit(BaseModel):
 HOST_SHM = Path("/dev/shm")
 
 
-def lazy_pages_daemons(work_dir: Path) -> list[int]:
-    """PIDs of ``criu lazy-pages`` processes serving the restore in ``work_dir``.
+def criu_processes(work_dir: Path) -> list[int]:
+    """PIDs of CRIU processes working for the activation whose work dir is ``work_dir``: its
+    restore and its ``lazy-pages`` daemon (whose own work dir, while its transfer is held, is
+    below it; see ``snapctl.criu.relay``).
 
-    A lazy copy's daemon runs in the host's namespaces, so it does not see the activation's
-    tmpfs; its ``--work-dir`` (one per activation) names it instead.
+    They run in the host's namespaces, so they do not see the activation's tmpfs; their
+    ``--work-dir`` (one per activation) names them instead.
     """
     found = []
     for process in psutil.process_iter(["cmdline"]):
         argv = process.info["cmdline"] or []
-        if "lazy-pages" in argv and "--work-dir" in argv:
+        if "--work-dir" in argv:
             index = argv.index("--work-dir") + 1
-            if index < len(argv) and argv[index] == str(work_dir):
+            if index < len(argv) and Path(argv[index]).is_relative_to(work_dir):
                 found.append(process.pid)
     return sorted(found)
 
 
 def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
-    """SIGKILL every process that still sees this activation's tmpfs, and its lazy-pages daemon
-    if one is left; return the survivors.
+    """SIGKILL every process that still sees this activation's tmpfs, and its CRIU processes
+    (a restore, a lazy-pages daemon) if any is left; return the survivors.
 
     After a normal stop there are none (PID 1 of the namespace took them along, and the
     session stopped its daemon); they appear when a start was interrupted before the tree's root
@@ -84,7 +86,7 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     """
 
     def members() -> list[int]:
-        return sorted({*dirs.processes(), *lazy_pages_daemons(dirs.work)})
+        return sorted({*dirs.processes(), *criu_processes(dirs.work)})
 
     pinned: list[PinnedProcess] = []
     for pid in members():
