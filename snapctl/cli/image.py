@@ -273,7 +273,7 @@ def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
         with transfer_progress("pull", None, quiet=as_json) as (advance, set_total):
             report = pull_image(
                 client, to, cache=blob_cache(state), verified_cache=state.verified,
-                force=force, jobs=jobs, progress=advance, total=set_total,
+                force=force, jobs=jobs, progress=advance, total=set_total, claims=state.claims,
             )  # fmt: skip
     finally:
         client.close()
