@@ -111,6 +111,9 @@ class Driver:
         self.windows: dict[str, float] = {}
         self.kills: list[Kill] = []
         self.shm_baseline = set(os.listdir("/dev/shm"))
+        # What this process ran before the round (a test session's fixtures: a registry, say)
+        # is not the round's: never counted, killed or reaped here.
+        self.foreign = {child.pid for child in psutil.Process().children(recursive=True)}
         self.shm_names: set[str] = set()
         self.netns_baseline = _netns()
         self.env = {**os.environ, "SNAPCTL_STATE_DIR": str(self.state), API_KEY_ENV: API_KEY}
@@ -267,6 +270,8 @@ class Driver:
     def _leftovers(self) -> dict[str, list[str]]:
         processes = []
         for child in psutil.Process().children(recursive=True):
+            if child.pid in self.foreign:
+                continue
             with contextlib.suppress(psutil.NoSuchProcess):
                 if child.status() != psutil.STATUS_ZOMBIE:
                     processes.append(f"{child.pid} {' '.join(child.cmdline())[:120]}")
@@ -329,6 +334,8 @@ class Driver:
     def reap(self) -> None:
         """Reap the zombies reparented here (only now: until gc ran they stood for dead)."""
         for child in psutil.Process().children():
+            if child.pid in self.foreign:
+                continue
             with contextlib.suppress(psutil.NoSuchProcess, ChildProcessError):
                 if child.status() == psutil.STATUS_ZOMBIE:
                     os.waitpid(child.pid, 0)
