@@ -16,6 +16,7 @@ from snapctl.activation.donor import (
     activate_and_probe,
     activation_report,
     new_session,
+    reserve_session_name,
 )
 from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
@@ -28,9 +29,10 @@ from snapctl.criu.kdat import with_private_run
 from snapctl.criu.netdumps import redundant_net_dumps
 from snapctl.criu.ops import LazyPagesDaemon, restore_tree, restore_tree_lazily
 from snapctl.criu.pagemap import lazy_view
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError, Manifest, stage_shm_copy, verify_image
 from snapctl.images.lock import hold_image
+from snapctl.supervision.names import NameReservation, numbered_names
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, become_subreaper
 from snapctl.supervision.state import StateDir
 
@@ -49,6 +51,8 @@ class CopiesReport(BaseModel):
 class RestoreError(SnapctlError):
     """CRIU could not restore the image; nothing of the copy was left running."""
 
+    exit_status = ExitStatus.ACTIVATION_FAILED
+
 
 def start_copy(
     image: Path,
@@ -62,6 +66,7 @@ def start_copy(
     after_restore: Callable[[Session], None] | None = None,
     before_activation: Callable[[Session], None] | None = None,
     lazy: bool = False,
+    reservation: NameReservation | None = None,
 ) -> tuple[Session, ActivationReport]:
     """Restore one copy and activate it; on failure stop and clean up, then raise.
 
@@ -73,16 +78,25 @@ def start_copy(
     With ``lazy`` the copy serves while its memory still arrives (``session.lazy`` watches the
     transfer; the report's ``pages_complete`` says whether it had finished by then). The image
     is held shared from before its verification until the copy no longer reads it.
+
+    The name is reserved first (or ``reservation``, taken by the caller, is used and owned
+    from here on): a name in use is refused before anything else happens.
     """
     state.ensure()
+    if reservation is None:
+        reservation = reserve_session_name(state, "copy", options.name)
     timings: dict[str, float] = {}
     image = image.absolute()
     # Shared: another copy may read it too, but no rm/replace while we depend on it.
     try:
         hold = hold_image(image)
     except (FileNotFoundError, NotADirectoryError) as error:
+        reservation.release()
         message = f"{image} is not a published image ({error.strerror})"
         raise ImageError(message, path=image) from error
+    except BaseException:
+        reservation.release()
+        raise
     try:
         progress("verifying the image")
         started = time.monotonic()
@@ -108,9 +122,10 @@ def start_copy(
             )
         # Restored trees are reparented to the nearest subreaper: let that be us.
         become_subreaper()
-        session = new_session(state, "copy", options.name)
+        session = new_session(state, "copy", options.name, reservation)
     except BaseException:
         hold.release()
+        reservation.release()
         raise
     session.image = image
     session.image_hold = hold
@@ -261,7 +276,7 @@ def _criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> 
         f"{what}: {error}",
         phase="restore",
         path=session.dirs.logs / f"{log}.log",
-        log_tail=getattr(error, "tail", None),
+        log_tail=error.excerpt,
     )
 
 
@@ -297,12 +312,24 @@ def start_copies(
 
     ``progress_for(label)`` gives the progress callback of the copy labelled ``label``.
     """
-    verify_image(image.absolute(), cache_dir=state.verified)  # once, before the parallel starts
+    names: list[str | None] = (
+        [*numbered_names(options.name, count)] if options.name else [None] * count
+    )
+    state.ensure()
+    reservations: list[NameReservation] = []
+    try:
+        # Every name before anything starts: one in use fails them all, and nothing ran.
+        for name in names:
+            reservations.append(reserve_session_name(state, "copy", name))
+        verify_image(image.absolute(), cache_dir=state.verified)  # once, before the parallel starts
+    except BaseException:
+        for reservation in reservations:
+            reservation.release()
+        raise
 
     def one(index: int) -> tuple[Session, ActivationReport] | SnapctlError:
         copy_options = LaunchOptions(**{**options.__dict__})
-        if options.name:
-            copy_options.name = f"{options.name}-{index + 1}"
+        copy_options.name = names[index]
         publish = None
         if publish_base is not None:
             publish = (publish_base[0], publish_base[1] + index if publish_base[1] else 0)
@@ -310,6 +337,7 @@ def start_copies(
             return start_copy(
                 image, copy_options, criu=criu, native=native, publish=publish, state=state,
                 progress=progress_for(f"copy {index + 1}"), lazy=lazy,
+                reservation=reservations[index],
             )  # fmt: skip
         except SnapctlError as error:
             return error

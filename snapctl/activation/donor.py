@@ -38,10 +38,11 @@ from snapctl.criu.external import sandbox_external_mounts
 from snapctl.criu.inventory import require_dumpable
 from snapctl.criu.ops import dump_tree, write_action_script
 from snapctl.criu.stats import DumpStats
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.protocol.models import CaptureReady
+from snapctl.supervision.names import NameReservation
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -49,6 +50,8 @@ Progress = Callable[[str], None]
 
 class CaptureError(SnapctlError):
     """The capture (native step, CRIU dump, publication) failed; no image was published."""
+
+    exit_status = ExitStatus.CAPTURE_FAILED
 
 
 class ActivationReport(BaseModel):
@@ -88,12 +91,38 @@ class _Captured:
     image: Path
 
 
-def new_session(state: StateDir, kind: str, name: str | None) -> Session:
-    activation_id = f"{kind}-{uuid.uuid4().hex[:12]}"
-    name = name or activation_id
-    dirs = ActivationDirs(root=state.activations / activation_id, logs=state.logs / activation_id)
-    dirs.create()
-    return Session(name=name, activation_id=activation_id, kind=kind, dirs=dirs, state=state)
+def new_activation_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex[:12]}"
+
+
+def reserve_session_name(state: StateDir, kind: str, name: str | None) -> NameReservation:
+    """Reserve the activation's name (``name``, else a fresh activation id) before anything
+    starts; a name in use is refused here (see ``snapctl.supervision.names``)."""
+    return state.reserve_name(name or new_activation_id(kind))
+
+
+def new_session(
+    state: StateDir, kind: str, name: str | None, reservation: NameReservation | None = None
+) -> Session:
+    """A session with fresh directories, under ``reservation`` (taken here when None). The
+    session owns the reservation from here on, and releases it when it stops; if this fails,
+    the reservation is released."""
+    if reservation is None:
+        reservation = reserve_session_name(state, kind, name)
+    try:
+        # Unnamed, the activation goes by its id, which is what was reserved.
+        activation_id = reservation.name if name is None else new_activation_id(kind)
+        dirs = ActivationDirs(
+            root=state.activations / activation_id, logs=state.logs / activation_id
+        )
+        dirs.create()
+    except BaseException:
+        reservation.release()
+        raise
+    return Session(
+        name=reservation.name, activation_id=activation_id, kind=kind, dirs=dirs, state=state,
+        reservation=reservation,
+    )  # fmt: skip
 
 
 def _process_tree(root_pid: int) -> list[ProcessEntry]:
@@ -215,12 +244,17 @@ def capture(
         return _Captured(manifest=manifest, image=published)
     except BaseException as error:
         staging.abort()
+        if is_no_space(error):
+            # Still the capture's error (and exit status), saying ENOSPC, where, and how much.
+            where = staging.dir.parent
+            message = no_space_message(where, "capture failed, no image published")
+            raise CaptureError(message, phase="capture", path=where) from error
         if isinstance(error, SnapctlError):
             raise CaptureError(
                 f"capture failed, no image published: {error}",
                 phase="capture",
-                path=getattr(error, "path", None),
-                log_tail=getattr(error, "tail", None) or error.log_tail,
+                path=error.path,
+                log_tail=error.excerpt,
             ) from error
         if isinstance(error, OSError):
             raise CaptureError(
@@ -245,10 +279,15 @@ def start_donor(
     started is stopped and audited before the error propagates."""
     state.ensure()
     timings: dict[str, float] = {}
-    # Refuse an existing or unwritable image path before anything is launched.
-    staging = ImageStaging(image, force=force)
+    # Refuse a name in use and an existing or unwritable image path before anything launches.
+    reservation = reserve_session_name(state, "donor", options.name)
     try:
-        session = new_session(state, "donor", options.name)
+        staging = ImageStaging(image, force=force, claims=state.claims)
+    except BaseException:
+        reservation.release()
+        raise
+    try:
+        session = new_session(state, "donor", options.name, reservation)
     except BaseException:
         staging.abort()
         raise

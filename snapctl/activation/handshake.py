@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from snapctl.activation.timeouts import server_timeout_hint
-from snapctl.errors import SnapctlError, WaitTimeoutError
+from snapctl.errors import ExitStatus, SnapctlError, WaitTimeoutError
 from snapctl.namespaces.netns import NetnsConnector
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import Activation, Challenge, ControlFile, ErrorReport, Release, Status
@@ -35,6 +35,8 @@ AUTHENTICATED_PATH = "/v1/models"
 
 class ActivationError(SnapctlError):
     """The server refused or failed the activation (``error.json``), or never became ready."""
+
+    exit_status = ExitStatus.ACTIVATION_FAILED
 
     def __init__(
         self, message: str, *, phase: str | None = None, report: ErrorReport | None = None

@@ -23,7 +23,7 @@ from snapctl.activation.timeouts import (
     ready_timeout_hint,
     server_timeout_hint,
 )
-from snapctl.errors import ProcessExitedError, SnapctlError, WaitTimeoutError
+from snapctl.errors import ExitStatus, ProcessExitedError, SnapctlError, WaitTimeoutError
 from snapctl.namespaces.hostview import PrivatePathError, host_binds
 from snapctl.namespaces.layout import (
     SANDBOX_CONTROL_DIR,
@@ -42,6 +42,8 @@ LOG_TAIL_CHARS = 4000
 
 class LaunchError(SnapctlError):
     """The server could not be launched or died / stalled before capture-ready."""
+
+    exit_status = ExitStatus.CAPTURE_FAILED
 
 
 @dataclass

@@ -24,7 +24,9 @@ from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
+from snapctl.supervision.names import NameReservation
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
+from snapctl.supervision.signals import track, untrack
 from snapctl.supervision.state import ActivationRecord, StateDir
 
 
@@ -55,25 +57,27 @@ class CleanupAudit(BaseModel):
 HOST_SHM = Path("/dev/shm")
 
 
-def lazy_pages_daemons(work_dir: Path) -> list[int]:
-    """PIDs of ``criu lazy-pages`` processes serving the restore in ``work_dir``.
+def criu_processes(work_dir: Path) -> list[int]:
+    """PIDs of CRIU processes working for the activation whose work dir is ``work_dir``: its
+    restore and its ``lazy-pages`` daemon (whose own work dir, while its transfer is held, is
+    below it; see ``snapctl.criu.relay``).
 
-    A lazy copy's daemon runs in the host's namespaces, so it does not see the activation's
-    tmpfs; its ``--work-dir`` (one per activation) names it instead.
+    They run in the host's namespaces, so they do not see the activation's tmpfs; their
+    ``--work-dir`` (one per activation) names them instead.
     """
     found = []
     for process in psutil.process_iter(["cmdline"]):
         argv = process.info["cmdline"] or []
-        if "lazy-pages" in argv and "--work-dir" in argv:
+        if "--work-dir" in argv:
             index = argv.index("--work-dir") + 1
-            if index < len(argv) and argv[index] == str(work_dir):
+            if index < len(argv) and Path(argv[index]).is_relative_to(work_dir):
                 found.append(process.pid)
     return sorted(found)
 
 
 def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
-    """SIGKILL every process that still sees this activation's tmpfs, and its lazy-pages daemon
-    if one is left; return the survivors.
+    """SIGKILL every process that still sees this activation's tmpfs, and its CRIU processes
+    (a restore, a lazy-pages daemon) if any is left; return the survivors.
 
     After a normal stop there are none (PID 1 of the namespace took them along, and the
     session stopped its daemon); they appear when a start was interrupted before the tree's root
@@ -82,7 +86,7 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     """
 
     def members() -> list[int]:
-        return sorted({*dirs.processes(), *lazy_pages_daemons(dirs.work)})
+        return sorted({*dirs.processes(), *criu_processes(dirs.work)})
 
     pinned: list[PinnedProcess] = []
     for pid in members():
@@ -147,8 +151,14 @@ class Session:
     lazy: LazyTransfer | None = None
     # Why the activation was stopped behind the user's back (a lazy-pages daemon that died).
     failure: str | None = None
+    # The name, held until the record is dropped (see snapctl.supervision.names).
+    reservation: NameReservation | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # From here until stop() ends, an interrupted command still stops it (see signals).
+        track(self)
 
     @property
     def control(self) -> ControlDir:
@@ -296,6 +306,8 @@ class Session:
         with self._lock:
             self.stopped = True
             self.state.drop_record(self.name)
+            if self.reservation is not None:
+                self.reservation.release()
         if self.failure is not None:
             # The logs outlive the activation: say there why it was stopped.
             with contextlib.suppress(OSError):
@@ -304,6 +316,7 @@ class Session:
             [f"{listening[0]}:{listening[1]}"] if listening and _port_open(listening) else []
         )
         shm_files = sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name))
+        untrack(self)
         return how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
 
     def stop_failed_start(self, error: BaseException) -> None:

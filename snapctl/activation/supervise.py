@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -18,8 +19,10 @@ from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.namespaces.layout import ActivationDirs
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError
+from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
+from snapctl.supervision.leftovers import TMP_GRACE_S, sweep_claims, sweep_records
+from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
+from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
 from snapctl.supervision.state import ActivationRecord, StateDir
 
 Progress = Callable[[str], None]
@@ -31,29 +34,25 @@ def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[s
 
 
 def run_all_until_stopped(
-    sessions: list[Session], stop_timeout_s: float = 10.0
+    sessions: list[Session], stop_timeout_s: float = 10.0, stop: threading.Event | None = None
 ) -> list[tuple[str, CleanupAudit]]:
-    """Serve until every tree exited, or SIGINT/SIGTERM arrives; then stop and audit each.
+    """Serve until every tree exited, or a stop is requested; then stop and audit each.
 
+    ``stop`` is the request of the caller's :class:`StopSignals` (which must be in place from
+    before the sessions started); without one, SIGINT/SIGTERM request it from here on.
     A tree that exits (or is stopped with ``snapctl stop``, or was killed as unsafe, see
     ``Session.failure``) is cleaned up at once, while the others keep serving.
     """
-    stop = threading.Event()
+    if stop is None:
+        with StopSignals() as signals:
+            signals.started()
+            return run_all_until_stopped(sessions, stop_timeout_s, signals.requested)
     results: dict[int, tuple[str, CleanupAudit]] = {}
-
-    def request_stop(signum: int, frame: object) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.is_set() and len(results) < len(sessions):
-            for index, session in enumerate(sessions):
-                if index not in results and not session.alive():
-                    results[index] = session.stop(stop_timeout_s)
-            stop.wait(0.2)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    while not stop.is_set() and len(results) < len(sessions):
+        for index, session in enumerate(sessions):
+            if index not in results and not session.alive():
+                results[index] = session.stop(stop_timeout_s)
+        stop.wait(0.2)
     for index, session in enumerate(sessions):
         if index not in results:
             results[index] = session.stop(stop_timeout_s)
@@ -73,10 +72,12 @@ class DetachedStartError(SnapctlError):
 
 @dataclass(frozen=True)
 class InSupervisor:
-    """What :func:`detach` returns in the forked supervisor: what it must now supervise."""
+    """What :func:`detach` returns in the forked supervisor: what it must now supervise, and
+    the stop request its signals set (they are its own from the fork on)."""
 
     supervised: Any
     report: Any
+    stop: threading.Event
 
 
 def detach(
@@ -88,16 +89,27 @@ def detach(
     In the supervisor this returns :class:`InSupervisor`. In the parent it relays the
     supervisor's progress to ``on_progress(lane, step)`` and returns its report (a JSON-ready
     dict) once the activation is ready, or raises its error as :class:`DetachedStartError`.
+
+    SIGINT/SIGTERM never leave an activation without its supervisor: in the parent, until the
+    report, they are passed on to the supervisor, whose start then stops what it started and
+    reports that; in the supervisor, :class:`StopSignals` holds them from the fork on.
     """
     read_fd, write_fd = os.pipe()
+    # Installed before the fork, so the supervisor has them from its first instruction.
+    signals = StopSignals().install()
     pid = os.fork()
     if pid:
         os.close(write_fd)
+        signals.restore()
+        previous = {signum: signal.signal(signum, forward_to(pid)) for signum in STOP_SIGNALS}
         try:
             return _relay(read_fd, on_progress)
         except DetachedStartError:
             os.waitpid(pid, 0)  # it exits right after reporting its error: reap it
             raise
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     os.close(read_fd)
     os.setsid()
     writer = os.fdopen(write_fd, "w")
@@ -112,15 +124,28 @@ def detach(
         return lambda step: send({"lane": lane, "progress": step})
 
     try:
-        supervised, report = start(progress_for)
+        try:
+            supervised, report = start(progress_for)
+        except BaseException:
+            stop_all_tracked()  # what a start interrupted at any point had started
+            raise
+    except KeyboardInterrupt:
+        send(
+            {
+                "error": "interrupted while starting (SIGINT/SIGTERM); what had started was "
+                "stopped", "status": int(ExitStatus.INTERRUPTED), "phase": None,
+                "path": None, "log_tail": None,
+            }
+        )  # fmt: skip
+        os._exit(ExitStatus.INTERRUPTED)
     except SnapctlError as error:
         send(
             {
                 "error": error.message,
-                "status": int(getattr(error, "exit_status", ExitStatus.ERROR)),
+                "status": int(error.exit_status),
                 "phase": error.phase,
                 "path": None if error.path is None else str(error.path),
-                "log_tail": error.log_tail or getattr(error, "tail", None),
+                "log_tail": error.excerpt,
             }
         )
         os._exit(1)
@@ -133,6 +158,7 @@ def detach(
             }
         )  # fmt: skip
         os._exit(1)
+    signals.started()  # from here a signal asks the supervising loop to stop
     send({"report": report.model_dump(mode="json") if hasattr(report, "model_dump") else report})
     with contextlib.suppress(OSError):
         writer.close()
@@ -140,7 +166,7 @@ def detach(
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
-    return InSupervisor(supervised, report)
+    return InSupervisor(supervised, report, signals.requested)
 
 
 def _relay(read_fd: int, on_progress: Callable[[str, str], None]) -> dict[str, Any]:
@@ -198,6 +224,9 @@ def stop_recorded(
             how = error.message
         finally:
             root.close()
+    if supervisor is not None and not supervisor.alive():
+        supervisor.close()  # a zombie (killed, never reaped) cleans up nothing: we do it
+        supervisor = None
     if supervisor is not None:
         # The supervisor sees the tree gone, cleans up and drops the record; give it the time.
         deadline = time.monotonic() + stop_timeout_s
@@ -238,6 +267,8 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
     collected = []
     records = state.load_records()
     for root in sorted(state.activations.iterdir()) if state.activations.is_dir() else []:
+        if root.name.startswith("."):
+            continue  # being created (see sweep_creating)
         dirs = ActivationDirs(root=root, logs=state.logs / root.name)
         owner = dirs.owner()
         if owner is not None and owner.alive():
@@ -266,3 +297,60 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
             )
         )
     return collected
+
+
+class GarbageReport(BaseModel):
+    """What one ``snapctl gc`` cleaned up: orphaned activations, and the leftovers of killed
+    snapctl processes outside them (staging directories, records' .tmp files)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    activations: list[CollectedActivation]
+    removed: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return all(entry.audit.clean for entry in self.activations)
+
+
+def sweep_creating(state: StateDir) -> list[str]:
+    """Remove activation directories a killed process was still creating (nothing in them
+    runs or is mounted yet: both come after the rename); return them."""
+    removed = []
+    for path in sorted(state.activations.glob(f".*{CREATING_SUFFIX}")):
+        try:
+            owner: ActivationOwner | None = ActivationOwner.model_validate_json(
+                (path / "owner.json").read_bytes()
+            )
+        except (OSError, ValueError):
+            owner = None  # killed before its owner file was complete: judged by age
+        if owner.alive() if owner else time.time() - path.stat().st_mtime < TMP_GRACE_S:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
+def sweep_stale_records(state: StateDir) -> list[str]:
+    """Drop records whose activation directory is gone and whose tree and supervisor are
+    both dead (a stop killed between removing the activation and dropping its record)."""
+    removed = []
+    for record in state.load_records():
+        if (state.activations / record.activation_id).exists():
+            continue
+        if is_same_process(record.root_pid, record.root_start_time) or is_same_process(
+            record.supervisor_pid, record.supervisor_start_time
+        ):
+            continue
+        state.drop_record(record.name)
+        removed.append(str(state.record_path(record.name)))
+    return removed
+
+
+def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageReport:
+    """Everything ``snapctl gc`` does: orphaned activations first (which drops their records),
+    then what killed processes left elsewhere, only where no live process owns it."""
+    activations = collect_orphans(state, stop_timeout_s)
+    removed = sweep_creating(state) + sweep_stale_records(state)
+    removed += sweep_claims(state.claims) + sweep_records(state.records)
+    return GarbageReport(activations=activations, removed=removed)

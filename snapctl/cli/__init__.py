@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import click
 
 from snapctl import __version__
-from snapctl.errors import CanaryMismatchError, ExitStatus, SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 
 
 class LazyCommand(NamedTuple):
@@ -72,10 +72,6 @@ COMMANDS: dict[str, LazyCommand] = {
         "Check that copies given stale control fail closed.",
     ),
 }
-
-# CRIU actions whose failure means "the capture failed" or "the activation failed".
-_CAPTURE_ACTIONS = frozenset({"dump", "pre-dump"})
-_ACTIVATION_ACTIONS = frozenset({"restore", "lazy-pages"})
 
 
 @dataclass
@@ -143,18 +139,8 @@ def snapctl(ctx: click.Context, traceback: bool) -> None:
 
 
 def exit_status_for(error: SnapctlError) -> ExitStatus:
-    """The exit code for a deliberate error: its own ``exit_status``, else by kind and action."""
-    declared = getattr(error, "exit_status", None)
-    if isinstance(declared, ExitStatus):
-        return declared
-    if isinstance(error, CanaryMismatchError):
-        return ExitStatus.VERIFY_FAILED
-    action = getattr(error, "action", None)  # CriuError and friends say which step failed
-    if action in _CAPTURE_ACTIONS:
-        return ExitStatus.CAPTURE_FAILED
-    if action in _ACTIVATION_ACTIONS:
-        return ExitStatus.ACTIVATION_FAILED
-    return ExitStatus.ERROR
+    """The exit code for a deliberate error: the one its class declares (see ExitStatus)."""
+    return ExitStatus(error.exit_status)
 
 
 def _error_line(error: SnapctlError) -> str:
@@ -169,9 +155,8 @@ def _error_line(error: SnapctlError) -> str:
 
 
 def _error_tail(error: SnapctlError) -> str:
-    # CriuError keeps its log excerpt in ``tail``; other errors may have ``log_tail`` attached.
-    tail = error.log_tail or getattr(error, "tail", None)
-    return tail.rstrip() if isinstance(tail, str) else ""
+    tail = error.excerpt
+    return tail.rstrip() if tail else ""
 
 
 def report_error(error: BaseException) -> None:

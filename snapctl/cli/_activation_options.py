@@ -20,6 +20,7 @@ class CommonOptions:
     host: str
     port: int
     publish: tuple[str, int] | None
+    expose: bool
     api_key_env: str | None
     timeout_s: float
     criu_path: str | None
@@ -29,10 +30,12 @@ class CommonOptions:
 
 
 def parse_publish(value: str | None) -> tuple[str, int] | None:
-    """``[ADDR:]PORT`` → (address, port); the address defaults to 127.0.0.1."""
+    """``[ADDR:]PORT`` → (address, port); the address defaults to 127.0.0.1 (an IPv6 one may
+    be bracketed: ``[::1]:8000``)."""
     if value is None:
         return None
     address, _, port = value.rpartition(":")
+    address = address.strip("[]")
     try:
         number = int(port)
     except ValueError as error:
@@ -93,14 +96,32 @@ def startup_timeout_options(function: Callable[..., Any]) -> Callable[..., Any]:
     return function
 
 
+def check_name_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--name``/``NAME``: refused as a usage error before anything starts."""
+    if value is None:
+        return None
+    from snapctl.supervision.names import InvalidNameError, check_name
+
+    try:
+        return check_name(value)
+    except InvalidNameError as error:
+        raise click.BadParameter(error.message) from error
+
+
 _OPTIONS = {
-    "name": click.option("--name", help="Name for ps/stop/logs (default: the activation id)."),
+    "name": click.option("--name", callback=check_name_option,
+                         help="Name for ps/stop/logs (default: the activation id): 1 to 64 "
+                              "letters, digits, '_', '.', '-'."),
     "host": click.option("--host", default="127.0.0.1", show_default=True,
                          help="Address the server binds inside its network namespace."),
     "port": click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
                          help="Port the server binds inside its network namespace."),
     "publish": click.option("--publish", metavar="[ADDR:]PORT",
-                            help="Forward this host loopback port to the server's port."),
+                            help="Forward this host port (on 127.0.0.1 unless ADDR is given) to "
+                                 "the server's port; checked free before anything starts."),
+    "expose": click.option("--expose", is_flag=True,
+                           help="Allow a --publish ADDR that is not loopback (0.0.0.0, a host "
+                                "address): the copy becomes reachable from other machines."),
     "api_key_env": click.option("--api-key-env", metavar="VAR",
                                 help="Environment variable holding the server's API key. Not "
                                      "needed to serve: readiness is GET /health; with a key, an "
@@ -119,7 +140,7 @@ _OPTIONS = {
 }  # fmt: skip
 
 # What an excluded option stands for (a bake never serves: nothing to name, publish or detach).
-_DEFAULTS: dict[str, Any] = {"name": None, "publish": None, "detach": False}
+_DEFAULTS: dict[str, Any] = {"name": None, "publish": None, "expose": False, "detach": False}
 
 
 def activation_options(function: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,8 +151,8 @@ def activation_options(function: Callable[..., Any]) -> Callable[..., Any]:
 def shared_options(
     exclude: frozenset[str] = frozenset(),
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Like :func:`activation_options` without the ``exclude``d ones (name, publish, detach),
-    which take their defaults."""
+    """Like :func:`activation_options` without the ``exclude``d ones (name, publish, expose,
+    detach), which take their defaults."""
     unknown = exclude - set(_DEFAULTS)
     if unknown:
         raise ValueError(f"options without a default cannot be excluded: {sorted(unknown)}")
@@ -152,6 +173,20 @@ def shared_options(
         return wrapper
 
     return decorate
+
+
+def check_publish_option(common: CommonOptions, count: int = 1) -> None:
+    """Refuse ``--publish`` before anything starts: an address not loopback without
+    ``--expose`` or not on this host, or a port in use (each of ``count`` ports counting up)."""
+    if common.publish is None:
+        if common.expose:
+            raise click.UsageError("--expose only widens --publish; give --publish ADDR:PORT")
+        return
+    from snapctl.namespaces.publish import check_publish
+
+    address, port = common.publish
+    check_publish(address, [port + index for index in range(count)] if port else [],
+                  exposed=common.expose)  # fmt: skip
 
 
 def capture_options(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from snapctl.cli._activation_options import check_name_option
 from snapctl.cli.output import emit_json, json_option, stdout
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def _find(name: str) -> ActivationRecord:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", callback=check_name_option)
 @click.option("--timeout", "timeout_s", default=10.0, show_default=True,
               help="Seconds to wait after SIGTERM before SIGKILL.")  # fmt: skip
 @json_option
@@ -82,7 +83,7 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
 
 
 @click.command()
-@click.argument("name")
+@click.argument("name", callback=check_name_option)
 @click.option("-f", "--follow", is_flag=True,
               help="Keep printing what the server writes until the activation stops.")  # fmt: skip
 def logs(name: str, follow: bool) -> None:
@@ -125,23 +126,30 @@ def logs(name: str, follow: bool) -> None:
               help="Seconds to wait after SIGTERM before SIGKILL.")  # fmt: skip
 @json_option
 def gc(timeout_s: float, as_json: bool) -> None:
-    """Clean up activations whose snapctl process died."""
-    from snapctl.activation.supervise import collect_orphans
+    """Clean up activations whose snapctl process died.
+
+    Also removes what killed snapctl processes left beside images (staging directories, old
+    images moved aside) and in the state directory (records' .tmp files), only where no live
+    process owns them.
+    """
+    from snapctl.activation.supervise import collect_garbage
     from snapctl.errors import SnapctlError
     from snapctl.supervision.state import StateDir
 
-    collected = collect_orphans(StateDir(), timeout_s)
+    report = collect_garbage(StateDir(), timeout_s)
     if as_json:
-        emit_json([entry.model_dump(mode="json") for entry in collected])
+        emit_json(report)
     else:
-        for entry in collected:
+        for entry in report.activations:
             names = ", ".join(entry.names) or "unnamed"
             stdout().print(
                 f"{entry.activation_id} ({names}): ended {len(entry.processes_ended)} "
                 f"process(es); cleanup: {entry.audit.describe()}", markup=False,
             )  # fmt: skip
-        if not collected:
+        for path in report.removed:
+            stdout().print(f"removed {path}", markup=False)
+        if not report.activations and not report.removed:
             stdout().print("nothing to clean up")
-    dirty = [entry.activation_id for entry in collected if not entry.audit.clean]
+    dirty = [entry.activation_id for entry in report.activations if not entry.audit.clean]
     if dirty:
         raise SnapctlError(f"cleanup incomplete for {', '.join(dirty)}")

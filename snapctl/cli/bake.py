@@ -11,7 +11,7 @@ from snapctl.cli._activation_options import CommonOptions, capture_options, shar
 
 @click.command(context_settings={"ignore_unknown_options": True})
 @capture_options
-@shared_options(exclude=frozenset({"name", "publish", "detach"}))
+@shared_options(exclude=frozenset({"name", "publish", "expose", "detach"}))
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
          server_timeout_s: float, server_cmd: tuple[str, ...],

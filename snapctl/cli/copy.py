@@ -7,7 +7,11 @@ from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, activation_options
+from snapctl.cli._activation_options import (
+    CommonOptions,
+    activation_options,
+    check_publish_option,
+)
 from snapctl.cli.serving import Progress, serve
 
 
@@ -71,6 +75,14 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.supervision.state import StateDir
 
     check_waivers(allow_mismatch)  # a bad name fails before anything starts
+    if common.name and count > 1:
+        from snapctl.supervision.names import InvalidNameError, numbered_names
+
+        try:
+            numbered_names(common.name, count)
+        except InvalidNameError as error:
+            raise click.BadParameter(error.message, param_hint="'--name' with '--count'") from error
+    check_publish_option(common, count)
     image = image_path(image_source, plain_http=plain_http, quiet=common.as_json)
     for name in needless_waivers(allow_mismatch):
         note(f"--allow-mismatch {name} is not needed: {name} never refuses a copy",
@@ -112,8 +124,7 @@ def serve_many(
 ) -> None:  # fmt: skip
     """``--count N``: restore N copies at once, report each and the total, then supervise."""
     from snapctl.activation.copy import CopiesReport
-    from snapctl.cli.output import Steps, emit_json
-    from snapctl.cli.serving import render_copies, run_detached, start_interruptible, wait_and_stop
+    from snapctl.cli.serving import render_copies, run_detached, run_in_foreground
 
     if common.detach:
         run_detached(
@@ -126,15 +137,11 @@ def serve_many(
             ),
         )
         return
-    with Steps(quiet=common.as_json) as steps:
-        sessions, report = start_interruptible(
-            lambda: start_many(image, options, count, criu, native, common, steps.lane, lazy)
-        )
-    if common.as_json:
-        emit_json(report)
-    else:
-        render_copies(report.copies, report.total_s)
-    wait_and_stop(sessions, as_json=common.as_json)
+    run_in_foreground(
+        lambda steps: start_many(image, options, count, criu, native, common, steps.lane, lazy),
+        as_json=common.as_json,
+        show=lambda report: render_copies(report.copies, report.total_s),
+    )
 
 
 def start_many(

@@ -7,7 +7,12 @@ from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, activation_options, capture_options
+from snapctl.cli._activation_options import (
+    CommonOptions,
+    activation_options,
+    capture_options,
+    check_publish_option,
+)
 from snapctl.cli.serving import Progress, serve
 
 
@@ -25,6 +30,7 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
     from snapctl.criu import find_criu
     from snapctl.supervision.state import StateDir
 
+    check_publish_option(common)
     options = LaunchOptions(
         server_argv=list(server_cmd) or None,
         name=common.name,

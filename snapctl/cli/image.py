@@ -148,7 +148,10 @@ def import_(archive: Path, to: Path, force: bool, as_json: bool) -> None:
     state = StateDir()
     state.ensure()
     with byte_progress("import", archive.stat().st_size, quiet=as_json) as progress:
-        report = import_image(archive, to, force=force, cache_dir=state.verified, progress=progress)
+        report = import_image(
+            archive, to, force=force, cache_dir=state.verified, progress=progress,
+            claims=state.claims,
+        )  # fmt: skip
     if as_json:
         emit_json(report)
     else:
@@ -270,7 +273,7 @@ def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
         with transfer_progress("pull", None, quiet=as_json) as (advance, set_total):
             report = pull_image(
                 client, to, cache=blob_cache(state), verified_cache=state.verified,
-                force=force, jobs=jobs, progress=advance, total=set_total,
+                force=force, jobs=jobs, progress=advance, total=set_total, claims=state.claims,
             )  # fmt: skip
     finally:
         client.close()

@@ -56,7 +56,6 @@ def render_copies(reports: list[Any], total_s: float) -> None:
 def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach: bool) -> None:
     """Start (with progress), print the report, then supervise or hand over to a supervisor."""
     from snapctl.activation.donor import ActivationReport
-    from snapctl.cli.output import Steps, emit_json
 
     if detach:
         run_detached(
@@ -65,13 +64,36 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
             show=lambda record: render_report(ActivationReport.model_validate(record)),
         )
         return
-    with Steps(quiet=as_json) as steps:
-        session, report = start_interruptible(lambda: start(steps))
-    if as_json:
-        emit_json(report)
-    else:
-        render_report(report)
-    wait_and_stop([session], as_json=as_json)
+    run_in_foreground(lambda steps: start(steps), as_json=as_json, show=render_report)
+
+
+def run_in_foreground(
+    start: Callable[[Any], tuple[Any, Any]], *, as_json: bool, show: Callable[[Any], None]
+) -> None:
+    """Start (``start(steps)``: one session or a list, and the report), print the report
+    (``show``, or one JSON line), then supervise until Ctrl-C, SIGTERM or every tree exited.
+
+    No interrupt leaves an activation running: :class:`StopSignals` holds SIGINT and SIGTERM
+    from before the start until everything stopped (while starting, the first one interrupts
+    the start, whose cleanup runs; after, they request the stop), and whatever this process
+    started and did not stop is stopped on the way out, however it goes out.
+    """
+    from snapctl.cli.output import Steps, emit_json
+    from snapctl.supervision.signals import StopSignals, stop_all_tracked
+
+    with StopSignals() as signals:
+        try:
+            with Steps(quiet=as_json) as steps:
+                supervised, report = start(steps)
+            signals.started()
+            sessions = supervised if isinstance(supervised, list) else [supervised]
+            if as_json:
+                emit_json(report)
+            else:
+                show(report)
+            wait_and_stop(sessions, as_json=as_json, stop=signals.requested)
+        finally:
+            stop_all_tracked()
 
 
 def run_detached(
@@ -84,12 +106,17 @@ def run_detached(
     report (``show``, or one JSON line with ``--json``). There: supervise until stopped."""
     from snapctl.activation.supervise import InSupervisor, detach, run_all_until_stopped
     from snapctl.cli.output import Steps, emit_json
+    from snapctl.supervision.signals import stop_all_tracked
 
     with Steps(quiet=as_json) as steps:
         outcome = detach(start, on_progress=lambda lane, step: steps.lane(lane)(step))
     if isinstance(outcome, InSupervisor):
         supervised = outcome.supervised
-        run_all_until_stopped(supervised if isinstance(supervised, list) else [supervised])
+        sessions = supervised if isinstance(supervised, list) else [supervised]
+        try:
+            run_all_until_stopped(sessions, stop=outcome.stop)
+        finally:
+            stop_all_tracked()
     elif as_json:
         emit_json(outcome)
     else:
@@ -100,8 +127,9 @@ def run_detached(
                        style="dim", markup=False)  # fmt: skip
 
 
-def wait_and_stop(sessions: list[Any], *, as_json: bool) -> None:
-    """Supervise in the foreground until Ctrl-C (or every tree exited), then report cleanup."""
+def wait_and_stop(sessions: list[Any], *, as_json: bool, stop: Any) -> None:
+    """Supervise in the foreground until ``stop`` is set (Ctrl-C, SIGTERM) or every tree
+    exited, then report cleanup."""
     from snapctl.activation.supervise import run_all_until_stopped
     from snapctl.cli.output import stderr
 
@@ -109,7 +137,7 @@ def wait_and_stop(sessions: list[Any], *, as_json: bool) -> None:
         stderr().print("serving; press Ctrl-C to stop", style="dim")
         for session in sessions:
             note_pages_complete(session)
-    results = run_all_until_stopped(sessions)
+    results = run_all_until_stopped(sessions, stop=stop)
     if not as_json:
         for session, (how, audit) in zip(sessions, results, strict=True):
             style = "green" if audit.clean and not session.failure else "bold red"
@@ -143,18 +171,3 @@ def raise_if_failed(sessions: list[Any]) -> None:
     for session in sessions:
         if session.failure is not None:
             raise SnapctlError(f"{session.name}: {session.failure}", phase="lazy-pages")
-
-
-def start_interruptible(start: Callable[[], Any]) -> Any:
-    """Run ``start`` with SIGTERM raising KeyboardInterrupt, so a stop request during launch or
-    restore still runs the cleanup of whatever was started (the default action would not)."""
-    import signal
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        return start()
-    finally:
-        signal.signal(signal.SIGTERM, previous)

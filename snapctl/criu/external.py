@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.namespaces.hostview import HostMount, always_hidden
 from snapctl.namespaces.mounts import mountinfo
 
@@ -33,6 +33,8 @@ HOST_KEY_PREFIX = "host:"
 
 class HostMountMissing(SnapctlError):
     """An image needs a host mount that this machine does not have."""
+
+    exit_status = ExitStatus.UNAVAILABLE
 
 
 def host_key(mount_point: str) -> str:

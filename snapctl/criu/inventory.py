@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 
 ANON_PREFIX = "anon_inode:"
 # The anonymous inodes CRIU 4.2 dumps (its is_*_link checks), by the name /proc links show.
@@ -69,6 +69,8 @@ FIX_OTHER = "close it before the server writes capture-ready.json (CRIU cannot d
 
 class UndumpableError(SnapctlError):
     """The tree holds descriptors or mappings CRIU cannot dump; nothing was frozen."""
+
+    exit_status = ExitStatus.CAPTURE_FAILED
 
     def __init__(self, findings: Sequence[Undumpable]) -> None:
         lines = "\n".join(f"  - {finding.describe()}" for finding in findings)

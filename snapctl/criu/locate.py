@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 
 MINIMUM_VERSION = (4, 2)
 DEFAULT_PREFIX = Path("/opt/snapctl/criu")
@@ -27,6 +27,8 @@ LAUNCH_FILE = "snapctl-launch.json"
 
 class CriuNotFound(SnapctlError):
     """No usable CRIU binary was found (or the one named is unusable)."""
+
+    exit_status = ExitStatus.UNAVAILABLE
 
 
 class PrefixLaunch(BaseModel):

@@ -11,12 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapctl.criu.locate import CriuBinary
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 
 # Every invocation logs at debug level unless its caller has a reason to log less (dumps and
 # restores, on the paths users wait for: snapctl.criu.ops).
 DEFAULT_LOG_LEVEL = 4
 LOG_TAIL_LINES = 25
+
+
+# CRIU actions whose failure means "the capture failed" or "the activation failed".
+CAPTURE_ACTIONS = frozenset({"dump", "pre-dump"})
+ACTIVATION_ACTIONS = frozenset({"restore", "lazy-pages"})
 
 
 class CriuError(SnapctlError):
@@ -31,6 +36,14 @@ class CriuError(SnapctlError):
         self.returncode = returncode
         self.log_path = log_path
         self.tail = tail
+        if action in CAPTURE_ACTIONS:
+            self.exit_status = ExitStatus.CAPTURE_FAILED
+        elif action in ACTIVATION_ACTIONS:
+            self.exit_status = ExitStatus.ACTIVATION_FAILED
+
+    @property
+    def excerpt(self) -> str | None:
+        return self.tail or self.log_tail
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ images; ``lock`` holds an image while it is read or replaced.
 from snapctl.images.manifest import FileEntry, Manifest, ProcessEntry
 from snapctl.images.store import (
     ImageError,
+    ImageExistsError,
     ImageStaging,
+    ImageWriteError,
     hash_tree,
     load_manifest,
     stage_shm_copy,
@@ -23,7 +25,9 @@ from snapctl.images.store import (
 __all__ = [
     "FileEntry",
     "ImageError",
+    "ImageExistsError",
     "ImageStaging",
+    "ImageWriteError",
     "Manifest",
     "ProcessEntry",
     "hash_tree",

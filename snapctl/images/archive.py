@@ -26,13 +26,14 @@ from typing import IO, Literal
 import zstandard
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from snapctl.errors import ExitStatus
+from snapctl.errors import ExitStatus, NoSpaceError, is_no_space
 from snapctl.images.lock import hold_image
 from snapctl.images.manifest import MANIFEST_NAME, Manifest, is_safe_relative
 from snapctl.images.store import (
     CHUNK,
     MAX_MANIFEST_BYTES,
     ImageError,
+    ImageExistsError,
     ImageStaging,
     check_image_tree,
     is_image_directory,
@@ -206,7 +207,7 @@ def export_image(
     every file against the manifest on the way; ``out`` appears only when complete."""
     image, out = image.absolute(), out.absolute()
     if out.exists() and not force:
-        raise ArchiveError(f"{out} already exists (use --force to replace it)", path=out)
+        raise ImageExistsError(f"{out} already exists (use --force to replace it)", path=out)
     started = time.monotonic()
     with held_for_reading(image) as (manifest, manifest_bytes, directories):
         tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.tmp"
@@ -460,10 +461,11 @@ def import_image(
     force: bool = False,
     cache_dir: Path | None = None,
     progress: ByteProgress | None = None,
+    claims: Path | None = None,
 ) -> ArchiveReport:
     """Unpack ``archive`` into the image directory ``to``, verifying while streaming; publish
     by rename only when every member and the archive's seal matched. ``progress`` counts
-    compressed bytes."""
+    compressed bytes; ``claims`` is where the staging directory is claimed (ImageStaging)."""
     archive, to = archive.absolute(), to.absolute()
     started = time.monotonic()
     try:
@@ -474,7 +476,7 @@ def import_image(
         size = os.fstat(raw.fileno()).st_size
         seal = os.pread(raw.fileno(), SEAL_BYTES, max(0, size - SEAL_BYTES))
         sealed = seal[:8] == _seal(b"\0" * 32)[:8] and seal[8 : 8 + len(SEAL_LABEL)] == SEAL_LABEL
-        staging = ImageStaging(to, force=force)
+        staging = ImageStaging(to, force=force, claims=claims)
         unpacker = _Unpacker(archive, staging.dir)
         # Unsealed, the whole file is streamed: a hostile member is named before the seal is.
         body = _SealedBody(raw, size - SEAL_BYTES if sealed else size, progress)
@@ -496,6 +498,11 @@ def import_image(
             except OSError as error:
                 # A member that collides with another (a file where a directory is needed, a
                 # name the staging layout already uses), or the disk: nothing is published.
+                if is_no_space(error):
+                    raise NoSpaceError.at(
+                        staging.dir, f"cannot unpack {archive.name}, nothing was published",
+                        phase="image",
+                    ) from error  # fmt: skip
                 raise unpacker.refuse(
                     f"cannot unpack member {unpacker.current}: {error.strerror or error}"
                 ) from error

@@ -13,11 +13,13 @@ import fcntl
 import os
 from pathlib import Path
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 
 
 class ImageBusyError(SnapctlError):
     """Someone else holds the image in a way that conflicts with what was asked."""
+
+    exit_status = ExitStatus.CONFLICT
 
 
 class ImageHold:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapctl.protocol.atomic import (
@@ -25,6 +25,7 @@ from snapctl.protocol.atomic import (
     replace_file,
     write_json_atomic,
 )
+from snapctl.supervision.leftovers import ClaimHandle, claim
 
 CHUNK = 4 << 20
 # A manifest lists every image file and every file the tree depended on: far above the 64 KiB
@@ -33,12 +34,27 @@ MAX_MANIFEST_BYTES = 16 << 20
 
 
 class ImageError(SnapctlError):
-    """An image is missing, incomplete, already present, or fails verification."""
+    """An image is missing, incomplete, or fails verification (subclasses: it already exists,
+    or cannot be written)."""
+
+    exit_status = ExitStatus.VERIFY_FAILED
 
     def __init__(
         self, message: str, *, phase: str = "image", path: str | Path | None = None
     ) -> None:
         super().__init__(message, phase=phase, path=path)
+
+
+class ImageExistsError(ImageError):
+    """The image directory asked for already exists (and replacing it was not asked for)."""
+
+    exit_status = ExitStatus.CONFLICT
+
+
+class ImageWriteError(ImageError):
+    """An image could not be written (staged, synced, published) on this host's disk."""
+
+    exit_status = ExitStatus.ERROR
 
 
 def _size_and_sha256(path: Path) -> tuple[int, str]:
@@ -363,32 +379,39 @@ class ImageStaging:
     """A staging directory beside the final image path, published by one rename.
 
     Replacing an existing image (``force``) holds it exclusively from here until the rename,
-    so an image a copy still reads is never replaced under it.
+    so an image a copy still reads is never replaced under it. With ``claims`` (the state
+    directory's, see ``snapctl.supervision.leftovers``) the staging directory and the name the
+    old image is moved aside to are claimed before either exists, so ``snapctl gc`` removes
+    them if this process is killed before it does.
     """
 
-    def __init__(self, final: Path, force: bool = False) -> None:
+    def __init__(self, final: Path, force: bool = False, claims: Path | None = None) -> None:
         self.final = final.absolute()
         self.force = force
         self._hold: ImageHold | None = None
+        self._claim: ClaimHandle | None = None
         if self.final.exists() and not force:
-            raise ImageError(
+            raise ImageExistsError(
                 f"image directory {self.final} already exists (use --force to replace it)",
                 path=self.final,
             )
         if self.final.is_dir():
             self._hold = hold_image(self.final, exclusive=True)
         self.dir = self.final.parent / f".{self.final.name}.staging-{uuid.uuid4().hex[:8]}"
+        self._old = self.final.parent / f".{self.final.name}.replaced-{uuid.uuid4().hex[:8]}"
         try:
+            if claims is not None:
+                self._claim = claim(claims, [self.dir, self._old])
             self.final.parent.mkdir(parents=True, exist_ok=True)
             self.dir.mkdir(mode=0o700)
             for sub in ("criu", "shm", "logs"):
                 (self.dir / sub).mkdir(mode=0o700)
         except OSError as error:
             self.abort()
-            raise ImageError(
-                f"cannot create a staging directory beside {self.final}: {error.strerror}",
-                path=self.final.parent,
-            ) from error
+            what = f"cannot create a staging directory beside {self.final}"
+            if is_no_space(error):
+                raise NoSpaceError.at(self.final.parent, what, phase="image") from error
+            raise ImageWriteError(f"{what}: {error.strerror}", path=self.final.parent) from error
 
     def publish(self, manifest: Manifest) -> Path:
         """Write the manifest last, then rename the staging directory into place.
@@ -401,18 +424,21 @@ class ImageStaging:
         """
         try:
             sync_tree(self.dir)
-        except OSError as error:
-            raise ImageError(
-                f"cannot write {self.final} to disk: {error.strerror}", path=self.dir
-            ) from error
-        write_json_atomic(
-            self.dir / MANIFEST_NAME, manifest.model_dump(mode="json"), max_bytes=MAX_MANIFEST_BYTES
-        )
+            write_json_atomic(
+                self.dir / MANIFEST_NAME, manifest.model_dump(mode="json"),
+                max_bytes=MAX_MANIFEST_BYTES,
+            )  # fmt: skip
+        except (OSError, SnapctlError) as error:
+            what = f"cannot write {self.final} to disk"
+            if is_no_space(error):
+                raise NoSpaceError.at(self.dir, what, phase="image") from error
+            detail = error.strerror if isinstance(error, OSError) else error.message
+            raise ImageWriteError(f"{what}: {detail}", path=self.dir) from error
         try:
             if not os.path.lexists(self.final):
                 os.rename(self.dir, self.final)
             elif not self.force:
-                raise ImageError(
+                raise ImageExistsError(
                     f"image directory {self.final} appeared while this image was staged",
                     path=self.final,
                 )
@@ -420,7 +446,7 @@ class ImageStaging:
                 if self._hold is None:  # it appeared since __init__: hold it like any other
                     self._hold = hold_image(self.final, exclusive=True)
                 # Move the old image aside first so a crash never leaves neither.
-                old = self.final.parent / f".{self.final.name}.replaced-{uuid.uuid4().hex[:8]}"
+                old = self._old
                 os.rename(self.final, old)
                 try:
                     os.rename(self.dir, self.final)
@@ -431,19 +457,27 @@ class ImageStaging:
                 shutil.rmtree(old, ignore_errors=True)
             fsync_directory(self.final.parent)
         except OSError as error:
-            raise ImageError(
+            raise ImageWriteError(
                 f"cannot publish {self.final}: {error.strerror}", path=self.final
             ) from error
         finally:
             self._release()
+        self._drop_claim()
         return self.final
 
     def abort(self) -> None:
         """Remove the staging directory and drop the hold; harmless after ``publish``."""
         shutil.rmtree(self.dir, ignore_errors=True)
         self._release()
+        self._drop_claim()
 
     def _release(self) -> None:
         if self._hold is not None:
             self._hold.release()
             self._hold = None
+
+    def _drop_claim(self) -> None:
+        # Only once nothing it names is left (a failed publish still owns its staging dir).
+        if self._claim is not None and not (self.dir.exists() or self._old.exists()):
+            self._claim.release()
+            self._claim = None

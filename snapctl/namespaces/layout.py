@@ -19,6 +19,8 @@ SANDBOX_CONTROL_DIR = "/run/snapctl/control"
 SANDBOX_LOGS_DIR = "/run/snapctl/logs"
 SANDBOX_LOG_FILE = f"{SANDBOX_LOGS_DIR}/server.log"
 SANDBOX_SHM_DIR = "/dev/shm"
+# ``.ID.creating``: an activation directory being made (see ActivationDirs.create).
+CREATING_SUFFIX = ".creating"
 
 # The control directory is a tmpfs of its own: the protocol fsyncs every file and the directory
 # on each write (five writes per handshake), which on a disk costs a journal commit each and
@@ -148,12 +150,28 @@ class ActivationDirs:
             for key, target in EXTERNAL_MOUNT_KEYS.items()
         ]
 
+    @property
+    def creating(self) -> Path:
+        """Where ``root`` is made with its owner file, before it appears under its name."""
+        return self.root.parent / f".{self.root.name}{CREATING_SUFFIX}"
+
     def create(self, shm_size: str = "50%") -> None:
         """Make fresh directories and mount both tmpfs; on failure none is left mounted and
-        ``root`` is removed again (the logs stay)."""
-        self.root.mkdir(parents=True, mode=0o700)
+        ``root`` is removed again (the logs stay).
+
+        ``root`` appears with its owner file already in it (made beside it, then renamed), so
+        ``snapctl gc`` never meets an activation without an owner to judge it by.
+        """
+        self.root.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+        self.creating.mkdir(mode=0o700)
         try:
-            write_json_atomic(self.owner_file, ActivationOwner.current().model_dump(mode="json"))
+            owner = ActivationOwner.current().model_dump(mode="json")
+            write_json_atomic(self.creating / self.owner_file.name, owner)
+            os.rename(self.creating, self.root)
+        except BaseException:
+            shutil.rmtree(self.creating, ignore_errors=True)
+            raise
+        try:
             self.control.mkdir(mode=0o700)
             self.shm.mkdir(mode=0o755)
             self.work.mkdir(mode=0o700)

@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from snapctl.namespaces.publish import bind_listener
+
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
 _Request = tuple[Callable[[], socket.socket], Future[socket.socket]]
@@ -85,7 +87,7 @@ class Publisher:
     ) -> None:
         self._connector = connector
         self._inner = inner
-        self._listener = socket.create_server((host_address, host_port), reuse_port=False)
+        self._listener = bind_listener(host_address, host_port)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="publish", daemon=True)

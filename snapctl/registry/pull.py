@@ -330,10 +330,12 @@ def pull_image(
     progress: ByteProgress | None = None,
     total: Callable[[int], None] | None = None,
     remote: Remote | None = None,
+    claims: Path | None = None,
 ) -> PullReport:
     """Pull ``client.reference`` into the image directory ``to`` (see the module docstring).
 
-    ``total`` is told the bytes the pull will account for, before any arrives.
+    ``total`` is told the bytes the pull will account for, before any arrives; ``claims`` is
+    where the staging directory is claimed for ``snapctl gc`` (see ImageStaging).
     """
     started = time.monotonic()
     to = to.absolute()
@@ -344,7 +346,7 @@ def pull_image(
     if total is not None:
         total(sum(missing.values()))
     fetcher = _Fetcher(client, cache, progress)
-    staging = ImageStaging(to, force=force)
+    staging = ImageStaging(to, force=force, claims=claims)
     try:
         _fetch_all(fetcher, missing, jobs)
         _assemble(remote, cache, staging.dir)
@@ -412,7 +414,7 @@ def pull_cached(
             return _report(remote, target, None, len(remote.oci.layers), started, already=True)
     report = pull_image(client, target, cache=cache, verified_cache=state.verified,
                         force=target.exists(), jobs=jobs, progress=progress, total=total,
-                        remote=remote)  # fmt: skip
+                        remote=remote, claims=state.claims)  # fmt: skip
     write_record(target, manifest_digest=remote.manifest_digest, image_id=report.image_id,
                  reference=str(client.reference), pulled=now)  # fmt: skip
     return report

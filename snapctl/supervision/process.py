@@ -37,11 +37,20 @@ def start_time(pid: int) -> float:
         raise ProcessGoneError(f"process {pid} does not exist", pid=pid) from error
 
 
+# A zombie (killed, not yet reaped: where PID 1 never reaps, never) keeps its PID and start
+# time, but runs nothing and cleans up nothing: it is as dead as a process that is gone.
+DEAD_STATUSES = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
+
+
 def is_same_process(pid: int, expected_start: float) -> bool:
-    """True while ``pid`` is still the process that started at ``expected_start``."""
+    """True while ``pid`` is still the process that started at ``expected_start`` and still
+    runs (a zombie with that start time does not)."""
     try:
-        return abs(start_time(pid) - expected_start) <= START_TIME_TOLERANCE_S
-    except ProcessGoneError:
+        process = psutil.Process(pid)
+        with process.oneshot():
+            same = abs(process.create_time() - expected_start) <= START_TIME_TOLERANCE_S
+            return same and process.status() not in DEAD_STATUSES
+    except psutil.NoSuchProcess:
         return False
 
 

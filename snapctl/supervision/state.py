@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.protocol.atomic import write_json_atomic
+from snapctl.supervision.names import NameReservation, check_name, reserve_name
 
 DEFAULT_STATE_DIR = Path("/var/lib/snapctl")
 
@@ -77,6 +78,11 @@ class StateDir:
         return self.root / "views"
 
     @property
+    def claims(self) -> Path:
+        """Claims on staging directories beside images (see ``snapctl.supervision.leftovers``)."""
+        return self.root / "claims"
+
+    @property
     def criu(self) -> Path:
         """CRIU's kernel probe cache where /run is not a tmpfs (see ``snapctl.criu.kdat``)."""
         return self.root / "criu"
@@ -86,7 +92,13 @@ class StateDir:
             path.mkdir(parents=True, mode=0o700, exist_ok=True)
 
     def record_path(self, name: str) -> Path:
-        return self.records / f"{name}.json"
+        # Checked here too, not only where the name comes in: a path is never built from one
+        # that could leave the records directory.
+        return self.records / f"{check_name(name)}.json"
+
+    def reserve_name(self, name: str) -> NameReservation:
+        """Reserve ``name`` until the activation stops (see ``snapctl.supervision.names``)."""
+        return reserve_name(self.records, name)
 
     def save_record(self, record: ActivationRecord) -> None:
         payload = record.model_dump(mode="json")

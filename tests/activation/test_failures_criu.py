@@ -234,6 +234,8 @@ def test_disk_full_publishes_nothing(
     with pytest.raises(CaptureError, match="no image published") as info:
         launch_donor(image, state, criu_binary)
     assert info.value.phase == "capture" and "cleanup: clean" in str(info.value)
+    assert f"no space left on device (ENOSPC) at {small_mount}" in str(info.value)
+    assert "MiB free" in str(info.value)
     assert list(small_mount.iterdir()) == []  # no image, no staging directory
     assert leftovers(state) == []
 

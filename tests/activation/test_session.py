@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from snapctl.activation.donor import new_session
+from snapctl.activation.session import criu_processes
 from snapctl.errors import SnapctlError
 from snapctl.supervision.process import PinnedProcess
 from snapctl.supervision.state import StateDir
@@ -33,3 +36,22 @@ def test_a_root_that_survives_sigkill_does_not_stop_the_teardown(
     how, audit = session.stop(stop_timeout_s=1.0)
     assert "survived SIGKILL" in how
     assert session.stopped and audit.clean and not session.dirs.root.exists()
+
+
+def test_criu_processes_of_an_activation_include_a_held_lazy_pages_daemon(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    ours = [
+        subprocess.Popen([*sleeper, "restore", "--work-dir", str(work)]),
+        subprocess.Popen([*sleeper, "lazy-pages", "--work-dir", str(work / "lazy-pages")]),
+    ]
+    other = subprocess.Popen([*sleeper, "lazy-pages", "--work-dir", str(tmp_path / "work2")])
+    try:
+        deadline = time.monotonic() + 10
+        while len(criu_processes(work)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until both have exec'd
+        assert criu_processes(work) == sorted(p.pid for p in ours)
+    finally:
+        for process in [*ours, other]:
+            process.kill()
+            process.wait()

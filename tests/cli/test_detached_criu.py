@@ -160,7 +160,7 @@ def test_gc_cleans_up_after_a_killed_snapctl_and_spares_live_ones(
     assert rows["doomed"]["running"] and not rows["doomed"]["supervised"]
     assert rows["live"]["running"] and rows["live"]["supervised"]
 
-    collected = json.loads(ok(snapctl(state, "gc", "--json")))
+    collected = json.loads(ok(snapctl(state, "gc", "--json")))["activations"]
     assert [entry["names"] for entry in collected] == [["doomed"]]
     assert collected[0]["audit"] == {
         "processes": [], "mounts": [], "directories": [], "listeners": [], "shm_files": []
@@ -168,6 +168,6 @@ def test_gc_cleans_up_after_a_killed_snapctl_and_spares_live_ones(
     assert not (state / "activations" / doomed["activation_id"]).exists()
     assert [row["name"] for row in json.loads(ok(snapctl(state, "ps", "--json")))] == ["live"]
     assert get(live["published"], "/v1/models")[0] == 200  # gc left the live copy alone
-    assert json.loads(ok(snapctl(state, "gc", "--json"))) == []
+    assert json.loads(ok(snapctl(state, "gc", "--json"))) == {"activations": [], "removed": []}
     ok(snapctl(state, "stop", "live"))
     assert list((state / "activations").iterdir()) == []

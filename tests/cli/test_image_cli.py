@@ -70,7 +70,7 @@ def test_image_rm_refuses_while_held(tmp_path: Path, capsys: pytest.CaptureFixtu
     publish_sample(image)
 
     with hold_image(image):
-        assert main(["image", "rm", str(image)]) == ExitStatus.ERROR
+        assert main(["image", "rm", str(image)]) == ExitStatus.CONFLICT
     assert "is in use" in capsys.readouterr().err and image.exists()
 
     assert main(["image", "rm", str(image), "--json"]) == ExitStatus.OK

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
+from snapctl.errors import ExitStatus
 from snapctl.images import load_manifest, verify_image
 from snapctl.images.archive import (
     SEAL_BYTES,
@@ -21,7 +22,7 @@ from snapctl.images.archive import (
     import_image,
 )
 from snapctl.images.lock import ImageBusyError, hold_image
-from snapctl.images.store import ImageError, is_verified
+from snapctl.images.store import ImageError, ImageExistsError, is_verified
 from tests.images.factories import publish_sample
 
 
@@ -92,8 +93,9 @@ def test_export_refuses_an_existing_archive_and_an_unexpected_file(
     tmp_path: Path, exported: tuple[Path, Path]
 ) -> None:
     image, archive = exported
-    with pytest.raises(ArchiveError, match="already exists"):
-        export_image(image, archive)
+    with pytest.raises(ImageExistsError, match="already exists") as info:  # a conflict, like
+        export_image(image, archive)  # any other "exists" (not a failed verification)
+    assert info.value.exit_status == ExitStatus.CONFLICT
     (image / "criu" / "stray").write_bytes(b"x")
     with pytest.raises(ArchiveError, match="unexpected file in image: criu/stray"):
         export_image(image, tmp_path / "other.tar.zst")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from snapctl.errors import ExitStatus, NoSpaceError
 from snapctl.images import ImageError, ImageStaging, Manifest, hash_tree, stage_shm_copy
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.images.store import is_verified, load_manifest, verify_image
@@ -312,3 +314,22 @@ def test_staging_a_saved_shm_refuses_a_symlink(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match=r"sem\.x is a symlink"):
         stage_shm_copy(source, target)
     assert list(target.iterdir()) == []
+
+
+def test_a_full_disk_at_publication_says_enospc_where_and_how_much_is_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    final = tmp_path / "img"
+    staging = ImageStaging(final)
+    (staging.dir / "criu" / "x").write_bytes(b"pages")
+
+    def full(root: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("snapctl.images.store.sync_tree", full)
+    with pytest.raises(NoSpaceError) as info:
+        staging.publish(make_manifest(hash_tree(staging.dir)))
+    staging.abort()
+    assert "ENOSPC" in info.value.message and str(staging.dir) in info.value.message
+    assert "MiB free" in info.value.message and info.value.exit_status == ExitStatus.UNAVAILABLE
+    assert list(tmp_path.iterdir()) == []

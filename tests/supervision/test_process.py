@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
+import time
+from collections.abc import Iterator
 
-from snapctl.supervision.process import is_same_process, start_time
+import psutil
+
+from snapctl.namespaces.layout import ActivationOwner
+from snapctl.supervision.process import PinnedProcess, is_same_process, start_time
 
 
 def test_same_process_only_with_its_own_start_time() -> None:
@@ -19,3 +25,35 @@ def test_a_process_that_is_gone_is_not_the_same() -> None:
     started = start_time(gone.pid)
     gone.wait()
     assert not is_same_process(gone.pid, started)
+
+
+@contextlib.contextmanager
+def zombie() -> Iterator[int]:
+    """A child that has exited and that nobody reaps (until the end of the block)."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the child did not exit"
+        time.sleep(0.01)
+    try:
+        yield pid
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_a_zombie_is_not_the_same_process() -> None:
+    with zombie() as pid:
+        started = start_time(pid)  # a zombie keeps its PID and its start time
+        assert not is_same_process(pid, started)
+
+
+def test_a_zombie_owner_is_not_alive() -> None:
+    with zombie() as pid:
+        assert not ActivationOwner(pid=pid, start_time=start_time(pid)).alive()
+
+
+def test_a_pinned_zombie_is_not_alive() -> None:
+    with zombie() as pid, PinnedProcess(pid) as pinned:
+        assert not pinned.alive()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from argparse import Namespace
 
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.launcher.vllm.worker import EXTENSION
 
 SNAPSHOT_FLAG = "--snapshot-config"
@@ -20,6 +20,8 @@ EXTENSION_FLAG = "--worker-extension-cls"
 
 class UsageError(SnapctlError, ValueError):
     """The command line cannot be run (the message names the fix)."""
+
+    exit_status = ExitStatus.USAGE
 
 
 def split_snapshot_config(argv: list[str]) -> tuple[list[str], str | None]:

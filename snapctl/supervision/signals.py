@@ -1,0 +1,112 @@
+"""SIGINT and SIGTERM while snapctl owns activations, so that no interrupt leaves one running
+without its supervisor.
+
+A command that starts activations holds :class:`StopSignals` from before its first start until
+it has stopped them (the foreground command) or for the whole life of a detached supervisor.
+While starting, the first signal raises ``KeyboardInterrupt`` where the main thread is, so the
+start's own cleanup runs; every later signal, and every signal once started, only sets
+``requested``, which the supervising loop checks: a cleanup in progress is never cut short and
+a stop request is never lost (the default action, process death, is never taken).
+
+Whatever was started and not yet stopped is registered (:func:`track`), so a start
+interrupted between creating an activation and handing it to its caller is still stopped, by
+:func:`stop_all_tracked` at the end of the command.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, Protocol
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stoppable(Protocol):
+    def stop(self, stop_timeout_s: float = ...) -> Any: ...
+
+
+_tracked: list[Stoppable] = []
+_tracked_lock = threading.Lock()
+
+
+def track(activation: Stoppable) -> None:
+    """Register an activation as started and not yet stopped."""
+    with _tracked_lock:
+        _tracked.append(activation)
+
+
+def untrack(activation: Stoppable) -> None:
+    """It has stopped (called by its ``stop``)."""
+    with _tracked_lock:
+        for index, tracked in enumerate(_tracked):
+            if tracked is activation:
+                del _tracked[index]
+                return
+
+
+def stop_all_tracked(stop_timeout_s: float = 10.0) -> int:
+    """Stop every activation this process started and has not stopped; return how many."""
+    with _tracked_lock:
+        pending = list(_tracked)
+    for activation in pending:
+        activation.stop(stop_timeout_s)
+        untrack(activation)
+    return len(pending)
+
+
+class StopSignals:
+    """SIGINT/SIGTERM handlers for a command that owns activations (see the module docstring).
+
+    Single use: ``with StopSignals() as signals: ...start...; signals.started(); ...serve``.
+    """
+
+    def __init__(self) -> None:
+        self.requested = threading.Event()
+        self.received: int | None = None
+        self._raising = True
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = self.received or signum
+        self.requested.set()
+        if self._raising:
+            self._raising = False  # once: the cleanup this starts must run to its end
+            raise KeyboardInterrupt
+
+    def started(self) -> None:
+        """Everything is started and owned: from now on a signal only requests the stop."""
+        self._raising = False
+
+    def install(self) -> StopSignals:
+        """Take over SIGINT and SIGTERM (a detached supervisor: for the rest of its life)."""
+        if self._previous:
+            raise RuntimeError("StopSignals is single use")
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def __enter__(self) -> StopSignals:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+
+def forward_to(pid: int) -> Callable[[int, FrameType | None], None]:
+    """A handler that passes SIGINT/SIGTERM on to ``pid`` as SIGTERM (our unreaped child, so
+    its PID cannot have been reused)."""
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+    return forward
