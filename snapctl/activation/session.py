@@ -68,7 +68,9 @@ def criu_processes(work_dir: Path) -> list[int]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         argv = process.info["cmdline"] or []
-        if "--work-dir" in argv:
+        # Only CRIU: another program with a --work-dir argument there is none of ours. CRIU
+        # runs as itself, through its loader, or under kdat's unshare + sh wrapper.
+        if "--work-dir" in argv and any("criu" in os.path.basename(arg) for arg in argv):
             index = argv.index("--work-dir") + 1
             if index < len(argv) and Path(argv[index]).is_relative_to(work_dir):
                 found.append(process.pid)

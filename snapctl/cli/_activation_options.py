@@ -185,6 +185,12 @@ def check_publish_option(common: CommonOptions, count: int = 1) -> None:
     from snapctl.namespaces.publish import check_publish
 
     address, port = common.publish
+    if port and port + count - 1 > 65535:
+        raise click.BadParameter(
+            f"{count} copies from port {port} need ports up to {port + count - 1}, past 65535; "
+            "give a lower first port",
+            param_hint="--publish",
+        )
     check_publish(address, [port + index for index in range(count)] if port else [],
                   exposed=common.expose)  # fmt: skip
 

@@ -269,6 +269,7 @@ class RegistryClient:
         if not location:
             raise RegistryError(f"{self.reference.registry} started an upload without a Location")
         url = urllib.parse.urljoin(f"{self.scheme}://{self.reference.registry}/", location)
+        self.check_same_origin(url, "the upload Location")
         separator = "&" if "?" in url else "?"
         response = self.request(
             "PUT", f"{url}{separator}digest={urllib.parse.quote(digest)}", data=data,
@@ -278,6 +279,17 @@ class RegistryClient:
         with response:
             if response.status_code not in (201, 204):
                 raise self.refuse(response, f"the upload of blob {digest}")
+
+    def check_same_origin(self, url: str, what: str) -> None:
+        """Refuse a URL on another scheme or host: every request carries the registry's
+        credentials, which must never reach another host or travel in the clear."""
+        parts = urllib.parse.urlsplit(url)
+        if (parts.scheme, parts.netloc) != (self.scheme, self.reference.registry):
+            raise RegistryError(
+                f"{self.reference.registry}: {what} points to {parts.scheme}://{parts.netloc}, "
+                "not to the registry itself; snapctl sends its credentials only to the registry "
+                "(check the registry's or its proxy's configuration)"
+            )
 
     def blob_pieces(self, digest: str, offset: int = 0) -> Iterator[bytes]:
         """The blob's bytes from ``offset`` on, in pieces; a registry that ignores the range

@@ -53,9 +53,17 @@ def stop_all_tracked(stop_timeout_s: float = 10.0) -> int:
     """Stop every activation this process started and has not stopped; return how many."""
     with _tracked_lock:
         pending = list(_tracked)
+    failures: list[Exception] = []
     for activation in pending:
-        activation.stop(stop_timeout_s)
-        untrack(activation)
+        # One stop that fails must not leave the others running.
+        try:
+            activation.stop(stop_timeout_s)
+        except Exception as error:
+            failures.append(error)
+        finally:
+            untrack(activation)
+    if failures:
+        raise failures[0]
     return len(pending)
 
 

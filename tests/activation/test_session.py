@@ -40,18 +40,25 @@ def test_a_root_that_survives_sigkill_does_not_stop_the_teardown(
 
 def test_criu_processes_of_an_activation_include_a_held_lazy_pages_daemon(tmp_path: Path) -> None:
     work = tmp_path / "work"
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    fake_criu = tmp_path / "criu"
+    fake_criu.symlink_to(sys.executable)
+    sleeper = [str(fake_criu), "-c", "import time; time.sleep(60)"]
     ours = [
         subprocess.Popen([*sleeper, "restore", "--work-dir", str(work)]),
         subprocess.Popen([*sleeper, "lazy-pages", "--work-dir", str(work / "lazy-pages")]),
     ]
-    other = subprocess.Popen([*sleeper, "lazy-pages", "--work-dir", str(tmp_path / "work2")])
+    # Another activation's CRIU, and a program that is not CRIU at all, are not ours.
+    not_criu = [sys.executable, "-c", "import time; time.sleep(60)"]
+    others = [
+        subprocess.Popen([*sleeper, "lazy-pages", "--work-dir", str(tmp_path / "work2")]),
+        subprocess.Popen([*not_criu, "--work-dir", str(work)]),
+    ]
     try:
         deadline = time.monotonic() + 10
         while len(criu_processes(work)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)  # until both have exec'd
         assert criu_processes(work) == sorted(p.pid for p in ours)
     finally:
-        for process in [*ours, other]:
+        for process in [*ours, *others]:
             process.kill()
             process.wait()

@@ -288,3 +288,12 @@ def test_startup_timeouts_are_documented_in_help() -> None:
         result = CliRunner().invoke(snapctl, [command, "--help"])
         assert "--ready-timeout SECONDS" in result.output
         assert "--server-timeout SECONDS" in result.output
+
+
+def test_published_ports_of_count_copies_must_fit_below_65536(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        snapctl,
+        ["copy", "--image", str(tmp_path), "--count", "3", "--publish", "127.0.0.1:65534"],
+    )
+    assert result.exit_code == 2, result.output
+    assert "past 65535" in result.output

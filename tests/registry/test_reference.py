@@ -70,3 +70,18 @@ def test_the_config_refuses_files_outside_the_image_and_chunks_that_do_not_add_u
                           gid=0, chunks=[layout.Chunk(digest=DIGEST, size=9)])  # fmt: skip
     with pytest.raises(ValueError, match="exactly one of"):
         layout.StoredFile(name="a", size=1, sha256="0" * 64, mode=0o644, uid=0, gid=0)
+
+
+@pytest.mark.parametrize(
+    "location",
+    [
+        "http://elsewhere.invalid:5000/v2/x/blobs/uploads/1",  # another host
+        "https://127.0.0.1:5000/v2/x/blobs/uploads/1",  # another scheme
+        "http://127.0.0.1:5001/v2/x/blobs/uploads/1",  # another port
+    ],
+)
+def test_credentials_never_follow_a_location_to_another_origin(location: str) -> None:
+    client = RegistryClient(Reference.parse("127.0.0.1:5000/x:y"), plain_http=True)
+    client.check_same_origin("http://127.0.0.1:5000/v2/x/blobs/uploads/1?state=a", "Location")
+    with pytest.raises(RegistryError, match="only to the registry"):
+        client.check_same_origin(location, "the upload Location")
