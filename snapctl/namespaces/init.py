@@ -15,6 +15,10 @@ import socket
 import sys
 from pathlib import Path
 
+# Imported before any mount changes: once the sandbox's private /tmp covers the host's, a
+# snapctl installed under /tmp could no longer import it.
+from pyroute2 import IPRoute
+
 from snapctl.namespaces import mounts, seccomp
 from snapctl.namespaces.hostview import HostMount, mounts_to_detach, server_paths
 from snapctl.namespaces.layout import SandboxSpec
@@ -37,7 +41,6 @@ def _detach_hidden(needed: list[str]) -> None:
 
 
 def _loopback_up(addresses: list[str]) -> None:
-    from pyroute2 import IPRoute
 
     with IPRoute() as ipr:
         (lo,) = ipr.link_lookup(ifname="lo")
