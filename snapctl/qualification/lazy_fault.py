@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from snapctl.activation.copy import start_copy
-from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.session import Session
+from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest, verify_image
 from snapctl.images.lock import hold_image
