@@ -79,20 +79,20 @@ def new_session(
     the reservation is released."""
     if reservation is None:
         reservation = reserve_session_name(state, kind, name)
-    try:
-        # Unnamed, the activation goes by its id, which is what was reserved.
-        activation_id = reservation.name if name is None else new_activation_id(kind)
-        dirs = ActivationDirs(
-            root=state.activations / activation_id, logs=state.logs / activation_id
-        )
-        tools.sandbox.create_dirs(dirs)
-    except BaseException:
-        reservation.release()
-        raise
-    return Session(
+    # Unnamed, the activation goes by its id, which is what was reserved.
+    activation_id = reservation.name if name is None else new_activation_id(kind)
+    dirs = ActivationDirs(root=state.activations / activation_id, logs=state.logs / activation_id)
+    # Tracked before its directories exist: an interrupt from here on still removes them.
+    session = Session(
         name=reservation.name, activation_id=activation_id, kind=kind, dirs=dirs,
         state_dir=state, reservation=reservation,
     )  # fmt: skip
+    try:
+        tools.sandbox.create_dirs(dirs)
+    except BaseException:
+        session.stop(failed=True)
+        raise
+    return session
 
 
 def activate_and_probe(
