@@ -218,11 +218,12 @@ def start_donor(
         reservation.release()
         raise
     try:
-        session = new_session(state, "donor", options.name, reservation, tools=tools)
+        session = new_session(
+            state, "donor", options.name, reservation, options=options, tools=tools
+        )
     except BaseException:
         staging.abort()
         raise
-    session.host, session.port = options.host, options.port
     try:
         if options.server_argv:
             argv, cwd = list(options.server_argv), Path.cwd()
