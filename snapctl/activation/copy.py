@@ -19,7 +19,7 @@ from snapctl.activation.donor import (
     reserve_session_name,
 )
 from snapctl.activation.gate import check_identity
-from snapctl.activation.launch import LaunchOptions, log_tail
+from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.lazy import HOLD_TRANSFER_MIN_BYTES, LazyTransfer
 from snapctl.activation.native import NativeStep, NoNativeStep, timed, tree_pids_when_read
 from snapctl.activation.session import Session
@@ -32,6 +32,7 @@ from snapctl.criu.pagemap import lazy_view
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError, Manifest, stage_shm_copy, verify_image
 from snapctl.images.lock import hold_image
+from snapctl.logtail import log_tail
 from snapctl.supervision.names import NameReservation, numbered_names
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, become_subreaper
 from snapctl.supervision.state import StateDir

@@ -24,7 +24,6 @@ from snapctl.criu.run import (
     CriuError,
     CriuProcess,
     CriuResult,
-    log_tail,
     run_criu,
     spawn_criu,
     start_criu,
@@ -168,13 +167,13 @@ class LazyPagesDaemon:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CriuError("lazy-pages", None, self.log_path, log_tail(self.log_path))
+                    raise CriuError("lazy-pages", None, self.log_path)
                 if select.select([read_fd], [], [], left)[0]:
                     break
             if os.read(read_fd, 1) != b"\0":
                 # The pipe closed without the ready byte: the daemon failed to start.
                 status = self.wait(timeout_s)
-                raise CriuError("lazy-pages", status, self.log_path, log_tail(self.log_path))
+                raise CriuError("lazy-pages", status, self.log_path)
         except BaseException:
             self.kill()
             raise

@@ -21,13 +21,14 @@ from snapctl.activation.launch import (
     LaunchOptions,
     fixture_command,
     launch_in_sandbox,
-    log_tail,
     repo_root,
 )
 from snapctl.activation.session import Session
 from snapctl.activation.timeouts import ready_timeout_hint
 from snapctl.errors import SnapctlError
 from snapctl.images.manifest import Manifest
+from snapctl.logtail import log_tail
+from snapctl.phases import HostPhase
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -173,7 +174,7 @@ def start_reference(
         except SnapctlError as error:
             raise LaunchError(
                 f"the reference server never served: {error.message}",
-                phase="reference",
+                phase=HostPhase.REFERENCE,
                 path=session.dirs.server_log,
                 log_tail=log_tail(session.dirs.server_log),
             ) from error
