@@ -116,11 +116,6 @@ def start_copy(
         if noted:
             progress("differs, does not refuse: " + "; ".join(f"{d.field}: {d.detail}"
                                                               for d in noted))  # fmt: skip
-        if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
-            raise RestoreError(
-                f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
-                phase="verify",
-            )
         # Restored trees are reparented to the nearest subreaper: let that be us.
         become_subreaper()
         session = new_session(state, "copy", options.name, reservation)

@@ -147,10 +147,10 @@ def detach(
                 "status": int(error.exit_status),
                 "phase": error.phase,
                 "path": None if error.path is None else str(error.path),
-                "log_tail": error.excerpt,
+                "log_tail": error.log_tail,
             }
         )
-        os._exit(1)
+        os._exit(error.exit_status)
     except Exception as error:  # a bug: say so in the parent instead of "exited early"
         traceback.print_exc()
         send(
