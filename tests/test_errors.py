@@ -157,5 +157,5 @@ def test_the_criu_log_tail_is_the_error_s_log_tail(tmp_path: Path) -> None:
     log.write_text("(0.1) Error (cr-restore.c:1): no luck\n(0.2) last line\n")
     error = CriuError("restore", 1, log)
     assert error.log_tail is not None and "no luck" in error.log_tail
-    assert str(error).endswith("(0.2) last line") and not hasattr(error, "tail")
+    assert error.log_tail.endswith("(0.2) last line") and not hasattr(error, "tail")
     assert CriuError("restore", 1, log, "").log_tail is None

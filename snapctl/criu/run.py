@@ -52,6 +52,11 @@ class CriuError(SnapctlError):
         elif action in ACTIVATION_ACTIONS:
             self.exit_status = ExitStatus.ACTIVATION_FAILED
 
+    def __str__(self) -> str:
+        # TODO(lead): drop once activation/{donor,copy} wrap ``error.message`` instead of
+        # ``{error}`` beside ``log_tail=``: until then the tail would be shown twice.
+        return self.message
+
 
 @dataclass(frozen=True)
 class CriuResult:
