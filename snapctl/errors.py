@@ -88,7 +88,7 @@ class ExitStatus(IntEnum):
     6     CONFLICT            something is already there or in use: an image directory, an
                               activation name, a host port, an image a copy still holds
     7     UNAVAILABLE         this host lacks what the command needs: CRIU, disk space, an
-                              address, a host mount
+                              address, a host mount, a registry it can reach
     130   INTERRUPTED         stopped by SIGINT or SIGTERM (128 + SIGINT, as shells report
                               Ctrl-C); whatever was started was stopped
     ====  ==================  ==================================================================
