@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,6 @@ from snapctl.images.lock import ImageHold
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.supervision.names import NameReservation
 from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
 
 
 class ActivationReport(BaseModel):

@@ -12,7 +12,8 @@ from snapctl.cli._activation_options import (
     activation_options,
     check_publish_option,
 )
-from snapctl.cli.serving import Progress, serve
+from snapctl.cli.serving import serve
+from snapctl.progress import Progress
 
 
 @click.command(context_settings={"ignore_unknown_options": True})

@@ -34,9 +34,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from snapctl.criu.locate import CriuBinary
+from snapctl.models import StrictModel
 from snapctl.namespaces import mounts
 
 KDAT = "criu.kdat"
@@ -54,10 +55,8 @@ MAKE_SCRIPT = (
 MAKE_TIMEOUT_S = 60.0
 
 
-class KdatKey(BaseModel):
+class KdatKey(StrictModel):
     """What a kdat cache describes: this boot, this kernel, this CRIU binary."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     boot_id: str
     kernel: str
@@ -67,10 +66,8 @@ class KdatKey(BaseModel):
     criu_mtime_ns: int
 
 
-class KdatRecord(BaseModel):
+class KdatRecord(StrictModel):
     """``criu.kdat.json``: the key a cache was made for, and its content's sha256."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     key: KdatKey
     sha256: str

@@ -14,7 +14,7 @@ import secrets
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import load_manifest
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.phases import HostPhase
+from snapctl.progress import Progress
 from snapctl.qualification import checks
 from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
 from snapctl.qualification.faults import FaultMode, run_fault, run_stale
@@ -46,8 +47,6 @@ from snapctl.qualification.runs import (
 )
 from snapctl.supervision.process import become_subreaper
 from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
 
 RUN_ORDER = (
     "donor",

@@ -35,10 +35,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
 from snapctl.errors import SnapctlError
+from snapctl.models import StrictModel
 from snapctl.protocol.atomic import replace_file
 
 PAGE_SIZE = 4096
@@ -177,10 +178,8 @@ def eager_entries(
     return [entry for run in short for entry in run]
 
 
-class ViewSummary(BaseModel):
+class ViewSummary(StrictModel):
     """What a view left lazy and what it made eager, in bytes (of one process or of all)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     eager_bytes: int = 0
     lazy_bytes: int = 0
