@@ -15,7 +15,7 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.stats import DumpStats
 from snapctl.images import load_manifest
 from snapctl.progress import Progress
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 class BakeReport(BaseModel):

@@ -42,9 +42,9 @@ from snapctl.images.lock import hold_image
 from snapctl.logtail import log_tail
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
-from snapctl.supervision.names import NameReservation, numbered_names
+from snapctl.statedir import StateDir
+from snapctl.statedir.names import NameReservation, numbered_names
 from snapctl.supervision.process import ProcessGoneError
-from snapctl.supervision.state import StateDir
 
 __all__ = ["ParkedCopy", "RestoreError", "activate_copy", "restore_copy", "start_copy"]
 

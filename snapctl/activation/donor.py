@@ -42,7 +42,7 @@ from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
 from snapctl.protocol.models import CaptureReady
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 class CaptureError(SnapctlError):

@@ -17,7 +17,7 @@ from snapctl.images.identity import (
     tree_files,
 )
 from snapctl.images.manifest import Manifest
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 def file_hash_cache(state: StateDir) -> Path:

@@ -35,8 +35,8 @@ from snapctl.namespaces.layout import (
 from snapctl.phases import HostPhase
 from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
 from snapctl.protocol.waiter import wait_for
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
-from snapctl.supervision.state import StateDir
 
 SECRET_FLAGS = ("--api-key", "--token", "--hf-token", "--password")
 

@@ -32,8 +32,8 @@ from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess, become_subreaper
-from snapctl.supervision.state import StateDir
 
 
 class CriuOps(Protocol):

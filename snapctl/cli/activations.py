@@ -10,15 +10,15 @@ from snapctl.cli._activation_options import check_name_option
 from snapctl.cli.output import emit_json, json_option, stdout
 
 if TYPE_CHECKING:
-    from snapctl.supervision.state import ActivationRecord
+    from snapctl.statedir import ActivationRecord
 
 
 @click.command()
 @json_option
 def ps(as_json: bool) -> None:
     """List running activations."""
+    from snapctl.statedir import StateDir
     from snapctl.supervision.process import is_same_process
-    from snapctl.supervision.state import StateDir
 
     rows = []
     for record in StateDir().load_records():
@@ -53,7 +53,7 @@ def _pages(row: dict[str, object]) -> str:
 
 def _find(name: str) -> ActivationRecord:
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     for record in StateDir().load_records():
         if name in (record.name, record.activation_id):
@@ -70,7 +70,7 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
     """Stop an activation and clean up after it."""
     from snapctl.activation.supervise import stop_recorded
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     record = _find(name)
     how, audit = stop_recorded(record, StateDir(), timeout_s)
@@ -92,7 +92,7 @@ def logs(name: str, follow: bool) -> None:
     from pathlib import Path
 
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import ActivationRecord, StateDir
+    from snapctl.statedir import ActivationRecord, StateDir
 
     state = StateDir()
     log = None
@@ -134,7 +134,7 @@ def gc(timeout_s: float, as_json: bool) -> None:
     """
     from snapctl.activation.supervise import collect_garbage
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     report = collect_garbage(StateDir(), timeout_s)
     if as_json:

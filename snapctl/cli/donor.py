@@ -29,7 +29,7 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
     from snapctl.criu import find_criu
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     check_publish_option(common)
     options = LaunchOptions(

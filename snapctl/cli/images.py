@@ -22,7 +22,7 @@ def images(root: Path | None, as_json: bool) -> None:
     """
     from snapctl.cli.output import emit_json, stdout
     from snapctl.images.catalog import default_image_root, list_images
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     state = StateDir()
     rows = list_images(root.absolute() if root else default_image_root(), state.verified)

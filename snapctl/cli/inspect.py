@@ -31,7 +31,7 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     from snapctl.images import load_manifest, verify_image
     from snapctl.images.store import record_verified
     from snapctl.registry.source import describe_remote, is_reference, require_image
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     if is_reference(source):
         if verify:

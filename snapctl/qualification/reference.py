@@ -31,7 +31,7 @@ from snapctl.logtail import log_tail
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 SNAPSHOT_FLAG = "--snapshot-config"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")

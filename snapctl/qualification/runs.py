@@ -47,7 +47,7 @@ from snapctl.qualification.workload import (
     observe_serving,
     read_retained,
 )
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 RunKind = Literal[
     "reference",

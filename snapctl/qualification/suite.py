@@ -45,8 +45,8 @@ from snapctl.qualification.runs import (
     run_donor,
     run_reference,
 )
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import become_subreaper
-from snapctl.supervision.state import StateDir
 
 RUN_ORDER = (
     "donor",

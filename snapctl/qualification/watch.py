@@ -20,7 +20,7 @@ import psutil
 
 from snapctl.models import StrictModel
 from snapctl.namespaces import mounts
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 HOST_SHM = Path("/dev/shm")
 TCP_LISTEN = "0A"

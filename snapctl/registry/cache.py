@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import fsync_directory, replace_file
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 PIECE = 4 << 20
 

@@ -39,7 +39,7 @@ from snapctl.progress import ByteProgress
 from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache, pulled_image, write_record
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 M = TypeVar("M", bound=BaseModel)
 DEFAULT_JOBS = 8

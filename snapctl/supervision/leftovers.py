@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import TMP_SUFFIX, write_json_atomic
-from snapctl.supervision.names import LOCK_SUFFIX, NAME_PATTERN, lock_name
+from snapctl.statedir.names import LOCK_SUFFIX, NAME_PATTERN, lock_name
 from snapctl.supervision.process import is_same_process
 
 # Only what these name patterns match is ever removed on a claim's word.

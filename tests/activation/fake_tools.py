@@ -23,8 +23,8 @@ from snapctl.images.identity import Difference, Identity
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady, Oracle
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
-from snapctl.supervision.state import StateDir
 
 CRIU = CriuBinary(path=Path("/bin/false"), version="4.2.1", source="option")
 CAPTURE_ID = "c" * 32
