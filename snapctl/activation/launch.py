@@ -64,7 +64,7 @@ class LaunchOptions:
     fixture_params_mb: int = 4
     fixture_retained_mb: int = 16
     fixture_kv_mb: int = 8
-    # Identity fields a copy may differ in (``--allow-mismatch``); see images.identity.
+    # Identity fields a copy may differ in (``--allow-mismatch``); see images.identity.compare.
     allow_mismatch: tuple[str, ...] = ()
 
     @property

@@ -74,7 +74,7 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
     from snapctl.errors import SnapctlError
     from snapctl.images import load_manifest
-    from snapctl.images.identity import check_waivers, needless_waivers
+    from snapctl.images.identity.compare import check_waivers, needless_waivers
     from snapctl.statedir import StateDir
 
     try:

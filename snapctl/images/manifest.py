@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import model_validator
 
 from snapctl.criu.stats import DumpStats
-from snapctl.images.identity import Identity
+from snapctl.images.identity.models import Identity
 from snapctl.models import StrictModel
 from snapctl.protocol.models import Oracle
 

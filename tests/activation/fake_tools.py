@@ -19,7 +19,7 @@ from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import SnapctlError
 from snapctl.images import Manifest, stage_shm_copy
-from snapctl.images.identity import Difference, Identity
+from snapctl.images.identity.models import Difference, Identity
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady, Oracle

@@ -28,7 +28,7 @@ from snapctl.cli import snapctl
 from snapctl.criu import CriuBinary, find_criu
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest, verify_image
-from snapctl.images.identity import IdentityMismatchError
+from snapctl.images.identity.compare import IdentityMismatchError
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir

@@ -11,7 +11,7 @@ from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions
 from snapctl.cli import exit_status_for
 from snapctl.errors import ExitStatus
-from snapctl.images.identity import IdentityMismatchError
+from snapctl.images.identity.compare import IdentityMismatchError
 from snapctl.statedir import StateDir
 from tests.images.factories import make_manifest
 
