@@ -3,7 +3,7 @@
 A CRIU unpacked by ``scripts/install-criu`` is a shell wrapper that runs the real binary through
 its own unpacked loader. The installer also writes :data:`LAUNCH_FILE` beside ``bin/``, the
 same command as data, so snapctl runs the loader directly: the wrapper's shell, ``readlink`` and
-two ``dirname`` cost about 5 ms per CRIU process, and a lazy copy waits for two of them.
+two ``dirname`` cost time per CRIU process (docs/criu.md), and a lazy copy waits for two of them.
 """
 
 from __future__ import annotations

@@ -66,9 +66,9 @@ SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
 IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "lazy-fault", "stale"})
 DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
 # The bundled fixture's retained memory when a lazy run is planned: enough that its lazy-pages
-# daemon is still transferring when the lazy-fault run pauses it (about 0.1 s of transfer here,
-# against a few ms from the restore's end to the pause), and that a lazy copy's memory is worth
-# comparing. Plain runs keep the launch default (16 MiB), which keeps the image small.
+# daemon is still transferring when the lazy-fault run pauses it (its transfer lasts far longer
+# than the restore's end to the pause, docs/qualification.md), and that a lazy copy's memory is
+# worth comparing. Plain runs keep the launch default (16 MiB), which keeps the image small.
 LAZY_RETAINED_MB = 256
 
 
