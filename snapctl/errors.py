@@ -43,7 +43,7 @@ drawing lists every class, under its base, with its code)::
     ├── QualificationError             1  qualification.suite: cannot be set up
     ├── QualificationFailed            5  qualification.suite: a qualification check failed
     ├── StartupCaptureError            1  launcher: in the server, error.json written
-    ├── UsageError                     2  launcher.vllm.cli: in the server, a bad command line
+    ├── UsageError                     2  launcher.vllm.usage: in the server, a bad command line
     └── CanaryError                    1  launcher.vllm.hooks: in the server, a bad canary
 
 The last three are raised inside the server (by :mod:`snapctl.launcher`, which the server
