@@ -16,7 +16,6 @@ import math
 import os
 import secrets
 import shutil
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -558,21 +557,21 @@ def _wait_parked(reader: Any) -> ParkedRecord:
 
 
 def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
-    """Ask a parked copy to discard itself; it answers once it is gone (best effort: a copy
-    that does not answer is ended from its record)."""
+    """Ask a parked copy to discard itself; it answers once it is gone (best effort: one
+    that cannot be asked is ended from its record, by ``discard_recorded``)."""
     import socket
 
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as conn:
-        conn.settimeout(timeout_s)
-        conn.connect(record.socket)
-        conn.sendall(b'{"version":1,"action":"discard"}\n')
-        while conn.recv(4096):
-            pass
-    # It removes its files, then exits: wait for the exit.
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect(record.socket)
+            conn.sendall(b'{"version":1,"action":"discard"}\n')
+            while conn.recv(4096):
+                pass
+    except OSError:
+        return
+    # It answered and removed its files; its exit follows.
     with contextlib.suppress(psutil.Error):
         process = psutil.Process(record.supervisor_pid)
         if abs(process.create_time() - record.supervisor_start_time) < 0.01:
-            try:
-                process.wait(timeout_s)
-            except psutil.TimeoutExpired:
-                process.send_signal(signal.SIGTERM)
+            process.wait(timeout_s)
