@@ -130,11 +130,19 @@ def activate_taken(
                 f"parked copy {handle.id} does not answer ({error.strerror}); restore instead",
                 phase="pool", path=handle.socket,
             ) from error  # fmt: skip
+        heard: list[str] = []
+
+        def relayed(lane: str, step: str) -> None:
+            heard.append(step)
+            progress(lane, step)
+
         with conn.makefile("rb") as reader:
             try:
-                return relay(reader, progress)
+                return relay(reader, relayed)
             except SupervisorError as error:
-                if error.phase == "pool":  # refused before anything was activated
+                # Refused before anything was activated, or gone before it began (discarded
+                # as its agent took it, say): a fresh restore can still serve the request.
+                if error.phase == "pool" or (error.phase == "supervise" and not heard):
                     raise ParkedCopyUnusableError(
                         error.message, phase="pool", path=handle.socket
                     ) from error

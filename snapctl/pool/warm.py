@@ -74,6 +74,7 @@ class _Slot:
     parked_at: float | None = None
     memory_bytes: int | None = None
     discarding: bool = False
+    taken: bool = False  # handed out by take(): the taker's now, never discarded here
 
     @property
     def ready(self) -> bool:
@@ -277,6 +278,7 @@ class WarmPool:
                                        slot.record.supervisor_start_time):  # fmt: skip
                     continue  # died: the next tick drops it
                 entry.slots.remove(slot)
+                slot.taken = True
                 record = slot.record
                 break
             else:
@@ -513,6 +515,8 @@ class WarmPool:
     def _drop(self, entry: _Image, slot: _Slot, reason: DiscardReason) -> None:
         """A copy gone by itself: forget it, clean up what it left."""
         with self._lock:
+            if slot.taken:
+                return
             if slot in entry.slots:
                 entry.slots.remove(slot)
         if slot.record is not None:
@@ -522,15 +526,17 @@ class WarmPool:
     def _discard_later(self, slot: _Slot, reason: DiscardReason) -> None:
         """Discard in a thread of its own: a copy's stop must not hold up the others."""
         with self._lock:
-            if slot.discarding:
+            if slot.discarding or slot.taken:
                 return
             slot.discarding = True
         threading.Thread(target=self._discard_now, args=(slot, reason), daemon=True,
                          name=f"discard-{slot.id}").start()  # fmt: skip
 
     def _discard_now(self, slot: _Slot, reason: DiscardReason) -> None:
-        slot.discarding = True
         with self._lock:
+            if slot.taken:
+                return
+            slot.discarding = True
             for entry in self._images.values():
                 if slot in entry.slots:
                     entry.slots.remove(slot)

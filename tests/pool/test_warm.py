@@ -310,3 +310,24 @@ def test_close_discards_every_parked_copy(
     warm.close(5.0)
     assert spawner.alive() == []
     assert [p.name for p in (state.root / "pool").iterdir()] == ["targets.json"]
+
+
+def test_a_taken_copy_is_the_takers_even_if_a_tick_saw_it_before(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    """A tick that listed the copy just before the take must not discard it under the taker
+    (the parked copy checks its image itself when the taker's order comes)."""
+    warm, events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    (seen,) = warm._images[str(image)].slots
+    handle = warm.take(image)
+    assert handle is not None and handle.id == seen.id
+    warm._discard_now(seen, "replaced")  # what that tick does next
+    warm._discard_later(seen, "replaced")
+    warm._drop(warm._images[str(image)], seen, "died")
+    time.sleep(0.5)
+    taken = [c for c in spawner.children if c.pid == handle.supervisor_pid]
+    assert taken and taken[0].poll() is None
+    assert parked_home(warm.state, handle.id).exists()
+    assert not any(event[0] == "discarded" for event in events.seen)
