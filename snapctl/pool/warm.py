@@ -370,7 +370,8 @@ class WarmPool:
                     self._drop(entry, slot, "died")
                     continue
                 if measure or slot.memory_bytes is None:
-                    slot.memory_bytes = record_memory(record)
+                    # A read that failed (a process between states) keeps the last one.
+                    slot.memory_bytes = record_memory(record) or slot.memory_bytes
             self._enforce(key, entry)
             self._refill(key, entry, now)
 
