@@ -195,17 +195,19 @@ class WarmPool:
             target = PoolTarget(image=key, size=size, lazy=lazy, max_memory=max_memory)
         except ValueError as error:
             raise PoolError(f"invalid pool target: {error}", phase="pool") from error
+        stale: list[_Slot] = []
         with self._lock:
             entry = self._images.get(key)
             if entry is None:
                 self._images[key] = _Image(target)
             else:
                 if entry.target.lazy != target.lazy:
-                    for slot in entry.slots:  # parked the other way: not what is asked now
-                        self._discard_later(slot, "target")
+                    stale = list(entry.slots)  # parked the other way: not what is asked now
                 entry.target = target
                 entry.failures, entry.retry_at = 0, 0.0
             self._save_targets()
+        for slot in stale:
+            self._discard_later(slot, "target")
         self._start_thread()
         self._wake.set()
         return target
@@ -503,7 +505,13 @@ class WarmPool:
             slot.parked_at = time.monotonic()
             entry.failures = 0
             entry.last_failure = None
-            wanted = slot in entry.slots and not self._closing.is_set()
+            # Not if its target was removed or changed, or the pool closes, meanwhile.
+            wanted = (
+                not slot.discarding
+                and self._images.get(slot.image) is entry
+                and slot in entry.slots
+                and not self._closing.is_set()
+            )
         if not wanted:
             self._discard_now(slot, "closing")
             return

@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,9 +54,12 @@ class FakeSpawner:
         self.jobs: list[dict[str, Any]] = []
         self.children: list[subprocess.Popen[bytes]] = []
         self.fail_with: str | None = None
+        self.gate: threading.Event | None = None  # when set: each restore waits for it
 
     def spawn(self, job: dict[str, Any]) -> int:
         self.jobs.append(job)
+        if self.gate is not None:
+            assert self.gate.wait(30)
         read_fd, write_fd = os.pipe()
         with os.fdopen(write_fd, "w") as writer:
             if self.fail_with is not None:
@@ -331,3 +335,31 @@ def test_a_taken_copy_is_the_takers_even_if_a_tick_saw_it_before(
     assert taken and taken[0].poll() is None
     assert parked_home(warm.state, handle.id).exists()
     assert not any(event[0] == "discarded" for event in events.seen)
+
+
+def test_changing_lazy_discards_what_was_parked_the_other_way(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1, lazy=False)
+    until(lambda: len(parked(warm)) == 1)
+    (old,) = parked(warm)
+    warm.set(image, 1, lazy=True)
+    until(lambda: ("discarded", "target") in events.seen)
+    until(lambda: len(parked(warm)) == 1 and parked(warm) != [old])
+    assert [job["request"]["lazy"] for job in spawner.jobs] == [False, True]
+
+
+def test_a_target_removed_while_its_copy_restores_leaves_nothing(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, _events = pool
+    spawner.gate = threading.Event()
+    warm.set(image, 1)
+    until(lambda: len(spawner.jobs) == 1)
+    warm.remove(image)
+    spawner.gate.set()  # the restore ends after its target went
+    until(lambda: len(spawner.children) == 1)
+    until(lambda: spawner.alive() == [])
+    assert not parked_home(warm.state, spawner.jobs[0]["id"]).exists()
+    assert warm.listing().entries == ()
