@@ -26,6 +26,7 @@ import psutil
 
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError
+from snapctl.phases import HostPhase
 from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import (
@@ -190,11 +191,11 @@ class WarmPool:
         key = image_key(image)
         if published_identity(Path(key)) is None:
             raise PoolError(f"{key} is not a published image (bake one, or give its directory)",
-                            phase="pool", path=Path(key))  # fmt: skip
+                            phase=HostPhase.POOL, path=Path(key))  # fmt: skip
         try:
             target = PoolTarget(image=key, size=size, lazy=lazy, max_memory=max_memory)
         except ValueError as error:
-            raise PoolError(f"invalid pool target: {error}", phase="pool") from error
+            raise PoolError(f"invalid pool target: {error}", phase=HostPhase.POOL) from error
         stale: list[_Slot] = []
         with self._lock:
             entry = self._images.get(key)
@@ -219,7 +220,7 @@ class WarmPool:
             entry = self._images.pop(key, None)
             if entry is None:
                 raise PoolError(f"no pool target for {key} (see snapctl pool ls)",
-                                phase="pool", path=Path(key))  # fmt: skip
+                                phase=HostPhase.POOL, path=Path(key))  # fmt: skip
             self._save_targets()
             slots = list(entry.slots)
         for slot in slots:
@@ -489,7 +490,7 @@ class WarmPool:
             with os.fdopen(read_fd, "rb") as reader:
                 record = _wait_parked(reader)
         except (SnapctlError, SpawnerGoneError, OSError, ValueError) as error:
-            phase = getattr(error, "phase", None) or "restore"
+            phase = (error.phase if isinstance(error, SnapctlError) else None) or HostPhase.RESTORE
             with self._lock:
                 if slot in entry.slots:
                     entry.slots.remove(slot)
@@ -568,7 +569,9 @@ def _wait_parked(reader: Any) -> ParkedRecord:
         if "progress" in message:
             continue
         relay([line], ignore)  # raises its error
-    raise SupervisorError("the parked copy's supervisor exited before parking", phase="restore")
+    raise SupervisorError(
+        "the parked copy's supervisor exited before parking", phase=HostPhase.RESTORE
+    )
 
 
 def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
