@@ -360,6 +360,6 @@ def test_a_target_removed_while_its_copy_restores_leaves_nothing(
     warm.remove(image)
     spawner.gate.set()  # the restore ends after its target went
     until(lambda: len(spawner.children) == 1)
-    until(lambda: spawner.alive() == [])
-    assert not parked_home(warm.state, spawner.jobs[0]["id"]).exists()
+    home = parked_home(warm.state, spawner.jobs[0]["id"])
+    until(lambda: spawner.alive() == [] and not home.exists())
     assert warm.listing().entries == ()
