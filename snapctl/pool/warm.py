@@ -40,7 +40,13 @@ from snapctl.pool.models import (
     PoolListing,
     PoolTarget,
 )
-from snapctl.pool.records import discard_recorded, load_parked_records, pool_dir
+from snapctl.pool.records import (
+    SOCKET_NAME,
+    discard_recorded,
+    load_parked_records,
+    parked_home,
+    pool_dir,
+)
 from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import write_json_atomic
@@ -56,6 +62,8 @@ BACKOFF_MAX_S = 30.0
 # The memory of parked copies is read (PSS, a walk of each tree's smaps) this often.
 MEMORY_EVERY_S = 2.0
 VERIFY_EVERY_S = 5.0
+# sun_path holds 108 bytes, the last one a NUL.
+MAX_SOCKET_PATH = 107
 
 
 class PoolError(SnapctlError):
@@ -189,6 +197,12 @@ class WarmPool:
         """Keep ``size`` parked copies of ``image`` (0 keeps the target, parks nothing);
         refused unless ``image`` is a published image."""
         key = image_key(image)
+        sample = parked_home(self.state, "pool-" + "0" * 12) / SOCKET_NAME
+        if len(os.fsencode(sample)) > MAX_SOCKET_PATH:
+            raise PoolError(f"{self.state.root} is too long a path for the parked copies' "
+                            f"sockets ({len(os.fsencode(sample))} bytes, at most "
+                            f"{MAX_SOCKET_PATH}): use a shorter SNAPCTL_STATE_DIR",
+                            phase=HostPhase.POOL, path=self.state.root)  # fmt: skip
         if published_identity(Path(key)) is None:
             raise PoolError(f"{key} is not a published image (bake one, or give its directory)",
                             phase=HostPhase.POOL, path=Path(key))  # fmt: skip
