@@ -25,6 +25,9 @@ drawing lists every class, under its base, with its code)::
     ├── CaptureError                   3  activation.donor: no image was published
     ├── RestoreError                   4  activation.copy: CRIU could not restore the copy
     ├── DetachedStartError       relayed  activation.supervise: the supervisor's error
+    ├── SupervisorError          relayed  pool.serve: an agent's copy supervisor failed the start
+    ├── ParkedCopyUnusableError        4  pool.serve: a parked copy refused before activating
+    ├── PoolError                      2  pool.warm: a pool request that cannot be done
     ├── CriuError              by action  criu.run: dump/pre-dump 3, restore/lazy-pages 4, else 1
     ├── CriuNotFound                   7  criu.locate: no usable CRIU binary
     ├── UndumpableError                3  criu.inventory: the tree holds what CRIU cannot dump

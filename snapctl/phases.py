@@ -28,4 +28,6 @@ class HostPhase(StrEnum):
     IDENTITY = "identity"  # comparing this host with the image's identity; --allow-mismatch
     RESTORE = "restore"  # CRIU restore into fresh namespaces
     LAZY_PAGES = "lazy-pages"  # the lazy-pages daemon and its page transfer
+    POOL = "pool"  # the warm pool: a parked copy's restore ahead of time, its order, its image
+    SUPERVISE = "supervise"  # starting a copy's supervisor for the agent, until it reported
     CLEANUP = "cleanup"  # stopping and removing what a command started

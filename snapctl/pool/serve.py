@@ -1,0 +1,167 @@
+"""Serving one copy request from the agent: with a parked copy (:func:`activate_taken`), or
+with a restore in a fresh supervisor (:func:`copy_via_supervisor`). Either way the copy lives
+in its own supervisor process, and this side only relays its progress and its report.
+
+The report wire, from a supervisor (a pipe) or a parked copy (its socket): one JSON object a
+line, ``{"lane", "progress"}`` any number of times, then ``{"report": {...}}`` or
+``{"error", "status", "phase", "path", "log_tail"}`` (the fields of a SnapctlError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
+from snapctl.pool.models import CopyRequest
+from snapctl.pool.spawner import Spawner, SpawnerGoneError
+from snapctl.protocol.models import Phase
+from snapctl.statedir import StateDir
+
+# on_progress(lane, step): lane "" for a single copy, "copy N" for one of --count N.
+LaneProgress = Callable[[str, str], None]
+
+
+class SupervisorError(SnapctlError):
+    """The copy's supervisor could not start or activate it (its error, relayed)."""
+
+    def __init__(self, message: str, *, exit_status: int = 1, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        try:
+            self.exit_status = ExitStatus(exit_status)
+        except ValueError:
+            self.exit_status = ExitStatus.ERROR
+
+
+class ParkedCopyUnusableError(SnapctlError):
+    """A parked copy refused its order before activating anything (it was gone, its image
+    was removed or replaced since it was parked, the request does not fit how it was
+    restored, a malformed order); nothing of it serves: restore a fresh copy instead."""
+
+    exit_status = ExitStatus.ACTIVATION_FAILED
+
+
+@dataclass(frozen=True)
+class ParkedHandle:
+    """A parked copy that :meth:`WarmPool.take` handed out: only its order socket is needed
+    to activate it; the rest identifies it for reports and metrics."""
+
+    id: str
+    image: str
+    image_id: str
+    manifest_digest: str
+    lazy: bool
+    socket: Path
+    supervisor_pid: int
+    supervisor_start_time: float
+    host: str
+    port: int
+
+
+def wire_phase(value: object) -> HostPhase | Phase | None:
+    """An error's phase as it came over the wire (its value), as the enum it was."""
+    if isinstance(value, str):
+        for kind in (HostPhase, Phase):
+            with contextlib.suppress(ValueError):
+                return kind(value)
+    return None
+
+
+def relay(lines: Iterable[bytes], on_progress: LaneProgress) -> dict[str, Any]:
+    """Read a supervisor's report wire up to its outcome: the report, or its error raised."""
+    for line in lines:
+        message = json.loads(line)
+        if "progress" in message:
+            on_progress(message.get("lane", ""), message["progress"])
+            continue
+        if "error" in message:
+            raise SupervisorError(
+                message["error"],
+                exit_status=message.get("status", 1),
+                phase=wire_phase(message.get("phase")),
+                path=message.get("path"),
+                log_tail=message.get("log_tail"),
+            )
+        report: dict[str, Any] = message["report"]
+        return report
+    raise SupervisorError(
+        "the copy's supervisor exited before reporting", phase=HostPhase.SUPERVISE
+    )
+
+
+def request_payload(request: CopyRequest) -> dict[str, Any]:
+    """The request as it travels to a supervisor, the API key's value included (JSON's
+    dump masks it; supervisors are ours, reached only over pipes and 0600 sockets)."""
+    payload = request.model_dump(mode="json")
+    payload["api_key"] = None if request.api_key is None else request.api_key.get_secret_value()
+    return payload
+
+
+def copy_via_supervisor(
+    request: CopyRequest,
+    state: StateDir,
+    progress: LaneProgress,
+    *,
+    spawner: Spawner,
+) -> dict[str, Any]:
+    """No parked copy: restore and activate in a fresh supervisor forked by ``spawner``;
+    return its report (``from_pool`` false; ``--count N``: the CopiesReport) once it serves,
+    or raise its error (:class:`SupervisorError`, with the supervisor's exit status)."""
+    job = {"kind": "copy", "state": str(state.root), "request": request_payload(request)}
+    try:
+        read_fd = spawner.spawn(job)
+    except SpawnerGoneError as error:
+        raise SupervisorError(str(error), phase=HostPhase.SUPERVISE) from error
+    with os.fdopen(read_fd, "rb") as reader:
+        return relay(reader, progress)
+
+
+def activate_taken(
+    handle: ParkedHandle, request: CopyRequest, progress: LaneProgress
+) -> dict[str, Any]:
+    """Send the activation order to a parked copy and relay its progress; return its report
+    (``from_pool`` true) once it serves. Raises :class:`ParkedCopyUnusableError` when nothing
+    was activated (the copy is gone or its image changed: fall back to a fresh restore), or
+    its activation's error (:class:`SupervisorError`; the copy was stopped)."""
+    if request.count != 1:
+        raise ValueError("a parked copy serves one copy request (count 1)")
+    order = {"version": 1, "action": "activate", "request": request_payload(request)}
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            conn.connect(str(handle.socket))
+            conn.sendall(json.dumps(order).encode() + b"\n")
+        except OSError as error:
+            raise ParkedCopyUnusableError(
+                f"parked copy {handle.id} does not answer ({error.strerror}); restore instead",
+                phase=HostPhase.POOL, path=handle.socket,
+            ) from error  # fmt: skip
+        heard: list[str] = []
+
+        def relayed(lane: str, step: str) -> None:
+            heard.append(step)
+            progress(lane, step)
+
+        with conn.makefile("rb") as reader:
+            try:
+                return relay(reader, relayed)
+            except SupervisorError as error:
+                # Refused before anything was activated, or gone before it began (discarded
+                # as its agent took it, say): a fresh restore can still serve the request.
+                if error.phase == HostPhase.POOL or (
+                    error.phase == HostPhase.SUPERVISE and not heard
+                ):
+                    raise ParkedCopyUnusableError(
+                        error.message, phase=HostPhase.POOL, path=handle.socket
+                    ) from error
+                raise
+    finally:
+        with contextlib.suppress(OSError):
+            conn.close()
