@@ -3,8 +3,10 @@ layout, verification while streaming, atomic publication, chunk reuse, resumed p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -170,3 +172,32 @@ def test_a_cached_blob_damaged_on_disk_is_dropped_and_fetched_again(
     again = pull_image(client(registry_server, "t/disk:v1"), tmp_path / "two", cache=cache,
                        verified_cache=None)  # fmt: skip
     assert again.blobs_fetched == 1 and hash_tree(tmp_path / "two") == hash_tree(image)
+
+
+def test_a_pull_keeps_no_foreign_owner_and_no_special_mode_bits(
+    registry_server: RegistryServer, tmp_path: Path
+) -> None:
+    # A layer that says another host's uid/gid and setuid/setgid/sticky: the pulled files
+    # belong to the puller (whose restore alone reads them) with only their rwx bits.
+    image = tmp_path / "image"
+    publish_sample(image)
+    push(registry_server, image, "t/owner:v1")
+    cache = BlobCache(tmp_path / "cache")
+    genuine = describe(client(registry_server, "t/owner:v1"), cache)
+    files = [f.model_copy(update={"mode": 0o6755, "uid": 4242, "gid": 4243})
+             for f in genuine.config.files]  # fmt: skip
+    directories = [d.model_copy(update={"mode": 0o3777}) for d in genuine.config.directories]
+    crafted = dataclasses.replace(
+        genuine, config=genuine.config.model_copy(update={"files": files,
+                                                          "directories": directories}),
+    )  # fmt: skip
+
+    out = tmp_path / "out"
+    pull_image(client(registry_server, "t/owner:v1"), out, cache=cache, verified_cache=None,
+               remote=crafted)  # fmt: skip
+
+    assert directories and files
+    for entry in [*files, *directories]:
+        st = (out / entry.name).lstat()
+        assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), entry.name
+        assert stat.S_IMODE(st.st_mode) in (0o755, 0o777), (entry.name, oct(st.st_mode))
