@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def test_round_trip_keeps_files_modes_and_hard_links(
     assert report.archive_bytes == archive.stat().st_size and report.mb_per_s > 0
     a, b = (target / "shm" / "sem.x").stat(), (target / "shm" / "link_remap.7").stat()
     assert a.st_ino == b.st_ino and a.st_mode & 0o777 == 0o640
-    assert (target / "shm" / "sub").stat().st_mode & 0o1777 == 0o1777
+    assert stat.S_IMODE((target / "shm" / "sub").stat().st_mode) == 0o777  # no sticky bit
     assert is_verified(target, manifest, cache)  # every hash was checked while unpacking
     assert leftovers(target.parent) == []
 
@@ -345,3 +346,25 @@ def test_export_of_a_missing_image_or_into_a_missing_directory_is_an_error(
     with pytest.raises(ArchiveError, match=r"cannot export to .*x\.tar\.zst"):
         export_image(image, out)
     assert not out.parent.exists()
+
+
+def test_an_import_keeps_no_foreign_owner_and_no_special_mode_bits(tmp_path: Path) -> None:
+    # Members that say another host's uid/gid and setuid/setgid/sticky: the imported files
+    # belong to the importer, with only their rwx bits.
+    source = tmp_path / "src"
+    publish_sample(source)
+    crafted: list[tuple[tarfile.TarInfo, bytes]] = [
+        (_info("shm/sub", tarfile.DIRTYPE), b""),
+        *genuine_members(source, instead={}),
+    ]
+    for info, _ in crafted:
+        info.mode, info.uid, info.gid = 0o3777 if info.isdir() else 0o6755, 4242, 4243
+    archive = tmp_path / "crafted.tar.zst"
+    build(archive, source, crafted, sealed=True)
+
+    import_image(archive, tmp_path / "image")
+
+    for info, _ in sorted(crafted, key=lambda member: member[0].isdir()):  # files first
+        st = (tmp_path / "image" / info.name).lstat()
+        assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), info.name
+        assert stat.S_IMODE(st.st_mode) == (0o777 if info.isdir() else 0o755), info.name
