@@ -11,9 +11,9 @@ mounted, with an nsfs per namespace under it; Kubernetes nodes make and remove
   fresh tmpfs of the activation's own is mounted there, which CRIU dumps and restores with its
   contents (a unix socket bound there included): two activations never share ``/tmp``, where
   vLLM's ``ipc://`` endpoints live. A host path under ``/tmp`` that the server names (its
-  working directory, program, or a path argument such as ``--model``) is bound in explicitly
-  (:func:`host_binds`), fully resolved and never through a symlink, and recorded as an
-  external host mount, like an undumpable one.
+  working directory, program, the virtual environment its program runs in, or a path argument
+  such as ``--model``) is bound in explicitly (:func:`host_binds`), fully resolved and never
+  through a symlink, and recorded as an external host mount, like an undumpable one.
 - **Other transient places** (container runtimes' state, ``/var/run`` where it is a directory):
   every mount there that holds none of the server's paths is detached.
 - **nsfs** (a bound namespace file, as ``ip netns`` makes) is detached wherever it is.
@@ -115,6 +115,19 @@ def _path_arguments(argv: Iterable[str]) -> list[str]:
     return found
 
 
+def venv_root(program: str) -> str | None:
+    """The virtual environment ``program`` runs in, resolved, if any: like Python finding its
+    ``sys.prefix``, the program's directory or its parent holding ``pyvenv.cfg`` (the program
+    itself is usually a symlink out of the venv, so only its directory is resolved)."""
+    if not program.startswith("/"):
+        return None
+    directory = os.path.realpath(os.path.dirname(program))
+    for candidate in (directory, os.path.dirname(directory)):
+        if os.path.isfile(os.path.join(candidate, "pyvenv.cfg")):
+            return candidate
+    return None
+
+
 def _named_paths(argv: list[str], cwd: str) -> list[str]:
     """The existing host paths a server names, as named (normalised, not resolved)."""
     named = [os.path.realpath(cwd)]
@@ -124,10 +137,14 @@ def _named_paths(argv: list[str], cwd: str) -> list[str]:
 
 def server_paths(argv: list[str], cwd: str) -> list[str]:
     """The existing host paths a server names (working directory, program, absolute path
-    arguments), as named and resolved: the mounts holding them stay, or are bound in."""
+    arguments), as named and resolved, and the virtual environment its program runs in: the
+    mounts holding them stay, or are bound in."""
     paths = set()
     for path in _named_paths(argv, cwd):
         paths.update({path, os.path.realpath(path)})
+    venv = venv_root(argv[0]) if argv else None
+    if venv is not None:
+        paths.add(venv)
     return sorted(paths)
 
 

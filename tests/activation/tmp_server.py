@@ -1,7 +1,8 @@
 """A minimal startup-capture server for the sandbox's private /tmp: ``tmp_server.py
 --snapshot-config JSON`` writes ``/tmp/written-before-capture`` and binds a listening unix
 socket at ``/tmp/snapctl-test.sock`` (as vLLM binds its ``ipc://`` endpoints under /tmp), keeps
-both across capture, and answers each connection there with its PID and the names in its /tmp.
+both across capture, and answers each connection there with its PID, the names in its /tmp
+and its ``sys.prefix``.
 After ``validated`` it answers every GET with 200.
 """
 
@@ -48,7 +49,7 @@ def answer(listener: socket.socket) -> None:
     while True:
         connection, _ = listener.accept()
         with connection:
-            reply = {"pid": os.getpid(), "tmp": sorted(os.listdir("/tmp"))}
+            reply = {"pid": os.getpid(), "tmp": sorted(os.listdir("/tmp")), "prefix": sys.prefix}
             connection.sendall(json.dumps(reply).encode())
 
 

@@ -17,8 +17,10 @@ from snapctl.namespaces.hostview import (
     PrivatePathError,
     hidden_mounts,
     host_binds,
+    is_within,
     mounts_to_detach,
     server_paths,
+    venv_root,
 )
 
 # What `ip netns add x` (and a deleted one) leaves on a host whose /run is not a tmpfs, beside
@@ -175,6 +177,20 @@ def test_only_resolved_paths_are_bound_and_links_inside_a_bind_are_kept(in_tmp: 
     binds = host_binds(argv, cwd=str(work))
     assert binds == [str(target), str(work)]
     assert all(os.path.realpath(path) == path for path in binds)
+
+
+def test_a_venv_under_tmp_run_from_elsewhere_is_bound_whole(in_tmp: Path) -> None:
+    venv = in_tmp / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    (venv / "bin" / "serve").write_text(f"#!{venv / 'bin' / 'python'}\n")
+    for program in ("python", "serve"):
+        assert venv_root(str(venv / "bin" / program)) == str(venv)
+        assert host_binds([str(venv / "bin" / program), "-m", "x"], cwd="/") == [str(venv)]
+    assert venv_root("/usr/bin/python3") is None or not is_within(
+        str(venv_root("/usr/bin/python3")), "/tmp"
+    )
 
 
 def test_a_program_linked_out_of_tmp_without_a_venv_is_refused(in_tmp: Path) -> None:
