@@ -36,7 +36,7 @@ from tests.activation.test_donor_copy_criu import API_KEY, complete, get, stop_c
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
-MAPPING_SERVER = Path(__file__).with_name("mapping_server.py")
+MAPPING_SERVER = Path(__file__).parents[1] / "servers" / "mapping_server.py"
 
 
 @dataclass

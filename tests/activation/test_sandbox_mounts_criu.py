@@ -36,7 +36,7 @@ from tests.activation.criu_helpers import (
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
 RUN_NETNS = Path("/run/netns")
-TMP_SERVER = Path(__file__).with_name("tmp_server.py")
+TMP_SERVER = Path(__file__).parents[1] / "servers" / "tmp_server.py"
 # The checkout the fixture runs from: under /tmp in a clone there, and then bound in too.
 CHECKOUT = str(Path(__file__).resolve().parents[2])
 # What a server run from that checkout sees of it in its own /tmp: the top directory, if any.
