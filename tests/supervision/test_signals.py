@@ -18,10 +18,11 @@ from typing import Any
 
 import pytest
 
+from snapctl.activation.restore import RestoreError
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.activation.supervise import DetachedStartError, detach
 from snapctl.cli.serving import run_in_foreground
-from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.errors import ExitStatus
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.statedir import StateDir
 from snapctl.supervision.signals import StopSignals, cleaning, track, untrack
@@ -156,10 +157,6 @@ def test_a_signal_to_the_command_while_a_detached_start_runs_stops_that_start() 
     assert info.value.exit_status == ExitStatus.INTERRUPTED
 
 
-class StartFailed(SnapctlError):
-    """A start that failed on its own, before any signal."""
-
-
 @contextlib.contextmanager
 def not_interrupted() -> Iterator[None]:
     """Fail (rather than end the test run) where a signal raised in the middle of a cleanup."""
@@ -176,9 +173,9 @@ def test_a_first_signal_during_a_failed_starts_cleanup_does_not_cut_it_short() -
 
     def start(steps: Any) -> tuple[Any, Any]:
         FakeSession(events, on_stop=lambda: kill_me(signal.SIGINT))
-        raise StartFailed("the restore failed")
+        raise RestoreError("the restore failed")
 
-    with not_interrupted(), pytest.raises(StartFailed):
+    with not_interrupted(), pytest.raises(RestoreError):
         run_in_foreground(start, as_json=True, show=print)
     assert events == ["stop fake begins", "stop fake ends"]
 
@@ -188,11 +185,11 @@ def test_a_first_signal_during_a_failed_detached_starts_cleanup_does_not_cut_it_
     # still hears the start's own error, not "interrupted" (which a cut-short cleanup says).
     def start(progress_for: Any) -> tuple[Any, Any]:
         FakeSession([], on_stop=lambda: kill_me(signal.SIGTERM))
-        raise StartFailed("the restore failed")
+        raise RestoreError("the restore failed")
 
     with pytest.raises(DetachedStartError, match="the restore failed") as info:
         detach(start)
-    assert info.value.exit_status == ExitStatus.ERROR
+    assert info.value.exit_status == ExitStatus.ACTIVATION_FAILED  # its own, not 130
 
 
 class SignalledSession(Session):
@@ -216,7 +213,7 @@ def test_a_first_signal_during_stop_failed_start_does_not_cut_it_short(tmp_path:
         dirs=ActivationDirs(root=tmp_path / "root", logs=tmp_path / "logs"),
     )  # fmt: skip
     session.events = []
-    error = StartFailed("the restore failed")
+    error = RestoreError("the restore failed")
     with StopSignals() as signals, not_interrupted():
         session.stop_failed_start(error)
         assert signals.requested.is_set() and signals.received == signal.SIGINT
