@@ -11,8 +11,9 @@ root with CRIU installed by scripts/setup, so a skip there would hide a broken i
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cache
+from typing import TypeVar
 
 import pytest
 
@@ -20,6 +21,8 @@ from snapctl.criu import CriuBinary, find_criu
 from snapctl.errors import SnapctlError
 from tests.registry.server import BINARY as REGISTRY_BINARY
 from tests.registry.server import RegistryServer, registry_binary, start_registry
+
+T = TypeVar("T")
 
 
 def in_ci() -> bool:
@@ -37,17 +40,14 @@ def _real_criu() -> tuple[CriuBinary | None, str]:
         return None, f"needs CRIU: {error.message}"
 
 
+def _registry() -> tuple[str | None, str]:
+    binary = registry_binary()
+    return binary, "" if binary else f"needs {REGISTRY_BINARY} (scripts/setup installs it)"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("registry") is not None and registry_binary() is None:
-        problem = f"needs {REGISTRY_BINARY} (scripts/setup installs it)"
-        if in_ci():
-            pytest.fail(f"CI must run registry tests, but this machine {problem}", pytrace=False)
-        pytest.skip(problem)
-    if item.get_closest_marker("criu") is None:
-        return
-    criu, problem = _real_criu()
-    if criu is None:
-        skip_or_fail("criu", problem)
+    skip_unless_found(item, "registry", _registry)
+    skip_unless_found(item, "criu", _real_criu)
 
 
 def skip_or_fail(marker: str, problem: str) -> None:
@@ -55,6 +55,26 @@ def skip_or_fail(marker: str, problem: str) -> None:
     if in_ci():
         pytest.fail(f"CI must run {marker} tests, but this machine {problem}", pytrace=False)
     pytest.skip(problem)
+
+
+def skip_unless_found(
+    item: pytest.Item, marker: str, find: Callable[[], tuple[object | None, str]]
+) -> None:
+    """For a test marked ``marker``: :func:`skip_or_fail` where ``find()`` (what the marker
+    needs, or None and why) finds nothing."""
+    if item.get_closest_marker(marker) is not None:
+        found, problem = find()
+        if found is None:
+            skip_or_fail(marker, problem)
+
+
+def found_or_fail(fixture: str, marker: str, find: Callable[[], tuple[T | None, str]]) -> T:
+    """What a fixture provides, found by ``find()``; a test that uses it without ``marker``
+    (so nothing skipped it) fails, saying why."""
+    found, problem = find()
+    if found is None:
+        pytest.fail(f"{fixture} used without @pytest.mark.{marker}: {problem}", pytrace=False)
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +90,4 @@ def registry_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Regist
 @pytest.fixture(scope="session")
 def criu_binary() -> CriuBinary:
     """The real CRIU (use together with ``@pytest.mark.criu``)."""
-    criu, problem = _real_criu()
-    if criu is None:
-        pytest.fail(f"criu_binary used without @pytest.mark.criu: {problem}", pytrace=False)
-    return criu
+    return found_or_fail("criu_binary", "criu", _real_criu)

@@ -165,7 +165,10 @@ def launch_in_sandbox(
         argv=argv,
         cwd=str(cwd),
         env=env,
-        binds=[*dirs.binds(), *(BindMount(host=path, target=path) for path in host_paths)],
+        binds=[
+            *dirs.binds(),
+            *(BindMount(host=path, target=path, no_symlinks=True) for path in host_paths),
+        ],
         lo_addresses=options.lo_addresses,
     )
     spec_path = dirs.sandbox_spec

@@ -29,7 +29,7 @@ from snapctl.protocol.controldir import ControlDir
 from snapctl.statedir import ActivationRecord, StateDir
 from snapctl.statedir.names import NameReservation
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
-from snapctl.supervision.signals import track, untrack
+from snapctl.supervision.signals import cleaning, track, untrack
 
 
 class CleanupAudit(BaseModel):
@@ -344,6 +344,7 @@ class Session:
         """Stop after a start failed with ``error`` and, for a :class:`SnapctlError`, add what
         the cleanup found and where the logs are; a lazy transfer's failure, the cause of what
         the start then saw, leads the message."""
+        cleaning()  # a signal from here on must not cut this cleanup short
         _, audit = self.stop(failed=True)
         if isinstance(error, SnapctlError):
             if self.failure is not None and self.failure not in error.message:

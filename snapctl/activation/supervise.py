@@ -128,6 +128,7 @@ def detach(
         try:
             supervised, report = start(progress_for)
         except BaseException:
+            signals.cleaning()
             stop_all_tracked()  # what a start interrupted at any point had started
             raise
     except KeyboardInterrupt:

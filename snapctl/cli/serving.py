@@ -95,6 +95,7 @@ def run_in_foreground(
                 show(report)
             wait_and_stop(sessions, as_json=as_json, stop=signals.requested)
         finally:
+            signals.cleaning()
             stop_all_tracked()
 
 

@@ -13,6 +13,7 @@ and a copy is refused before CRIU runs when one differs.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -90,6 +91,15 @@ def host_mount_sources(external_mounts: Mapping[str, str]) -> dict[str, Path]:
             raise HostMountMissing(
                 f"the image binds the host's {point} (a mount CRIU cannot dump), which this "
                 "machine does not have",
+                path=Path(point),
+            )
+        if os.path.realpath(point) != point:
+            # Binding through it would let whoever made the link (under /tmp: anyone) choose
+            # what the copy reads at that path.
+            raise HostMountMissing(
+                f"the image binds the host's {point}, which on this machine is reached "
+                f"through a symlink (to {os.path.realpath(point)}): make {point} a plain "
+                "directory or file there",
                 path=Path(point),
             )
         sources[host_key(point)] = Path(point)

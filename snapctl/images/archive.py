@@ -332,7 +332,6 @@ class _Unpacker:
         # Applied in ``finish``: a read-only directory must still take the files inside it.
         self.directory_modes: dict[str, int] = {}
         self.current = "(start)"
-        self.as_root = os.geteuid() == 0
         self.listed: set[str] | None = None  # directories holding listed files
 
     def refuse(self, message: str) -> ArchiveError:
@@ -387,7 +386,7 @@ class _Unpacker:
         self._parent(member.name)
         if not path.is_dir():
             path.mkdir(mode=0o700)
-        self.directory_modes[member.name] = stat.S_IMODE(member.mode) & 0o1777
+        self.directory_modes[member.name] = stat.S_IMODE(member.mode) & 0o777
 
     def _expected(self, name: str) -> tuple[int, str, int | None]:
         assert self.manifest is not None
@@ -411,9 +410,10 @@ class _Unpacker:
             while chunk := source.read(CHUNK):
                 digest.update(chunk)
                 target.write(chunk)
+            # Only the rwx bits, owned by whoever imports: another host's uid/gid and its
+            # setuid/setgid/sticky bits would hand the file, or their privileges, to whoever
+            # holds those ids here (only our restore reads it).
             os.fchmod(target.fileno(), stat.S_IMODE(member.mode) & 0o777)
-            if self.as_root:
-                os.fchown(target.fileno(), member.uid, member.gid)
         if digest.hexdigest() != sha256:
             raise self.refuse(f"member {name} does not match its sha256 in the manifest")
         self.written.add(name)

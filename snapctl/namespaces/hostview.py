@@ -11,8 +11,9 @@ mounted, with an nsfs per namespace under it; Kubernetes nodes make and remove
   fresh tmpfs of the activation's own is mounted there, which CRIU dumps and restores with its
   contents (a unix socket bound there included): two activations never share ``/tmp``, where
   vLLM's ``ipc://`` endpoints live. A host path under ``/tmp`` that the server names (its
-  working directory, program, or a path argument such as ``--model``) is bound in explicitly
-  (:func:`host_binds`) and recorded as an external host mount, like an undumpable one.
+  working directory, program, the virtual environment its program runs in, or a path argument
+  such as ``--model``) is bound in explicitly (:func:`host_binds`), fully resolved and never
+  through a symlink, and recorded as an external host mount, like an undumpable one.
 - **Other transient places** (container runtimes' state, ``/var/run`` where it is a directory):
   every mount there that holds none of the server's paths is detached.
 - **nsfs** (a bound namespace file, as ``ip netns`` makes) is detached wherever it is.
@@ -114,22 +115,57 @@ def _path_arguments(argv: Iterable[str]) -> list[str]:
     return found
 
 
+def venv_root(program: str) -> str | None:
+    """The virtual environment ``program`` runs in, resolved, if any: like Python finding its
+    ``sys.prefix``, the program's directory or its parent holding ``pyvenv.cfg`` (the program
+    itself is usually a symlink out of the venv, so only its directory is resolved)."""
+    if not program.startswith("/"):
+        return None
+    directory = os.path.realpath(os.path.dirname(program))
+    for candidate in (directory, os.path.dirname(directory)):
+        if os.path.isfile(os.path.join(candidate, "pyvenv.cfg")):
+            return candidate
+    return None
+
+
+def _named_paths(argv: list[str], cwd: str) -> list[str]:
+    """The existing host paths a server names, as named (normalised, not resolved)."""
+    named = [os.path.realpath(cwd)]
+    named += [os.path.normpath(p) for p in _path_arguments(argv) if os.path.exists(p)]
+    return named
+
+
 def server_paths(argv: list[str], cwd: str) -> list[str]:
     """The existing host paths a server names (working directory, program, absolute path
-    arguments), resolved: the mounts holding them stay, or are bound in."""
-    paths = {os.path.realpath(cwd)}
-    for path in _path_arguments(argv):
-        if os.path.exists(path):
-            paths.update({os.path.normpath(path), os.path.realpath(path)})
+    arguments), as named and resolved, and the virtual environment its program runs in: the
+    mounts holding them stay, or are bound in."""
+    paths = set()
+    for path in _named_paths(argv, cwd):
+        paths.update({path, os.path.realpath(path)})
+    venv = venv_root(argv[0]) if argv else None
+    if venv is not None:
+        paths.add(venv)
     return sorted(paths)
 
 
+def _bindable(path: str) -> bool:
+    return _within_any(path, BINDABLE_ROOTS) and path not in PRIVATE_ROOTS
+
+
 def host_binds(argv: list[str], cwd: str) -> list[str]:
-    """The host paths to bind at the same place inside a sandbox: those of
+    """The host paths to bind at the same place inside a sandbox: the resolved paths of
     :func:`server_paths` under a private root the sandbox may bind into, outermost only.
 
-    Raises :class:`PrivatePathError` if the working directory is a private root itself (the
-    server would see an empty tmpfs there); a path argument that is one is left private.
+    Only resolved paths are bound (and bound refusing any symlink on them,
+    ``BindMount.no_symlinks``): a symlink under ``/tmp``, where any user may plant one, never
+    chooses what the sandbox shows at a path. A path the server names there that reaches its
+    place through a symlink outside every bind is refused: the sandbox's ``/tmp`` would not
+    have that link, so the server would find nothing there (or, bound through the link, what
+    whoever planted it chose).
+
+    Raises :class:`PrivatePathError` for that, and if the working directory is a private root
+    itself (the server would see an empty tmpfs there); a path argument that is one is left
+    private.
     """
     resolved_cwd = os.path.realpath(cwd)
     if resolved_cwd in PRIVATE_ROOTS:
@@ -137,13 +173,18 @@ def host_binds(argv: list[str], cwd: str) -> list[str]:
             f"the server's working directory {resolved_cwd} is private to each sandbox (a "
             "fresh tmpfs); run it from another directory"
         )
-    candidates = sorted(
-        path
-        for path in server_paths(argv, cwd)
-        if _within_any(path, BINDABLE_ROOTS) and path not in PRIVATE_ROOTS
-    )
+    resolved = {os.path.realpath(path) for path in server_paths(argv, cwd)}
     binds: list[str] = []
-    for path in candidates:  # sorted: a parent comes before what it holds
+    for path in sorted(p for p in resolved if _bindable(p)):  # a parent before what it holds
         if not any(is_within(path, outer) for outer in binds):
             binds.append(path)
+    for path in _named_paths(argv, cwd):
+        real = os.path.realpath(path)
+        if real != path and _bindable(path) and not any(is_within(path, b) for b in binds):
+            raise PrivatePathError(
+                f"the server names {path}, which reaches {real} through a symlink under "
+                "/tmp: each sandbox has a private /tmp without that link, and binding "
+                "through a link there would let whoever planted it choose what the server "
+                f"reads; name {real} instead"
+            )
     return binds

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
 
@@ -61,13 +62,13 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
 
     # Detached copies of the host directories to bind, taken before their mounts are detached
     # or covered (a bind from a detached mount is refused; a cloned tree is not).
-    trees = [(b, mounts.clone_tree(b.host), os.path.isdir(b.host)) for b in spec.binds]
+    trees = [(b, mounts.clone_tree(b.host, no_symlinks=b.no_symlinks)) for b in spec.binds]
     _detach_hidden(_needed_paths(spec))
     mounts.mount_tmpfs("/run", "mode=0755")
     mounts.mount_tmpfs("/tmp", "mode=1777")
-    for bind, tree, is_dir in trees:
+    for bind, tree in trees:
         target = Path(bind.target)
-        if is_dir:
+        if stat.S_ISDIR(os.fstat(tree).st_mode):  # what was cloned, not what the path is now
             target.mkdir(parents=True, exist_ok=True)
         else:
             target.parent.mkdir(parents=True, exist_ok=True)

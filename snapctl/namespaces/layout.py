@@ -45,6 +45,9 @@ class BindMount(StrictModel):
 
     host: str
     target: str
+    # A path the server named, resolved by snapctl: bound only if no component is a symlink
+    # by then (one swapped in after the resolution is refused, not followed).
+    no_symlinks: bool = False
 
 
 class SandboxSpec(BaseModel):

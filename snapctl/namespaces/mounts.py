@@ -20,10 +20,21 @@ MNT_DETACH = 2
 # open_tree(2) and move_mount(2) (x86_64 and every other architecture since Linux 5.2).
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
+# openat2(2) (every architecture since Linux 5.6).
+SYS_OPENAT2 = 437
 AT_FDCWD = -100
+AT_SYMLINK_NOFOLLOW = 0x100
+AT_EMPTY_PATH = 0x1000
 OPEN_TREE_CLONE = 1
 OPEN_TREE_CLOEXEC = os.O_CLOEXEC
 MOVE_MOUNT_F_EMPTY_PATH = 0x4
+RESOLVE_NO_SYMLINKS = 0x04
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64)]  # fmt: skip
+
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,12 +66,38 @@ def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs", flags: 
     mount(source, target, "tmpfs", flags, options)
 
 
-def clone_tree(source: str | Path) -> int:
+def open_path_no_symlinks(path: str | Path) -> int:
+    """An ``O_PATH`` descriptor of ``path``, refused (ELOOP) if any of its components is a
+    symlink: what was resolved earlier cannot be swapped for a link in between."""
+    how = _OpenHow(flags=os.O_PATH | os.O_CLOEXEC, mode=0, resolve=RESOLVE_NO_SYMLINKS)
+    fd = _libc.syscall(SYS_OPENAT2, AT_FDCWD, str(path).encode(), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))  # fmt: skip
+    if fd < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"openat2 {path} (no symlinks): {os.strerror(errno)}")
+    return int(fd)
+
+
+def clone_tree(source: str | Path, *, no_symlinks: bool = False) -> int:
     """A detached copy of the mount at ``source`` (not of its submounts), as a descriptor that
-    :func:`attach_tree` mounts elsewhere: unlike a path it survives ``source`` being unmounted."""
-    fd = _libc.syscall(
-        SYS_OPEN_TREE, AT_FDCWD, str(source).encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC
-    )
+    :func:`attach_tree` mounts elsewhere: unlike a path it survives ``source`` being unmounted.
+
+    ``no_symlinks``: ``source`` must be fully resolved; a symlink anywhere on it is refused
+    rather than followed (ELOOP).
+    """
+    if no_symlinks:
+        path_fd = open_path_no_symlinks(source)
+        try:
+            fd = _libc.syscall(
+                SYS_OPEN_TREE, path_fd, b"",
+                OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW,
+            )  # fmt: skip
+        finally:
+            os.close(path_fd)
+    else:
+        fd = _libc.syscall(
+            SYS_OPEN_TREE, AT_FDCWD, str(source).encode(), OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC
+        )
     if fd < 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"open_tree {source}: {os.strerror(errno)}")

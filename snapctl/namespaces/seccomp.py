@@ -6,11 +6,13 @@ libraries make one on their own: uvloop's libuv opens one when a loop is created
 profiles of container runtimes, so the tree stays capturable. A filter is inherited by every
 child and by ``execve``, and CRIU dumps and restores it with the task.
 
-The filter is eight classic-BPF instructions loaded with ``prctl``: libseccomp's own Python
+The filter is nine classic-BPF instructions loaded with ``prctl``: libseccomp's own Python
 binding is not published on the package index, and a wrapper of it would be one more dependency
-of the sandbox's first program (and of every server venv) for a filter this small. Calls of
-any other architecture than x86_64 pass unchanged (the sandbox only runs there); x32 calls are
-matched by their number without the x32 bit.
+of the sandbox's first program (and of every server venv) for a filter this small. It covers
+every system call entry an x86_64 kernel has: the native one, x32 (matched by its number
+without the x32 bit) and i386 (``int 0x80``, which a 64-bit process can use too: io_uring has
+the same numbers there). Calls of any other architecture pass unchanged (the sandbox only runs
+on x86_64, whose kernel accepts no other).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ PR_SET_SECCOMP = 22
 SECCOMP_MODE_FILTER = 2
 
 AUDIT_ARCH_X86_64 = 0xC000003E
+AUDIT_ARCH_I386 = 0x40000003
 X32_SYSCALL_BIT = 0x40000000
 IO_URING_SETUP = 425  # io_uring_enter is 426, io_uring_register 427
 IO_URING_REGISTER = 427
@@ -58,15 +61,16 @@ class _SockFprog(ctypes.Structure):
 
 
 # Jump offsets count instructions after the next one.
-_PROGRAM: tuple[tuple[int, int, int, int], ...] = (
+PROGRAM: tuple[tuple[int, int, int, int], ...] = (
     (_LD_W_ABS, 0, 0, _OFFSET_ARCH),  # 0
-    (_JEQ_K, 0, 5, AUDIT_ARCH_X86_64),  # 1: another architecture -> 7 (allow)
-    (_LD_W_ABS, 0, 0, _OFFSET_NR),  # 2
-    (_ALU_AND_K, 0, 0, ~X32_SYSCALL_BIT & 0xFFFFFFFF),  # 3
-    (_JGE_K, 0, 2, IO_URING_SETUP),  # 4: below io_uring_setup -> 7
-    (_JGT_K, 1, 0, IO_URING_REGISTER),  # 5: above io_uring_register -> 7
-    (_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS),  # 6
-    (_RET_K, 0, 0, SECCOMP_RET_ALLOW),  # 7
+    (_JEQ_K, 1, 0, AUDIT_ARCH_X86_64),  # 1: x86_64 (and x32) -> 3
+    (_JEQ_K, 0, 5, AUDIT_ARCH_I386),  # 2: i386 -> 3; another architecture -> 8 (allow)
+    (_LD_W_ABS, 0, 0, _OFFSET_NR),  # 3
+    (_ALU_AND_K, 0, 0, ~X32_SYSCALL_BIT & 0xFFFFFFFF),  # 4: (i386 numbers never have it)
+    (_JGE_K, 0, 2, IO_URING_SETUP),  # 5: below io_uring_setup -> 8
+    (_JGT_K, 1, 0, IO_URING_REGISTER),  # 6: above io_uring_register -> 8
+    (_RET_K, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS),  # 7
+    (_RET_K, 0, 0, SECCOMP_RET_ALLOW),  # 8
 )
 
 
@@ -75,8 +79,8 @@ def refuse_io_uring() -> None:
 
     Without ``CAP_SYS_ADMIN`` the kernel requires no_new_privs first, so it is set only then.
     """
-    instructions = (_SockFilter * len(_PROGRAM))(*(_SockFilter(*i) for i in _PROGRAM))
-    program = _SockFprog(len(_PROGRAM), instructions)
+    instructions = (_SockFilter * len(PROGRAM))(*(_SockFilter(*i) for i in PROGRAM))
+    program = _SockFprog(len(PROGRAM), instructions)
     libc = ctypes.CDLL(None, use_errno=True)
     prctl = libc.prctl
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]

@@ -268,8 +268,8 @@ def _fetch_parallel(fetcher: _Fetcher, missing: dict[str, int], jobs: int) -> No
 
 
 def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
-    """Write every file from its blobs into ``root``, each hashed against the manifest."""
-    as_root = os.geteuid() == 0
+    """Write every file from its blobs into ``root``, each hashed against the manifest, owned
+    by the puller with only the rwx bits of its recorded mode."""
     small = cache.path(remote.config.small_files_digest)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for directory in remote.config.directories:
@@ -293,9 +293,10 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
                     data = cache.path(chunk.digest).read_bytes()
                     digest.update(data)
                     out.write(data)
+                # Only the rwx bits, and owned by whoever pulls: the uid/gid and setuid/setgid/
+                # sticky bits of another host mean nothing here (only our restore reads these
+                # files) and would hand them, or their privileges, to whoever has those ids.
                 os.fchmod(out.fileno(), stored.mode & 0o777)
-                if as_root:
-                    os.fchown(out.fileno(), stored.uid, stored.gid)
             if digest.hexdigest() != stored.sha256:
                 _drop_damaged(cache, stored, remote.config.small_files_digest)
                 raise BlobMismatchError(f"image file {stored.name} of {remote.reference} does "
@@ -306,7 +307,7 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
             (root / stored.name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.link(root / stored.link_to, root / stored.name, follow_symlinks=False)
     for directory in sorted(remote.config.directories, key=lambda d: d.name, reverse=True):
-        os.chmod(root / directory.name, directory.mode)
+        os.chmod(root / directory.name, directory.mode & 0o777)
 
 
 def _drop_damaged(cache: BlobCache, stored: layout.StoredFile, small_digest: str) -> None:

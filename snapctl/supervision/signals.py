@@ -6,7 +6,9 @@ it has stopped them (the foreground command) or for the whole life of a detached
 While starting, the first signal raises ``KeyboardInterrupt`` where the main thread is, so the
 start's own cleanup runs; every later signal, and every signal once started, only sets
 ``requested``, which the supervising loop checks: a cleanup in progress is never cut short and
-a stop request is never lost (the default action, process death, is never taken).
+a stop request is never lost (the default action, process death, is never taken). A start that
+fails for another reason calls :func:`cleaning` (or :meth:`StopSignals.cleaning`) as its cleanup
+begins, so that a first signal arriving during that cleanup does not cut it short either.
 
 Whatever was started and not yet stopped is registered (:func:`track`), so a start
 interrupted between creating an activation and handing it to its caller is still stopped, by
@@ -32,6 +34,9 @@ class Stoppable(Protocol):
 
 _tracked: list[Stoppable] = []
 _tracked_lock = threading.Lock()
+
+# The StopSignals installed in this process, for cleanups that do not hold it (a Session).
+_installed: StopSignals | None = None
 
 
 def track(activation: Stoppable) -> None:
@@ -78,6 +83,7 @@ class StopSignals:
         self.received: int | None = None
         self._raising = True
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+        self._outer: StopSignals | None = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = self.received or signum
@@ -90,23 +96,45 @@ class StopSignals:
         """Everything is started and owned: from now on a signal only requests the stop."""
         self._raising = False
 
+    def cleaning(self) -> None:
+        """A cleanup begins: from now on a signal only records (``requested``, ``received``);
+        raising in the middle of it would leave half of what it stops running."""
+        self._raising = False
+
     def install(self) -> StopSignals:
         """Take over SIGINT and SIGTERM (a detached supervisor: for the rest of its life)."""
+        global _installed
         if self._previous:
             raise RuntimeError("StopSignals is single use")
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._outer, _installed = _installed, self
         return self
 
     def restore(self) -> None:
+        global _installed
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+        if _installed is self:
+            _installed = self._outer
 
     def __enter__(self) -> StopSignals:
         return self.install()
 
     def __exit__(self, *exc: object) -> None:
         self.restore()
+
+
+def cleaning() -> None:
+    """A cleanup begins (see :meth:`StopSignals.cleaning`), in code that does not hold the
+    process's :class:`StopSignals`; nothing to do when none is installed.
+
+    Only the main thread's: a signal handler raises only there, so another thread's cleanup
+    cannot be cut short, and it must not make the main thread's start uninterruptible.
+    """
+    installed = _installed
+    if installed is not None and threading.current_thread() is threading.main_thread():
+        installed.cleaning()
 
 
 def forward_to(pid: int) -> Callable[[int, FrameType | None], None]:

@@ -32,11 +32,12 @@ from snapctl.images.identity.compare import IdentityMismatchError
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
-from tests.activation.test_donor_copy_criu import API_KEY, complete, get, stop_clean
+from tests.activation.criu_helpers import API_KEY, complete, get, stop_clean
+from tests.images.factories import flip_byte
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
-MAPPING_SERVER = Path(__file__).with_name("mapping_server.py")
+MAPPING_SERVER = Path(__file__).parents[1] / "servers" / "mapping_server.py"
 
 
 @dataclass
@@ -124,17 +125,24 @@ def test_export_import_elsewhere_then_copy_serves(
     stop_clean(running[-1])
 
 
-def test_restorer_environment_and_another_machine_never_refuse(
-    baked: Baked, tmp_path: Path, running: list[Session], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def imported_with_identity(baked: Baked, tmp_path: Path, **changes: object) -> Path:
+    """The baked image exported and imported again, its manifest then saying ``changes`` of
+    its identity (as if captured elsewhere)."""
     archive, image = tmp_path / "a.tar.zst", tmp_path / "image"
     cli("image", "export", str(baked.image), "--out", str(archive))
     cli("image", "import", str(archive), "--to", str(image))
     manifest = load_manifest(image)
     assert manifest.identity is not None
-    elsewhere = manifest.identity.model_copy(update={"host_id": "f" * 32, "hostname": "host-a"})
-    payload = manifest.model_copy(update={"identity": elsewhere}).model_dump(mode="json")
+    identity = manifest.identity.model_copy(update=changes)
+    payload = manifest.model_copy(update={"identity": identity}).model_dump(mode="json")
     write_json_atomic(image / MANIFEST_NAME, payload, overwrite=True, max_bytes=1 << 24)
+    return image
+
+
+def test_restorer_environment_and_another_machine_never_refuse(
+    baked: Baked, tmp_path: Path, running: list[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = imported_with_identity(baked, tmp_path, host_id="f" * 32, hostname="host-a")
     monkeypatch.setenv("FOO", "1")  # FOO=1 snapctl copy --image IMG
     monkeypatch.setenv("HF_HOME", "/elsewhere/secret-path")
 
@@ -188,14 +196,7 @@ def test_argv_and_kernel_mismatches_are_refused_and_waivable(baked: Baked, tmp_p
 def test_kernel_mismatch_in_the_manifest_refuses_copy(
     baked: Baked, tmp_path: Path, running: list[Session]
 ) -> None:
-    archive, image = tmp_path / "a.tar.zst", tmp_path / "image"
-    cli("image", "export", str(baked.image), "--out", str(archive))
-    cli("image", "import", str(archive), "--to", str(image))
-    manifest = load_manifest(image)
-    assert manifest.identity is not None
-    older = manifest.identity.model_copy(update={"kernel": "5.4.0-old"})
-    payload = manifest.model_copy(update={"identity": older}).model_dump(mode="json")
-    write_json_atomic(image / MANIFEST_NAME, payload, overwrite=True, max_bytes=1 << 24)
+    image = imported_with_identity(baked, tmp_path, kernel="5.4.0-old")
 
     with pytest.raises(IdentityMismatchError, match=r"kernel: image 5\.4\.0-old, here "):
         copy(image, baked.state, running)
@@ -220,9 +221,7 @@ def test_changed_mapped_file_blocks_copy_until_restored(
     assert manifest.identity is not None
     assert str(model) in [record.path for record in manifest.identity.files]
 
-    changed = bytearray(original)
-    changed[0] ^= 0xFF  # same size, other content: only the hash tells
-    model.write_bytes(bytes(changed))
+    flip_byte(model, 0)  # same size, other content: only the hash tells
     with pytest.raises(IdentityMismatchError, match=rf"files: {model} has other content"):
         copy(image, state, running, api_key_env=None)
     with pytest.raises(SnapctlError, match="cannot be waived"):

@@ -34,8 +34,18 @@ from tests.activation.criu_helpers import (
     restore_copy,
     stop_clean,
 )
+from tests.images.factories import flip_byte
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+def captured(tmp_path: Path, state: StateDir, criu: CriuBinary, running: list[Session]) -> Path:
+    """The image of a donor captured and stopped (cleanly) again."""
+    image = tmp_path / "image"
+    donor, _ = launch_donor(image, state, criu)
+    running.append(donor)
+    stop_clean(donor)
+    return image
 
 
 def test_donor_then_two_copies_serve_identically(
@@ -144,10 +154,7 @@ def test_failed_restore_leaves_nothing_and_image_stays_usable(
     tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    image = tmp_path / "image"
-    donor, _ = launch_donor(image, state, criu_binary)
-    running.append(donor)
-    stop_clean(donor)
+    image = captured(tmp_path, state, criu_binary, running)
     monkeypatch.setenv("CRIU_FAULT", "4")  # opening a link remap fails on restore
     with pytest.raises(RestoreError, match="criu restore failed") as info:
         restore_copy(image, state, criu_binary)
@@ -164,14 +171,9 @@ def test_failed_restore_leaves_nothing_and_image_stays_usable(
 def test_corrupted_image_is_refused_before_criu(
     tmp_path: Path, state: StateDir, criu_binary: CriuBinary, running: list[Session]
 ) -> None:
-    image = tmp_path / "image"
-    donor, _ = launch_donor(image, state, criu_binary)
-    running.append(donor)
-    stop_clean(donor)
+    image = captured(tmp_path, state, criu_binary, running)
     pages = max((image / "criu").glob("pages-*.img"), key=lambda p: p.stat().st_size)
-    data = bytearray(pages.read_bytes())
-    data[100] ^= 0xFF
-    pages.write_bytes(bytes(data))
+    flip_byte(pages, 100)
     with pytest.raises(ImageError, match=pages.name):
         restore_copy(image, state, criu_binary)
     assert not state.activations.exists() or list(state.activations.iterdir()) == []
@@ -242,15 +244,9 @@ def test_recovery_fault_in_a_copy_fails_closed(
 ) -> None:
     from snapctl.activation.handshake import ActivationError
 
-    image = tmp_path / "image"
-    donor, _ = launch_donor(image, state, criu_binary)
-    running.append(donor)
-    stop_clean(donor)
+    image = captured(tmp_path, state, criu_binary, running)
     weights = next(state.models.glob("fixture-*/model.safetensors"))
-    original = weights.read_bytes()
-    changed = bytearray(original)
-    changed[-10] ^= 0xFF  # a changed weights file: the copy's recovery must refuse it
-    weights.write_bytes(bytes(changed))
+    original = flip_byte(weights, -10)  # a changed weights file: the copy's recovery refuses it
     try:
         with pytest.raises(ActivationError, match="recovery") as info:
             restore_copy(image, state, criu_binary, publish=PUBLISH)

@@ -18,7 +18,7 @@ from snapctl.criu.inventory import FIX_IO_URING, UndumpableError
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import launch_donor, leftovers
 
-HOLDER = Path(__file__).parent.parent / "criu" / "undumpable_holder.py"
+HOLDER = Path(__file__).parents[1] / "servers" / "undumpable_holder.py"
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
 

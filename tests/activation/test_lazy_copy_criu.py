@@ -144,6 +144,12 @@ def record_of(session: Session) -> dict[str, object]:
     return record.model_dump()
 
 
+def assert_left_nothing(donor: Donor, activation_id: str) -> None:
+    """Nothing of the copy ``activation_id`` is left, and no hold keeps the image busy."""
+    assert leftovers(donor.state, [activation_id]) == []
+    hold_image(donor.image, exclusive=True).release()
+
+
 def test_lazy_copy_serves_and_its_memory_equals_the_donors(
     donor: Donor, criu_binary: CriuBinary, running: list[Session]
 ) -> None:
@@ -263,8 +269,7 @@ def test_a_copy_stopped_while_its_transfer_is_held_leaves_nothing(
     stop_clean(session)
     assert session.lazy.status.state == "stopped" and session.failure is None
     assert not psutil.pid_exists(daemon)
-    assert leftovers(donor.state, [session.activation_id]) == []
-    hold_image(donor.image, exclusive=True).release()
+    assert_left_nothing(donor, session.activation_id)
 
 
 def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
@@ -282,8 +287,7 @@ def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
     assert "before every page was copied" in (Path(session.dirs.logs) / "failure.txt").read_text()
     assert not any(psutil.pid_exists(pid) for pid in [*tree, daemon])
     assert session.state_dir.load_records() == []
-    assert leftovers(donor.state, [session.activation_id]) == []
-    hold_image(donor.image, exclusive=True).release()
+    assert_left_nothing(donor, session.activation_id)
 
 
 def test_stop_during_the_background_transfer_is_clean(
@@ -295,8 +299,7 @@ def test_stop_during_the_background_transfer_is_clean(
     assert session.lazy is not None and session.lazy.status.state == "stopped"
     assert session.failure is None
     assert not psutil.pid_exists(daemon)
-    assert leftovers(donor.state, [session.activation_id]) == []
-    hold_image(donor.image, exclusive=True).release()
+    assert_left_nothing(donor, session.activation_id)
 
 
 def test_failed_lazy_restore_leaves_nothing(
@@ -389,5 +392,4 @@ def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
     assert audit["processes"] == [] and not any(audit.values()), audit
     assert not psutil.pid_exists(daemon)
     assert json.loads(snapctl(donor.state, "ps", "--json").stdout) == []
-    assert leftovers(donor.state, [report["activation_id"]]) == []
-    hold_image(donor.image, exclusive=True).release()
+    assert_left_nothing(donor, report["activation_id"])

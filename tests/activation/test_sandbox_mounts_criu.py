@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import site
 import socket
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from tests.activation.criu_helpers import (
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
 RUN_NETNS = Path("/run/netns")
-TMP_SERVER = Path(__file__).with_name("tmp_server.py")
+TMP_SERVER = Path(__file__).parents[1] / "servers" / "tmp_server.py"
 # The checkout the fixture runs from: under /tmp in a clone there, and then bound in too.
 CHECKOUT = str(Path(__file__).resolve().parents[2])
 # What a server run from that checkout sees of it in its own /tmp: the top directory, if any.
@@ -187,6 +188,41 @@ def test_every_activation_has_its_own_tmp_and_its_unix_sockets_survive_restore(
                 | CHECKOUT_IN_TMP
             )
         assert not Path("/tmp/written-before-capture").exists()  # the host's /tmp untouched
+    finally:
+        for session in sessions:
+            stop_clean(session)
+    assert leftovers(state) == []
+
+
+def venv_under_tmp(root: Path) -> Path:
+    """A virtual environment at ``root`` (under /tmp) whose python runs the fixture servers:
+    this interpreter's, with snapctl's checkout and site-packages on its path."""
+    assert is_within(str(root), "/tmp")
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    base = os.path.dirname(os.path.realpath(sys.executable))
+    (root / "pyvenv.cfg").write_text(f"home = {base}\ninclude-system-site-packages = false\n")
+    site_packages = root / "lib" / version / "site-packages"
+    site_packages.mkdir(parents=True)
+    (site_packages / "snapctl-tests.pth").write_text(f"{CHECKOUT}\n{site.getsitepackages()[0]}\n")
+    return root
+
+
+def test_a_venv_under_tmp_run_from_another_cwd_is_bound_into_the_private_tmp(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary
+) -> None:
+    assert not is_within(os.getcwd(), "/tmp")  # the server runs from the checkout's cwd
+    venv = venv_under_tmp(tmp_path / "venv")
+    argv = [str(venv / "bin" / "python"), str(TMP_SERVER)]
+    image = tmp_path / "image"
+    donor, _ = launch_donor(image, state, criu_binary, server_argv=argv, api_key_env=None)
+    sessions = [donor]
+    try:
+        assert str(venv) in recorded_host_mounts(image)
+        sessions.append(restore_copy(image, state, criu_binary, api_key_env=None)[0])
+        for session in sessions:
+            assert ask_unix_socket(session)["prefix"] == str(venv)
     finally:
         for session in sessions:
             stop_clean(session)

@@ -16,7 +16,7 @@ from snapctl.errors import ExitStatus
 from snapctl.images.lock import hold_image
 from snapctl.images.store import verify_image
 from snapctl.statedir import StateDir
-from tests.images.factories import publish_sample
+from tests.images.factories import flip_byte, publish_sample
 
 
 @pytest.fixture(autouse=True)
@@ -84,9 +84,7 @@ def test_import_of_a_damaged_archive_exits_verify_failed(
     publish_sample(tmp_path / "a")
     archive = tmp_path / "a.tar.zst"
     assert main(["image", "export", str(tmp_path / "a"), "--out", str(archive)]) == 0
-    data = bytearray(archive.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    archive.write_bytes(bytes(data))
+    flip_byte(archive, mask=0x01)
 
     code = main(["image", "import", str(archive), "--to", str(tmp_path / "b")])
 

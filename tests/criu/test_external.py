@@ -41,3 +41,12 @@ def test_a_missing_host_mount_is_named(tmp_path: Path) -> None:
     with pytest.raises(HostMountMissing, match="does not have") as info:
         host_mount_sources({host_key(str(gone)): str(gone)})
     assert info.value.path == gone
+
+
+def test_a_host_mount_reached_through_a_symlink_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    planted = tmp_path / "models"
+    planted.symlink_to(tmp_path / "real")
+    with pytest.raises(HostMountMissing, match="through a symlink") as info:
+        host_mount_sources({host_key(str(planted)): str(planted)})
+    assert info.value.path == planted

@@ -42,6 +42,16 @@ def make_manifest(files: dict[str, Any], **changes: Any) -> Manifest:
     return Manifest.model_validate(fields)
 
 
+def flip_byte(path: Path, position: int | None = None, mask: int = 0xFF) -> bytes:
+    """Flip the bits ``mask`` of one byte of ``path`` (the middle one unless ``position``
+    says), keeping its size; return the original content, to put back."""
+    original = path.read_bytes()
+    changed = bytearray(original)
+    changed[len(changed) // 2 if position is None else position] ^= mask
+    path.write_bytes(bytes(changed))
+    return original
+
+
 def publish_sample(final: Path, *, force: bool = False, **changes: Any) -> Manifest:
     """A small image: a CRIU-like page file, a nested dir, and a hard-linked shm pair."""
     staging = ImageStaging(final, force=force)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from snapctl.images.archive import (
 )
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.images.store import ImageError, ImageExistsError, is_verified
-from tests.images.factories import publish_sample
+from tests.images.factories import flip_byte, publish_sample
 
 
 @pytest.fixture
@@ -46,6 +47,21 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
+def refused(archive: Path, target: Path, match: str) -> ArchiveError:
+    """The error importing ``archive`` into ``target`` fails with; nothing was published."""
+    with pytest.raises(ArchiveError, match=match) as info:
+        import_image(archive, target)
+    assert not target.exists()
+    return info.value
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    """A published sample image to build archives from."""
+    publish_sample(tmp_path / "src")
+    return tmp_path / "src"
+
+
 def test_round_trip_keeps_files_modes_and_hard_links(
     tmp_path: Path, exported: tuple[Path, Path]
 ) -> None:
@@ -60,7 +76,7 @@ def test_round_trip_keeps_files_modes_and_hard_links(
     assert report.archive_bytes == archive.stat().st_size and report.mb_per_s > 0
     a, b = (target / "shm" / "sem.x").stat(), (target / "shm" / "link_remap.7").stat()
     assert a.st_ino == b.st_ino and a.st_mode & 0o777 == 0o640
-    assert (target / "shm" / "sub").stat().st_mode & 0o1777 == 0o1777
+    assert stat.S_IMODE((target / "shm" / "sub").stat().st_mode) == 0o777  # no sticky bit
     assert is_verified(target, manifest, cache)  # every hash was checked while unpacking
     assert leftovers(target.parent) == []
 
@@ -79,9 +95,7 @@ def test_export_refuses_an_image_that_no_longer_matches(tmp_path: Path) -> None:
     image = tmp_path / "image"
     publish_sample(image)
     path = image / "criu" / "pages-1.img"
-    data = bytearray(path.read_bytes())
-    data[1234] ^= 0x01
-    path.write_bytes(bytes(data))
+    flip_byte(path, 1234, 0x01)
     out = tmp_path / "out.tar.zst"
 
     with pytest.raises(ArchiveError, match=r"criu/pages-1\.img does not match its sha256"):
@@ -105,16 +119,13 @@ def test_flipped_byte_in_the_archive_fails_and_publishes_nothing(
     tmp_path: Path, exported: tuple[Path, Path]
 ) -> None:
     _, archive = exported
-    data = bytearray(archive.read_bytes())
-    data[len(data) // 2] ^= 0x10
-    archive.write_bytes(bytes(data))
+    flip_byte(archive, mask=0x10)
     target = tmp_path / "dst" / "image"
 
-    with pytest.raises(ArchiveError, match=r"image\.tar\.zst: .*(member|corrupt)") as info:
-        import_image(archive, target)
+    error = refused(archive, target, r"image\.tar\.zst: .*(member|corrupt)")
     # Either zstd's checksum or a member's sha256 catches it, naming where it happened.
-    assert "criu/" in str(info.value) or "shm/" in str(info.value) or "logs/" in str(info.value)
-    assert not target.exists() and leftovers(target.parent) == []
+    assert "criu/" in str(error) or "shm/" in str(error) or "logs/" in str(error)
+    assert leftovers(target.parent) == []
 
 
 def test_every_flipped_byte_of_the_archive_is_caught(
@@ -131,9 +142,7 @@ def test_every_flipped_byte_of_the_archive_is_caught(
         data = bytearray(original)
         data[position] ^= 0x10
         archive.write_bytes(bytes(data))
-        with pytest.raises(ArchiveError, match=r"image\.tar\.zst: "):
-            import_image(archive, target)
-        assert not target.exists()
+        refused(archive, target, r"image\.tar\.zst: ")
     assert leftovers(target.parent) == []
 
 
@@ -141,9 +150,7 @@ def test_unsealed_archive_is_refused(tmp_path: Path, exported: tuple[Path, Path]
     _, archive = exported
     archive.write_bytes(archive.read_bytes()[:-SEAL_BYTES])  # what `tar | zstd` would give
 
-    with pytest.raises(ArchiveError, match="seal"):
-        import_image(archive, tmp_path / "image")
-    assert not (tmp_path / "image").exists()
+    refused(archive, tmp_path / "image", "seal")
 
 
 def test_truncated_archive_fails(tmp_path: Path, exported: tuple[Path, Path]) -> None:
@@ -151,9 +158,7 @@ def test_truncated_archive_fails(tmp_path: Path, exported: tuple[Path, Path]) ->
     archive.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
     target = tmp_path / "dst" / "image"
 
-    with pytest.raises(ArchiveError, match="corrupt near member"):
-        import_image(archive, target)
-    assert not target.exists()
+    refused(archive, target, "corrupt near member")
 
 
 def test_existing_target_is_refused_or_replaced_only_when_free(
@@ -248,9 +253,9 @@ HOSTILE = {
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_archive_is_refused_without_writing_outside(tmp_path: Path, case: str) -> None:
-    source = tmp_path / "src"
-    publish_sample(source)
+def test_hostile_archive_is_refused_without_writing_outside(
+    tmp_path: Path, source: Path, case: str
+) -> None:
     extra, message = HOSTILE[case]
     archive = tmp_path / "hostile.tar.zst"
     build(archive, source, extra)
@@ -259,10 +264,8 @@ def test_hostile_archive_is_refused_without_writing_outside(tmp_path: Path, case
     target = jail / "sub" / "image"
     before = sorted(str(p) for p in tmp_path.rglob("*"))
 
-    with pytest.raises(ArchiveError, match=message):
-        import_image(archive, target)
+    refused(archive, target, message)
 
-    assert not target.exists()
     assert [p.name for p in (jail / "sub").iterdir()] == []  # staging removed
     after = sorted(str(p) for p in tmp_path.rglob("*"))
     assert set(after) == {*before, str(jail / "sub")}
@@ -283,34 +286,24 @@ def raw_archive(path: Path, *entries: tuple[str, bytes]) -> Path:
 def test_invalid_manifest_is_refused(tmp_path: Path) -> None:
     archive = raw_archive(tmp_path / "a.tar.zst", ("manifest.json", b"{}"))
 
-    with pytest.raises(ArchiveError, match=r"a\.tar\.zst: manifest is not valid"):
-        import_image(archive, tmp_path / "image")
-    assert not (tmp_path / "image").exists()
+    refused(archive, tmp_path / "image", r"a\.tar\.zst: manifest is not valid")
 
 
 def test_archive_without_the_manifest_first_is_refused(tmp_path: Path) -> None:
     archive = raw_archive(tmp_path / "a.tar.zst", ("criu/x", b"x"))
 
-    with pytest.raises(ArchiveError, match=r"first member is 'criu/x', not manifest\.json"):
-        import_image(archive, tmp_path / "image")
-    assert not (tmp_path / "image").exists()
+    refused(archive, tmp_path / "image", r"first member is 'criu/x', not manifest\.json")
 
 
-def test_missing_member_is_refused(tmp_path: Path) -> None:
-    source = tmp_path / "src"
-    publish_sample(source)
+def test_missing_member_is_refused(tmp_path: Path, source: Path) -> None:
     archive = tmp_path / "partial.tar.zst"
     build(archive, source, [])  # the manifest only
 
-    with pytest.raises(ArchiveError, match="missing from the archive"):
-        import_image(archive, tmp_path / "image")
-    assert not (tmp_path / "image").exists()
+    refused(archive, tmp_path / "image", "missing from the archive")
 
 
-def test_a_listed_file_arriving_as_a_directory_is_refused(tmp_path: Path) -> None:
+def test_a_listed_file_arriving_as_a_directory_is_refused(tmp_path: Path, source: Path) -> None:
     # Sealed, and every other file genuine: only the directory can be what is refused.
-    source = tmp_path / "src"
-    publish_sample(source)
     archive = tmp_path / "dir.tar.zst"
     members_ = genuine_members(
         source, instead={"logs/dump.log": _info("logs/dump.log", tarfile.DIRTYPE)}
@@ -318,15 +311,12 @@ def test_a_listed_file_arriving_as_a_directory_is_refused(tmp_path: Path) -> Non
     build(archive, source, members_, sealed=True)
     target = tmp_path / "image"
 
-    with pytest.raises(ArchiveError, match=r"logs/dump\.log is a directory; the manifest lists"):
-        import_image(archive, target)
-    assert not target.exists() and leftovers(tmp_path) == []
+    refused(archive, target, r"logs/dump\.log is a directory; the manifest lists")
+    assert leftovers(tmp_path) == []
 
 
-def test_a_genuine_sealed_rebuild_imports(tmp_path: Path) -> None:
+def test_a_genuine_sealed_rebuild_imports(tmp_path: Path, source: Path) -> None:
     # The helpers above build what export writes: without a substitution it is accepted.
-    source = tmp_path / "src"
-    publish_sample(source)
     archive = tmp_path / "same.tar.zst"
     build(archive, source, genuine_members(source, instead={}), sealed=True)
 
@@ -345,3 +335,25 @@ def test_export_of_a_missing_image_or_into_a_missing_directory_is_an_error(
     with pytest.raises(ArchiveError, match=r"cannot export to .*x\.tar\.zst"):
         export_image(image, out)
     assert not out.parent.exists()
+
+
+def test_an_import_keeps_no_foreign_owner_and_no_special_mode_bits(
+    tmp_path: Path, source: Path
+) -> None:
+    # Members that say another host's uid/gid and setuid/setgid/sticky: the imported files
+    # belong to the importer, with only their rwx bits.
+    crafted: list[tuple[tarfile.TarInfo, bytes]] = [
+        (_info("shm/sub", tarfile.DIRTYPE), b""),
+        *genuine_members(source, instead={}),
+    ]
+    for info, _ in crafted:
+        info.mode, info.uid, info.gid = 0o3777 if info.isdir() else 0o6755, 4242, 4243
+    archive = tmp_path / "crafted.tar.zst"
+    build(archive, source, crafted, sealed=True)
+
+    import_image(archive, tmp_path / "image")
+
+    for info, _ in sorted(crafted, key=lambda member: member[0].isdir()):  # files first
+        st = (tmp_path / "image" / info.name).lstat()
+        assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), info.name
+        assert stat.S_IMODE(st.st_mode) == (0o777 if info.isdir() else 0o755), info.name

@@ -14,7 +14,7 @@ from snapctl.errors import ExitStatus, NoSpaceError
 from snapctl.images import ImageError, ImageStaging, Manifest, hash_tree, stage_shm_copy
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.images.store import is_verified, load_manifest, verify_image
-from tests.images.factories import make_manifest, publish_sample
+from tests.images.factories import flip_byte, make_manifest, publish_sample
 
 
 def test_hash_tree_groups_hard_links(tmp_path: Path) -> None:
@@ -83,9 +83,7 @@ def test_flipped_byte_names_the_file(tmp_path: Path, victim: str, named: str) ->
     final = tmp_path / "img"
     publish_sample(final)
     path = final / victim
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    flip_byte(path)
     with pytest.raises(ImageError, match=named):
         verify_image(final)
 

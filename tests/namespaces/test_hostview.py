@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,8 +17,10 @@ from snapctl.namespaces.hostview import (
     PrivatePathError,
     hidden_mounts,
     host_binds,
+    is_within,
     mounts_to_detach,
     server_paths,
+    venv_root,
 )
 
 # What `ip netns add x` (and a deleted one) leaves on a host whose /run is not a tmpfs, beside
@@ -131,3 +138,63 @@ def test_host_binds_are_the_outermost_server_paths_under_tmp(tmp_path: Path) -> 
 def test_a_working_directory_that_is_a_private_root_is_refused() -> None:
     with pytest.raises(PrivatePathError, match="/tmp is private to each sandbox"):
         host_binds(["/usr/bin/python3"], cwd="/tmp")
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path) -> Iterator[Path]:
+    """A fresh directory directly in /tmp (where any user may plant a symlink), removed after."""
+    top = Path(tempfile.mkdtemp(prefix="snapctl-hostview-", dir="/tmp"))
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top)
+
+
+def test_a_symlink_planted_in_tmp_is_refused_not_bound_through(
+    in_tmp: Path, tmp_path: Path
+) -> None:
+    elsewhere = Path(tempfile.mkdtemp(prefix="snapctl-hostview-secret-", dir="/var/tmp"))
+    try:
+        planted = Path("/tmp") / f"{in_tmp.name}-models"
+        planted.symlink_to(elsewhere)
+        try:
+            why = rf"names {planted}, which reaches {elsewhere} through a symlink under /tmp"
+            with pytest.raises(PrivatePathError, match=rf"{why}.*name {elsewhere} instead"):
+                host_binds(["/usr/bin/python3", "--model", str(planted)], cwd="/")
+        finally:
+            planted.unlink()
+    finally:
+        elsewhere.rmdir()
+
+
+def test_only_resolved_paths_are_bound_and_links_inside_a_bind_are_kept(in_tmp: Path) -> None:
+    work, target = in_tmp / "work", in_tmp / "v2"
+    (work / "models").mkdir(parents=True)
+    target.mkdir()
+    (work / "current").symlink_to(target)  # inside the bound work dir: the sandbox has it
+    (work / "etc").symlink_to("/etc")
+    argv = ["/usr/bin/python3", "--model", str(work / "current"), "--conf", str(work / "etc")]
+    binds = host_binds(argv, cwd=str(work))
+    assert binds == [str(target), str(work)]
+    assert all(os.path.realpath(path) == path for path in binds)
+
+
+def test_a_venv_under_tmp_run_from_elsewhere_is_bound_whole(in_tmp: Path) -> None:
+    venv = in_tmp / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    (venv / "bin" / "python").symlink_to(os.path.realpath(sys.executable))
+    (venv / "bin" / "serve").write_text(f"#!{venv / 'bin' / 'python'}\n")
+    for program in ("python", "serve"):
+        assert venv_root(str(venv / "bin" / program)) == str(venv)
+        assert host_binds([str(venv / "bin" / program), "-m", "x"], cwd="/") == [str(venv)]
+    assert venv_root("/usr/bin/python3") is None or not is_within(
+        str(venv_root("/usr/bin/python3")), "/tmp"
+    )
+
+
+def test_a_program_linked_out_of_tmp_without_a_venv_is_refused(in_tmp: Path) -> None:
+    (in_tmp / "bin").mkdir()
+    (in_tmp / "bin" / "tool").symlink_to(os.path.realpath(sys.executable))
+    with pytest.raises(PrivatePathError, match="through a symlink under /tmp"):
+        host_binds([str(in_tmp / "bin" / "tool")], cwd="/")

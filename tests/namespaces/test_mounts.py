@@ -6,6 +6,7 @@ activation's tmpfs somewhere is no proof of membership; seeing it at /dev/shm is
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import time
@@ -73,3 +74,15 @@ def test_mountinfo_reads_mount_points_with_spaces_and_non_ascii_names(tmp_path: 
         assert (str(point), "tmpfs") in mounts.mountinfo()
     finally:
         mounts.umount(point, detach=True)
+
+
+def test_a_tree_cloned_without_symlinks_refuses_a_link_on_its_path(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    (real / "model").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    for path in (tmp_path / "link" / "model", tmp_path / "link"):
+        with pytest.raises(OSError) as info:
+            mounts.clone_tree(path, no_symlinks=True)
+        assert info.value.errno == errno.ELOOP, path
+    for path, no_symlinks in ((real / "model", True), (tmp_path / "link" / "model", False)):
+        os.close(mounts.clone_tree(path, no_symlinks=no_symlinks))

@@ -14,6 +14,7 @@ from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.criu import find_criu
+from snapctl.qualification.report import Report
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
 
@@ -48,3 +49,16 @@ def assert_nothing_left(state: StateDir, shm_before: set[str]) -> None:
     assert not (state.root / "qualify").exists() or list((state.root / "qualify").iterdir()) == []
     remaps = {name for name in os.listdir(HOST_SHM) if name.startswith("link_remap.")}
     assert remaps <= shm_before
+
+
+def printed_report(out: str) -> Report:
+    """The report a ``--json`` command printed (its last line)."""
+    return Report.model_validate_json(out.strip().splitlines()[-1])
+
+
+def fresh_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Point snapctl at a state directory of this test's, without a key from the environment;
+    return the names in the host's /dev/shm before the test (for :func:`assert_nothing_left`)."""
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("SNAPCTL_API_KEY", raising=False)
+    return set(os.listdir(HOST_SHM))

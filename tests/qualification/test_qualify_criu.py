@@ -9,7 +9,6 @@ not injected, which the fail-closed checks must report as failures.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,15 +20,15 @@ from snapctl.errors import ExitStatus
 from snapctl.qualification import faults
 from snapctl.qualification.report import Report
 from snapctl.qualification.suite import DEFAULT_RUNS
-from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
-from tests.qualification.criu_helpers import assert_nothing_left, captured_image
+from tests.qualification.criu_helpers import (
+    assert_nothing_left,
+    captured_image,
+    fresh_state,
+    printed_report,
+)
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
-
-
-def _report(out: str) -> Report:
-    return Report.model_validate_json(out.strip().splitlines()[-1])
 
 
 def _statuses(report: Report) -> dict[tuple[str, str], str]:
@@ -39,13 +38,11 @@ def _statuses(report: Report) -> dict[tuple[str, str], str]:
 def test_qualify_on_the_fixture_passes_every_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("SNAPCTL_API_KEY", raising=False)
-    shm_before = set(os.listdir(HOST_SHM))
+    shm_before = fresh_state(tmp_path, monkeypatch)
 
     status = main(["qualify", "--report", str(tmp_path / "report"), "--json"])
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     failures = report.failures()
     assert status == ExitStatus.OK, failures
     assert report.passed and failures == []
@@ -91,7 +88,7 @@ def test_fault_command_fails_closed(
 ) -> None:
     status = main(["fault", "--image", str(image), "--fault", mode, "--json"])
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     assert status == ExitStatus.OK, report.failures()
     (run,) = report.runs
     checks = {check.name: check for check in run.checks}
@@ -105,7 +102,7 @@ def test_fault_command_fails_closed(
 def test_stale_command_fails_closed(image: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["stale", "--image", str(image), "--json"])
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     assert status == ExitStatus.OK, report.failures()
     assert [run.name for run in report.runs] == ["stale-files", "stale-replay"]
     files, replay = ({c.name: c for c in run.checks} for run in report.runs)
@@ -125,7 +122,7 @@ def test_a_fault_that_is_not_injected_fails_the_fail_closed_checks(
 
     status = main(["fault", "--image", str(image), "--json"])
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     assert status == ExitStatus.VERIFY_FAILED
     checks = {check.name: check for check in report.runs[0].checks}
     assert checks["error.json at recover"].evidence == "no error.json was written"

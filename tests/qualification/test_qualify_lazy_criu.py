@@ -22,10 +22,14 @@ from snapctl.images.lock import hold_image
 from snapctl.qualification import lazy_fault
 from snapctl.qualification.report import Report
 from snapctl.qualification.suite import LAZY_RETAINED_MB
-from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
-from tests.qualification.criu_helpers import assert_nothing_left, captured_image
+from tests.qualification.criu_helpers import (
+    assert_nothing_left,
+    captured_image,
+    fresh_state,
+    printed_report,
+)
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -33,10 +37,6 @@ LAZY_FAULT_CHECKS = (
     "run completed", "transfer running when killed", "copy stopped at once", "failure reported",
     "no public listener", "image unchanged", "image verifies and is free", "nothing left behind",
 )  # fmt: skip
-
-
-def _report(out: str) -> Report:
-    return Report.model_validate_json(out.strip().splitlines()[-1])
 
 
 def _checks(report: Report, run: str) -> dict[str, tuple[str, str]]:
@@ -47,16 +47,14 @@ def _checks(report: Report, run: str) -> dict[str, tuple[str, str]]:
 def test_qualify_lazy_passes_every_check(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
-    monkeypatch.delenv("SNAPCTL_API_KEY", raising=False)
-    shm_before = set(os.listdir(HOST_SHM))
+    shm_before = fresh_state(tmp_path, monkeypatch)
 
     status = main([
         "qualify", "--lazy", "--runs", "donor,copy-1,copy-2,lazy-fault",
         "--report", str(tmp_path / "report"), "--json",
     ])  # fmt: skip
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     assert status == ExitStatus.OK, report.failures()
     assert [run.name for run in report.runs] == [
         "reference", "donor", "copy-1", "copy-2", "lazy-fault",
@@ -107,7 +105,7 @@ def image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_lazy_fault_command_alone(image: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["fault", "--image", str(image), "--lazy", "--json"])
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     assert status == ExitStatus.OK, report.failures()
     (run,) = report.runs
     assert run.name == "lazy-fault" and run.kind == "lazy-fault" and run.lazy
@@ -135,7 +133,7 @@ def test_a_daemon_never_paused_fails_after_every_attempt_and_leaves_nothing(
 
     status = main(["fault", "--image", str(image), "--lazy", "--json"])
 
-    report = _report(capsys.readouterr().out)
+    report = printed_report(capsys.readouterr().out)
     assert status == ExitStatus.VERIFY_FAILED
     assert len(paused) == lazy_fault.ATTEMPTS and len(set(paused)) == lazy_fault.ATTEMPTS
     checks = _checks(report, "lazy-fault")

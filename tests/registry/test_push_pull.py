@@ -3,8 +3,10 @@ layout, verification while streaming, atomic publication, chunk reuse, resumed p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,9 @@ from snapctl.images.store import ImageStaging, hash_tree, load_manifest
 from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
-from snapctl.registry.pull import describe, pull_image
+from snapctl.registry.pull import Remote, describe, pull_image
 from snapctl.registry.push import PushReport, push_image
-from tests.images.factories import make_manifest, publish_sample
+from tests.images.factories import flip_byte, make_manifest, publish_sample
 from tests.registry.server import RegistryServer
 
 pytestmark = [pytest.mark.registry, pytest.mark.timeout(120)]
@@ -38,6 +40,18 @@ def publish_paged(final: Path, pages: bytes, *, force: bool = False) -> None:
 
 def push(server: RegistryServer, image: Path, name: str) -> PushReport:
     return push_image(image, Reference.parse(f"{server.address}/{name}"), client(server, name))
+
+
+def pushed_paged(
+    server: RegistryServer, tmp_path: Path, name: str, page_bytes: int
+) -> tuple[Path, BlobCache, Remote]:
+    """A paged sample image pushed as ``name``, a fresh cache and the image as the registry
+    describes it (through that cache)."""
+    image = tmp_path / "image"
+    publish_paged(image, os.urandom(page_bytes))
+    push(server, image, name)
+    cache = BlobCache(tmp_path / "cache")
+    return image, cache, describe(client(server, name), cache)
 
 
 def test_push_then_pull_round_trips_an_image(registry_server: RegistryServer,
@@ -84,16 +98,9 @@ def test_a_rebake_pushes_only_the_changed_chunks(registry_server: RegistryServer
 
 def test_a_corrupt_blob_in_the_registry_publishes_nothing(registry_server: RegistryServer,
                                                           tmp_path: Path) -> None:  # fmt: skip
-    image = tmp_path / "image"
-    publish_paged(image, os.urandom(3 << 20))
-    push(registry_server, image, "t/corrupt:v1")
-    cache = BlobCache(tmp_path / "cache")
-    remote = describe(client(registry_server, "t/corrupt:v1"), cache)
+    _, cache, remote = pushed_paged(registry_server, tmp_path, "t/corrupt:v1", 3 << 20)
     victim = next(iter(remote.config.chunk_digests()))
-    data = registry_server.blob_data(victim)
-    damaged = bytearray(data.read_bytes())
-    damaged[len(damaged) // 2] ^= 0x01
-    data.write_bytes(bytes(damaged))
+    flip_byte(registry_server.blob_data(victim), mask=0x01)
     before = sorted(p.name for p in cache.root.rglob("*"))
 
     with pytest.raises(BlobMismatchError, match=f"blob {victim} .* does not match its digest"):
@@ -127,11 +134,7 @@ def test_a_corrupt_manifest_json_is_refused(registry_server: RegistryServer,
 
 def test_a_partial_download_resumes_where_it_stopped(registry_server: RegistryServer,
                                                      tmp_path: Path) -> None:  # fmt: skip
-    image = tmp_path / "image"
-    publish_paged(image, os.urandom(8 << 20))
-    push(registry_server, image, "t/resume:v1")
-    cache = BlobCache(tmp_path / "cache")
-    remote = describe(client(registry_server, "t/resume:v1"), cache)
+    image, cache, remote = pushed_paged(registry_server, tmp_path, "t/resume:v1", 8 << 20)
     chunks = list(remote.config.chunk_digests().items())
     cache.ensure()
     complete, (half, size) = chunks[0], chunks[1]
@@ -158,9 +161,7 @@ def test_a_cached_blob_damaged_on_disk_is_dropped_and_fetched_again(
                verified_cache=None)  # fmt: skip
     victim = next(iter(describe(client(registry_server, "t/disk:v1"), cache).config
                        .chunk_digests()))  # fmt: skip
-    damaged = bytearray(cache.path(victim).read_bytes())
-    damaged[7] ^= 0x80
-    cache.path(victim).write_bytes(bytes(damaged))
+    flip_byte(cache.path(victim), 7, 0x80)
 
     with pytest.raises(BlobMismatchError, match="does not match its sha256"):
         pull_image(client(registry_server, "t/disk:v1"), tmp_path / "two", cache=cache,
@@ -170,3 +171,32 @@ def test_a_cached_blob_damaged_on_disk_is_dropped_and_fetched_again(
     again = pull_image(client(registry_server, "t/disk:v1"), tmp_path / "two", cache=cache,
                        verified_cache=None)  # fmt: skip
     assert again.blobs_fetched == 1 and hash_tree(tmp_path / "two") == hash_tree(image)
+
+
+def test_a_pull_keeps_no_foreign_owner_and_no_special_mode_bits(
+    registry_server: RegistryServer, tmp_path: Path
+) -> None:
+    # A layer that says another host's uid/gid and setuid/setgid/sticky: the pulled files
+    # belong to the puller (whose restore alone reads them) with only their rwx bits.
+    image = tmp_path / "image"
+    publish_sample(image)
+    push(registry_server, image, "t/owner:v1")
+    cache = BlobCache(tmp_path / "cache")
+    genuine = describe(client(registry_server, "t/owner:v1"), cache)
+    files = [f.model_copy(update={"mode": 0o6755, "uid": 4242, "gid": 4243})
+             for f in genuine.config.files]  # fmt: skip
+    directories = [d.model_copy(update={"mode": 0o3777}) for d in genuine.config.directories]
+    crafted = dataclasses.replace(
+        genuine, config=genuine.config.model_copy(update={"files": files,
+                                                          "directories": directories}),
+    )  # fmt: skip
+
+    out = tmp_path / "out"
+    pull_image(client(registry_server, "t/owner:v1"), out, cache=cache, verified_cache=None,
+               remote=crafted)  # fmt: skip
+
+    assert directories and files
+    for entry in [*files, *directories]:
+        st = (out / entry.name).lstat()
+        assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), entry.name
+        assert stat.S_IMODE(st.st_mode) in (0o755, 0o777), (entry.name, oct(st.st_mode))

@@ -8,18 +8,24 @@ to this process at injected points.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from snapctl.activation.session import CleanupAudit
+from snapctl.activation.restore import RestoreError
+from snapctl.activation.session import CleanupAudit, Session
 from snapctl.activation.supervise import DetachedStartError, detach
 from snapctl.cli.serving import run_in_foreground
 from snapctl.errors import ExitStatus
-from snapctl.supervision.signals import StopSignals, track, untrack
+from snapctl.namespaces.layout import ActivationDirs
+from snapctl.statedir import StateDir
+from snapctl.supervision.signals import StopSignals, cleaning, track, untrack
 
 CLEAN = CleanupAudit(processes=[], mounts=[], directories=[], listeners=[])
 
@@ -149,3 +155,78 @@ def test_a_signal_to_the_command_while_a_detached_start_runs_stops_that_start() 
     with pytest.raises(DetachedStartError, match="interrupted while starting") as info:
         detach(start, on_progress=lambda lane, step: kill_me(signal.SIGTERM))
     assert info.value.exit_status == ExitStatus.INTERRUPTED
+
+
+@contextlib.contextmanager
+def not_interrupted() -> Iterator[None]:
+    """Fail (rather than end the test run) where a signal raised in the middle of a cleanup."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        pytest.fail("a signal during the cleanup raised KeyboardInterrupt")
+
+
+def test_a_first_signal_during_a_failed_starts_cleanup_does_not_cut_it_short() -> None:
+    # The start failed by itself; the signal comes while its cleanup stops what it started:
+    # it is recorded, the cleanup runs to its end, and the start's own error is what leaves.
+    events: list[str] = []
+
+    def start(steps: Any) -> tuple[Any, Any]:
+        FakeSession(events, on_stop=lambda: kill_me(signal.SIGINT))
+        raise RestoreError("the restore failed")
+
+    with not_interrupted(), pytest.raises(RestoreError):
+        run_in_foreground(start, as_json=True, show=print)
+    assert events == ["stop fake begins", "stop fake ends"]
+
+
+def test_a_first_signal_during_a_failed_detached_starts_cleanup_does_not_cut_it_short() -> None:
+    # In the supervisor: the cleanup of a start that failed by itself gets SIGTERM; the parent
+    # still hears the start's own error, not "interrupted" (which a cut-short cleanup says).
+    def start(progress_for: Any) -> tuple[Any, Any]:
+        FakeSession([], on_stop=lambda: kill_me(signal.SIGTERM))
+        raise RestoreError("the restore failed")
+
+    with pytest.raises(DetachedStartError, match="the restore failed") as info:
+        detach(start)
+    assert info.value.exit_status == ExitStatus.ACTIVATION_FAILED  # its own, not 130
+
+
+class SignalledSession(Session):
+    """A real Session whose stop gets a signal halfway (nothing was launched to stop)."""
+
+    events: list[str]
+
+    def stop(
+        self, stop_timeout_s: float = 10.0, *, failed: bool = False
+    ) -> tuple[str, CleanupAudit]:
+        self.events.append("stop begins")
+        kill_me(signal.SIGINT)
+        self.events.append("stop ends")
+        untrack(self)
+        return "not started", CLEAN
+
+
+def test_a_first_signal_during_stop_failed_start_does_not_cut_it_short(tmp_path: Path) -> None:
+    session = SignalledSession(
+        name="fake", activation_id="a1", kind="copy", state_dir=StateDir(tmp_path / "state"),
+        dirs=ActivationDirs(root=tmp_path / "root", logs=tmp_path / "logs"),
+    )  # fmt: skip
+    session.events = []
+    error = RestoreError("the restore failed")
+    with StopSignals() as signals, not_interrupted():
+        session.stop_failed_start(error)
+        assert signals.requested.is_set() and signals.received == signal.SIGINT
+    assert session.events == ["stop begins", "stop ends"]
+    assert "cleanup: clean" in error.message
+
+
+def test_another_threads_cleanup_leaves_the_main_threads_start_interruptible() -> None:
+    # copy --count: one copy's start fails and cleans up in its worker thread (where no signal
+    # raises); the others, still starting, must still be interrupted by the first signal.
+    with StopSignals():
+        worker = threading.Thread(target=cleaning)
+        worker.start()
+        worker.join(timeout=10)
+        with pytest.raises(KeyboardInterrupt):
+            kill_me(signal.SIGINT)

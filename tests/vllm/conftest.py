@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import skip_or_fail
+from tests.conftest import found_or_fail, skip_unless_found
 
 ROOT = Path(__file__).resolve().parents[2]
 # The server's environment: offline, no usage reports. (The KV cache is sized by an option, not
@@ -52,16 +52,9 @@ def real_vllm() -> tuple[RealVllm | None, str]:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("vllm") is None:
-        return
-    found, problem = real_vllm()
-    if found is None:
-        skip_or_fail("vllm", problem)
+    skip_unless_found(item, "vllm", real_vllm)
 
 
 @pytest.fixture(scope="session")
 def vllm() -> RealVllm:
-    found, problem = real_vllm()
-    if found is None:
-        pytest.fail(f"the vllm fixture used without @pytest.mark.vllm: {problem}", pytrace=False)
-    return found
+    return found_or_fail("the vllm fixture", "vllm", real_vllm)

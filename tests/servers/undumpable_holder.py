@@ -14,10 +14,11 @@ import json
 import mmap
 import os
 import select
-import signal
 import struct
 import sys
 import time
+
+from capture_stub import StubHooks, capture, exit_on_sigterm
 
 SYS_IO_URING_SETUP = 425
 SYS_USERFAULTFD = 323
@@ -39,7 +40,7 @@ def io_uring() -> tuple[int, mmap.mmap] | None:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    exit_on_sigterm()
     ring = io_uring()
     userfaultfd = libc.syscall(SYS_USERFAULTFD, os.O_CLOEXEC)
     assert userfaultfd >= 0, os.strerror(ctypes.get_errno())
@@ -54,21 +55,7 @@ def main() -> None:
     if "--snapshot-config" not in sys.argv:
         while True:
             time.sleep(60)
-    from snapctl.launcher import run_startup_capture
-    from snapctl.protocol.models import Oracle, SnapshotConfig
-
-    class Hooks:
-        def canary(self) -> Oracle:
-            return Oracle(token_ids=[1], text="a", sampled_token_logprob=-0.5)
-
-        def release_memory(self) -> None:
-            pass
-
-        def restore_memory(self) -> None:
-            pass
-
-    raw = sys.argv[sys.argv.index("--snapshot-config") + 1]
-    run_startup_capture(SnapshotConfig.model_validate_json(raw), Hooks())
+    capture(sys.argv[sys.argv.index("--snapshot-config") + 1], StubHooks(text="a"))
     time.sleep(3600)
 
 
