@@ -45,6 +45,7 @@ from snapctl.progress import Progress
 from snapctl.statedir import StateDir
 from snapctl.statedir.names import NameReservation, numbered_names
 from snapctl.supervision.process import ProcessGoneError
+from snapctl.supervision.signals import cleaning
 
 __all__ = ["ParkedCopy", "RestoreError", "activate_copy", "restore_copy", "start_copy"]
 
@@ -300,7 +301,9 @@ def start_copies(
             return [future.result() for future in futures]
         except BaseException:
             # Interrupted (Ctrl-C reaches only this thread), or a start raised something
-            # unexpected: the copies that started are returned to no one, so stop them here.
+            # unexpected: the copies that started are returned to no one, so stop them here,
+            # and a first signal now must not cut that short.
+            cleaning()
             for future in futures:
                 with contextlib.suppress(BaseException):
                     started = future.result()  # after that start ended, one way or another
