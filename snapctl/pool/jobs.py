@@ -1,10 +1,188 @@
-"""What a supervisor forked by the spawner runs: a fresh copy, or a parked one."""
+"""What a supervisor forked by the spawner runs: a fresh copy (``copy``), or a parked one
+(``park``, see :mod:`snapctl.pool.parked`). Imported by the spawner before it forks, with
+everything a supervisor needs, so that a supervisor starts without importing anything."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import threading
+import traceback
+from pathlib import Path
 from typing import Any
+
+# Imported here, before the spawner forks: a supervisor's start imports nothing more.
+import snapctl.activation.copy
+import snapctl.activation.supervise
+import snapctl.pool._shim
+from snapctl.activation.launch import LaunchOptions
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.pool.models import CopyRequest
+from snapctl.supervision.state import StateDir
+
+assert snapctl.activation.copy and snapctl.activation.supervise and snapctl.pool._shim
+
+
+class Reporter:
+    """The report wire's writing end (see :mod:`snapctl.pool.serve`): a pipe or a socket."""
+
+    def __init__(self, fd: int) -> None:
+        self._file = os.fdopen(fd, "w")
+        self._lock = threading.Lock()
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock, contextlib.suppress(OSError, ValueError):  # a reader gone early
+            self._file.write(json.dumps(message) + "\n")
+            self._file.flush()
+
+    def progress(self, lane: str, step: str) -> None:
+        self.send({"lane": lane, "progress": step})
+
+    def error(self, error: BaseException) -> int:
+        """Send ``error`` as the outcome; return the exit status it stands for."""
+        if isinstance(error, SnapctlError):
+            self.send(error_message(error))
+            return int(error.exit_status)
+        if isinstance(error, KeyboardInterrupt):
+            self.send(
+                {
+                    "error": "interrupted while starting (SIGINT/SIGTERM); what had started "
+                    "was stopped", "status": int(ExitStatus.INTERRUPTED), "phase": None,
+                    "path": None, "log_tail": None,
+                }
+            )  # fmt: skip
+            return int(ExitStatus.INTERRUPTED)
+        traceback.print_exc()
+        self.send(
+            {
+                "error": f"unexpected {type(error).__name__} in the supervisor: {error}",
+                "status": int(ExitStatus.ERROR), "phase": None, "path": None, "log_tail": None,
+            }
+        )  # fmt: skip
+        return int(ExitStatus.ERROR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._file.close()
+
+
+def error_message(error: SnapctlError) -> dict[str, Any]:
+    return {
+        "error": error.message,
+        "status": int(error.exit_status),
+        "phase": error.phase,
+        "path": None if error.path is None else str(error.path),
+        "log_tail": error.excerpt,
+    }
+
+
+def launch_options(request: CopyRequest) -> LaunchOptions:
+    """The request's options for the restore and the activation, with its API key in this
+    supervisor's environment (where the probe reads it)."""
+    api_key_env = request.api_key_env
+    if request.api_key is not None:
+        api_key_env = api_key_env or "SNAPCTL_API_KEY"
+        os.environ[api_key_env] = request.api_key.get_secret_value()
+    return LaunchOptions(
+        server_argv=None if request.server_argv is None else list(request.server_argv),
+        allow_mismatch=request.allow_mismatch,
+        name=request.name,
+        host=request.host,
+        port=request.port,
+        api_key_env=api_key_env,
+        timeout_s=request.timeout_s,
+    )
+
+
+def check_request(request: CopyRequest) -> None:
+    """What the CLI checks before anything starts: the waivers, and --publish."""
+    from snapctl.images.identity import check_waivers
+    from snapctl.namespaces.publish import check_publish
+
+    check_waivers(request.allow_mismatch)
+    if request.publish is not None:
+        port, count = request.publish.port, request.count
+        check_publish(request.publish.address, [port + i for i in range(count)] if port else [],
+                      exposed=request.expose)  # fmt: skip
+
+
+def detach_stdio() -> None:
+    """Served: the supervisor lives on alone."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
 
 
 def run_job(job: dict[str, Any], pipe_fd: int) -> None:
-    """Run ``job`` in this (freshly forked) supervisor, reporting on ``pipe_fd``."""
-    raise NotImplementedError
+    """Run ``job`` in this (freshly forked) supervisor, reporting on ``pipe_fd``; exits."""
+    kind = job.get("kind")
+    if kind == "copy":
+        os._exit(run_copy(job, Reporter(pipe_fd)))
+    if kind == "park":
+        from snapctl.pool.parked import run_parked
+
+        os._exit(run_parked(job, Reporter(pipe_fd)))
+    Reporter(pipe_fd).send({"error": f"unknown job {kind!r}", "status": 1, "phase": None,
+                            "path": None, "log_tail": None})  # fmt: skip
+    os._exit(1)
+
+
+def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
+    """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
+    from snapctl.activation.copy import start_all_copies, start_copy
+    from snapctl.activation.lazy import lazy_by_default
+    from snapctl.activation.native import native_step
+    from snapctl.activation.supervise import run_all_until_stopped
+    from snapctl.criu import find_criu
+    from snapctl.images import load_manifest
+    from snapctl.supervision.signals import StopSignals, stop_all_tracked
+
+    signals = StopSignals().install()
+    state = StateDir(Path(job["state"]))
+    try:
+        try:
+            request = CopyRequest.model_validate_json(json.dumps(job["request"]))
+            check_request(request)
+            options = launch_options(request)
+            image = Path(request.image)
+            criu = find_criu(request.criu_path)
+            native = native_step(request.native)
+            lazy = request.lazy
+            if lazy is None:
+                lazy = lazy_by_default(load_manifest(image))
+            publish = None
+            if request.publish is not None:
+                publish = (request.publish.address, request.publish.port)
+            sessions: list[Any]
+            if request.count == 1:
+                session, single = start_copy(
+                    image, options, criu=criu, native=native, publish=publish, state=state,
+                    progress=lambda step: reporter.progress("", step), lazy=lazy,
+                )  # fmt: skip
+                sessions = [session]
+                report = {**single.model_dump(mode="json"), "from_pool": False}
+            else:
+                sessions, many = start_all_copies(
+                    image, options, request.count, criu=criu, native=native,
+                    publish_base=publish, state=state, lazy=lazy,
+                    progress_for=lambda lane: lambda step: reporter.progress(lane, step),
+                )  # fmt: skip
+                report = many.model_dump(mode="json")
+                for entry in report["copies"]:
+                    entry["from_pool"] = False
+        except BaseException:
+            stop_all_tracked()  # what a start interrupted at any point had started
+            raise
+    except BaseException as error:
+        return reporter.error(error)
+    signals.started()
+    reporter.send({"report": report})
+    reporter.close()
+    detach_stdio()
+    try:
+        run_all_until_stopped(sessions, stop=signals.requested)
+    finally:
+        stop_all_tracked()
+    return 0

@@ -110,14 +110,16 @@ class ParkedRecord(_Strict):
     id: str = Field(pattern=PARKED_ID_PATTERN)
     state: ParkedState
     image: str
-    image_id: str
-    manifest_digest: str
+    image_id: str | None  # None until restored (then: what it was restored from)
+    manifest_digest: str | None
     lazy: bool
     activation_id: str | None
     supervisor_pid: int
     supervisor_start_time: float
     root_pid: int | None
     root_start_time: float | None
+    lazy_pages_pid: int | None = None
+    lazy_pages_start_time: float | None = None
     owner_pid: int  # the agent it was parked for: without it, the parked copy discards itself
     owner_start_time: float
     socket: str
@@ -137,3 +139,11 @@ class AdoptionReport(_Strict):
     version: Literal[1] = 1
     discarded: tuple[DiscardedCopy, ...]
     removed: tuple[str, ...]
+
+
+class ActivationOrder(_Strict):
+    """What a parked copy's socket takes, once: activate it for ``request``, or discard it."""
+
+    version: Literal[1] = 1
+    action: Literal["activate", "discard"]
+    request: CopyRequest | None = None

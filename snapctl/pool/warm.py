@@ -1,22 +1,145 @@
 """The warm pool: per image, keep ``size`` copies restored and parked, refill in the
-background, bound their memory, and discard the ones that can no longer be vouched for."""
+background, bound their memory, and discard the ones that can no longer be vouched for.
+
+One refill thread does all the bookkeeping on a tick (and when woken by ``set``, ``take``
+or a copy that parked): it drops copies whose supervisor is gone, discards those whose image
+was removed, replaced or fails verification, and those over the target or the memory
+budget, then starts restores for what is missing, each in a parking thread (a supervisor
+forked by the spawner, which reports once parked). A restore that fails backs its image off.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
+import os
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import psutil
+
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.images import ImageError
 from snapctl.pool.events import NoEvents, PoolEvents
-from snapctl.pool.models import AdoptionReport, CopyRequest, PoolListing, PoolTarget
-from snapctl.pool.serve import ParkedHandle
-from snapctl.pool.spawner import Spawner
+from snapctl.pool.identity import published_identity
+from snapctl.pool.models import (
+    AdoptionReport,
+    CopyRequest,
+    DiscardedCopy,
+    DiscardReason,
+    ParkedCopyRow,
+    ParkedRecord,
+    PoolEntry,
+    PoolListing,
+    PoolTarget,
+)
+from snapctl.pool.records import discard_recorded, load_parked_records, pool_dir
+from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
+from snapctl.pool.spawner import Spawner, SpawnerGoneError
+from snapctl.protocol.atomic import write_json_atomic
+from snapctl.supervision.process import is_same_process
 from snapctl.supervision.state import StateDir
+
+TARGETS_NAME = "targets.json"
+TICK_S = 0.5
+# At most this many restores for the pool at once, over all images: parking is background
+# work and must leave the host's CPUs to the copies being served.
+MAX_PARKING = 2
+BACKOFF_MAX_S = 30.0
+# The memory of parked copies is read (PSS, a walk of each tree's smaps) this often.
+MEMORY_EVERY_S = 2.0
+VERIFY_EVERY_S = 5.0
+
+
+class PoolError(SnapctlError):
+    """A pool request that cannot be done (an image not published, no such target)."""
+
+    exit_status = ExitStatus.USAGE
+
+
+@dataclass
+class _Slot:
+    """One parked copy, from its restore on."""
+
+    id: str
+    image: str
+    started: float = field(default_factory=time.monotonic)
+    record: ParkedRecord | None = None  # once parked
+    parked_at: float | None = None
+    memory_bytes: int | None = None
+    discarding: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.record is not None and not self.discarding
+
+
+@dataclass
+class _Image:
+    target: PoolTarget
+    slots: list[_Slot] = field(default_factory=list)
+    identity: tuple[str, str] | None = None
+    manifest_stat: tuple[int, int, int] | None = None
+    last_failure: str | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    verified_at: float = 0.0
+
+
+def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
+    """PSS (RSS where PSS is unreadable) of these processes and all their descendants."""
+    total, seen, found = 0, set(), False
+    for pid, start_time in pids:
+        try:
+            root = psutil.Process(pid)
+            if start_time is not None and abs(root.create_time() - start_time) > 0.01:
+                continue
+            members = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for member in members:
+            if member.pid in seen:
+                continue
+            seen.add(member.pid)
+            try:
+                info = member.memory_full_info()
+                total += int(getattr(info, "pss", info.rss))
+                found = True
+            except psutil.AccessDenied:
+                with contextlib.suppress(psutil.Error):
+                    total += int(member.memory_info().rss)
+                    found = True
+            except psutil.Error:
+                continue
+    return total if found else None
+
+
+def record_memory(record: ParkedRecord) -> int | None:
+    pids: list[tuple[int, float | None]] = []
+    if record.root_pid is not None:
+        pids.append((record.root_pid, record.root_start_time))
+    if record.lazy_pages_pid is not None:
+        pids.append((record.lazy_pages_pid, record.lazy_pages_start_time))
+    return tree_memory(pids)
+
+
+def image_key(image: Path) -> str:
+    return str(image.absolute())
 
 
 class WarmPool:
     """The agent's pool: targets by image, their parked copies, and the refill thread.
 
-    Thread-safe. ``adopt`` first (it discards what an earlier agent parked), then ``set``,
-    ``take`` and ``listing`` from any thread; ``close`` discards every parked copy.
+    Thread-safe. ``adopt`` first (it discards what an earlier agent parked and starts the
+    refill thread), then ``set``, ``remove``, ``take`` and ``listing`` from any thread;
+    ``close`` stops refilling and discards every parked copy. Targets persist in
+    ``STATE/pool/targets.json``: a new agent refills them.
     """
 
     def __init__(
@@ -25,30 +148,430 @@ class WarmPool:
         self.state = state
         self.spawner = spawner
         self.events: PoolEvents = events or NoEvents()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._images: dict[str, _Image] = {}
+        self._parking = 0
+        self._thread: threading.Thread | None = None
+        self._workers: list[threading.Thread] = []
+        me = psutil.Process()
+        self._owner = (me.pid, me.create_time())
+        self._memory_at = 0.0
+        for target in self._load_targets():
+            self._images[target.image] = _Image(target)
+
+    # -- targets ---------------------------------------------------------------------------
+
+    def _targets_path(self) -> Path:
+        return pool_dir(self.state) / TARGETS_NAME
+
+    def _load_targets(self) -> list[PoolTarget]:
+        try:
+            data = json.loads(self._targets_path().read_bytes())
+            return [PoolTarget.model_validate_json(json.dumps(t)) for t in data["targets"]]
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, KeyError, TypeError):
+            return []  # unreadable: start with none rather than refuse to start
+
+    def _save_targets(self) -> None:
+        pool_dir(self.state).mkdir(parents=True, mode=0o700, exist_ok=True)
+        targets = [entry.target.model_dump(mode="json") for entry in self._images.values()]
+        write_json_atomic(self._targets_path(), {"version": 1, "targets": targets},
+                          overwrite=True)  # fmt: skip
 
     def set(
         self, image: Path, size: int, *, lazy: bool | None = None, max_memory: int | None = None
     ) -> PoolTarget:
-        """Keep ``size`` parked copies of ``image`` (0 keeps the target, parks nothing)."""
-        raise NotImplementedError
+        """Keep ``size`` parked copies of ``image`` (0 keeps the target, parks nothing);
+        refused unless ``image`` is a published image."""
+        key = image_key(image)
+        if published_identity(Path(key)) is None:
+            raise PoolError(f"{key} is not a published image (bake one, or give its directory)",
+                            phase="pool", path=Path(key))  # fmt: skip
+        try:
+            target = PoolTarget(image=key, size=size, lazy=lazy, max_memory=max_memory)
+        except ValueError as error:
+            raise PoolError(f"invalid pool target: {error}", phase="pool") from error
+        with self._lock:
+            entry = self._images.get(key)
+            if entry is None:
+                self._images[key] = _Image(target)
+            else:
+                if entry.target.lazy != target.lazy:
+                    for slot in entry.slots:  # parked the other way: not what is asked now
+                        self._discard_later(slot, "target")
+                entry.target = target
+                entry.failures, entry.retry_at = 0, 0.0
+            self._save_targets()
+        self._start_thread()
+        self._wake.set()
+        return target
 
     def remove(self, image: Path) -> PoolTarget:
         """Forget ``image``'s target and discard its parked copies."""
-        raise NotImplementedError
+        key = image_key(image)
+        with self._lock:
+            entry = self._images.pop(key, None)
+            if entry is None:
+                raise PoolError(f"no pool target for {key} (see snapctl pool ls)",
+                                phase="pool", path=Path(key))  # fmt: skip
+            self._save_targets()
+            slots = list(entry.slots)
+        for slot in slots:
+            self._discard_now(slot, "target")
+        return entry.target
+
+    # -- reading ---------------------------------------------------------------------------
 
     def listing(self) -> PoolListing:
-        raise NotImplementedError
+        now = time.monotonic()
+        with self._lock:
+            entries = []
+            for entry in self._images.values():
+                rows = tuple(
+                    ParkedCopyRow(
+                        id=slot.id,
+                        state="parked" if slot.ready else "restoring",
+                        age_s=round(now - (slot.parked_at or slot.started), 3),
+                        memory_bytes=slot.memory_bytes,
+                        supervisor_pid=slot.record.supervisor_pid if slot.record else 0,
+                        root_pid=slot.record.root_pid if slot.record else None,
+                    )
+                    for slot in entry.slots
+                    if not slot.discarding
+                )
+                entries.append(
+                    PoolEntry(
+                        target=entry.target,
+                        image_id=None if entry.identity is None else entry.identity[0],
+                        memory_bytes=sum(row.memory_bytes or 0 for row in rows),
+                        parked=rows,
+                        last_failure=entry.last_failure,
+                    )
+                )
+        return PoolListing(
+            entries=tuple(entries), memory_bytes=sum(e.memory_bytes for e in entries)
+        )
 
     def take(self, image: Path, request: CopyRequest | None = None) -> ParkedHandle | None:
         """A parked copy of ``image``, now the caller's to activate; None if none is ready
         (never waits). With ``request``: only one whose restore fits it (the same host, port,
         server command, waivers, native step and CRIU; ``lazy`` if the request says)."""
-        raise NotImplementedError
+        from snapctl.pool.parked import restore_fits
+
+        key = image_key(image)
+        with self._lock:
+            entry = self._images.get(key)
+            if entry is None:
+                return None
+            for slot in sorted(entry.slots, key=lambda s: s.parked_at or math.inf):
+                if not slot.ready or slot.record is None:
+                    continue
+                if request is not None and restore_fits(
+                    self._park_request(entry.target, slot.record.lazy), request
+                ):
+                    continue
+                if not is_same_process(slot.record.supervisor_pid,
+                                       slot.record.supervisor_start_time):  # fmt: skip
+                    continue  # died: the next tick drops it
+                entry.slots.remove(slot)
+                record = slot.record
+                break
+            else:
+                return None
+        self.events.taken(key)
+        self._wake.set()
+        return ParkedHandle(
+            id=record.id, image=record.image, image_id=record.image_id or "",
+            manifest_digest=record.manifest_digest or "", lazy=record.lazy,
+            socket=Path(record.socket), supervisor_pid=record.supervisor_pid,
+            supervisor_start_time=record.supervisor_start_time, host="127.0.0.1", port=8000,
+        )  # fmt: skip
+
+    # -- lifecycle -------------------------------------------------------------------------
 
     def adopt(self) -> AdoptionReport:
-        """At start: discard every parked copy an earlier agent left."""
-        raise NotImplementedError
+        """At start: discard every parked copy an earlier agent left (it cannot be vouched
+        for: its image may have changed while no one watched), then start refilling."""
+        discarded, removed = [], []
+        for home, record in load_parked_records(self.state):
+            if record is not None and (record.owner_pid, record.owner_start_time) == self._owner:
+                continue  # ours (adopt called late)
+            if record is None:
+                ended: list[int] = []
+                reason: DiscardReason = "unvouched"
+                removed.append(str(home))
+            else:
+                ended = discard_recorded(record, self.state)
+                reason = "unvouched"
+            shutil.rmtree(home, ignore_errors=True)
+            if record is not None:
+                discarded.append(
+                    DiscardedCopy(id=record.id, reason=reason, processes_ended=tuple(ended))
+                )
+                self.events.discarded(record.image, reason)
+        self._start_thread()
+        return AdoptionReport(discarded=tuple(discarded), removed=tuple(removed))
 
-    def close(self) -> None:
-        """The agent stops: discard every parked copy, stop refilling."""
-        raise NotImplementedError
+    def close(self, timeout_s: float = 30.0) -> None:
+        """The agent stops: stop refilling, end the restores under way, discard every
+        parked copy."""
+        self._closing.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            slots = [slot for entry in self._images.values() for slot in entry.slots]
+        for slot in slots:
+            self._discard_now(slot, "closing")
+        deadline = time.monotonic() + timeout_s
+        for worker in list(self._workers):
+            worker.join(max(0.0, deadline - time.monotonic()))
+
+    # -- the refill thread -----------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        with self._lock:
+            if self._thread is None and not self._closing.is_set():
+                self._thread = threading.Thread(target=self._run, name="pool-refill",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closing.is_set():
+            try:
+                self._tick()
+            except Exception as error:  # a bug: keep the pool alive, say it where seen
+                for entry in list(self._images.values()):
+                    entry.last_failure = f"refill: unexpected {type(error).__name__}: {error}"
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        measure = now - self._memory_at >= MEMORY_EVERY_S
+        if measure:
+            self._memory_at = now
+        with self._lock:
+            entries = list(self._images.items())
+        for key, entry in entries:
+            self._check_image(key, entry, now)
+            with self._lock:
+                slots = list(entry.slots)
+            for slot in slots:
+                record = slot.record
+                if record is None or slot.discarding:
+                    continue
+                if not is_same_process(record.supervisor_pid, record.supervisor_start_time):
+                    self._drop(entry, slot, "died")
+                    continue
+                if measure or slot.memory_bytes is None:
+                    slot.memory_bytes = record_memory(record)
+            self._enforce(key, entry)
+            self._refill(key, entry, now)
+
+    def _check_image(self, key: str, entry: _Image, now: float) -> None:
+        """Discard parked copies of an image removed, replaced, or that fails verification."""
+        from snapctl.images import verify_image
+        from snapctl.images.store import is_verified
+
+        path = Path(key)
+        try:
+            st = (path / "manifest.json").stat()
+            stat_key: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            stat_key = None
+        if stat_key is None or stat_key != entry.manifest_stat:
+            entry.manifest_stat = stat_key
+            entry.identity = None if stat_key is None else published_identity(path)
+        reason: DiscardReason | None = None
+        if entry.identity is None:
+            reason = "removed"
+        if reason is None and now - entry.verified_at >= VERIFY_EVERY_S:
+            entry.verified_at = now
+            manifest = None
+            with contextlib.suppress(ImageError, OSError):
+                from snapctl.images import load_manifest
+
+                manifest = load_manifest(path)
+            if manifest is not None and not is_verified(path, manifest, self.state.verified):
+                try:
+                    verify_image(path, cache_dir=self.state.verified)
+                except (ImageError, OSError) as error:
+                    entry.last_failure = f"verification: {error}"
+                    reason = "verification"
+        with self._lock:
+            slots = list(entry.slots)
+        for slot in slots:
+            record = slot.record
+            if record is None or slot.discarding:
+                continue
+            why = reason
+            if why is None and entry.identity != (record.image_id, record.manifest_digest):
+                why = "replaced"
+            if why is not None:
+                self._discard_later(slot, why)
+        if reason is not None:
+            entry.retry_at = max(entry.retry_at, now + VERIFY_EVERY_S)
+
+    def _enforce(self, key: str, entry: _Image) -> None:
+        """Over the target's size, or over its memory budget: discard the newest."""
+        with self._lock:
+            live = [slot for slot in entry.slots if not slot.discarding]
+        target = entry.target
+        parked = [slot for slot in live if slot.ready]
+        while len(live) > target.size and parked:
+            slot = max(parked, key=lambda s: s.parked_at or 0.0)
+            parked.remove(slot)
+            live.remove(slot)
+            self._discard_later(slot, "target")
+        if target.max_memory is not None:
+            while parked and sum(s.memory_bytes or 0 for s in parked) > target.max_memory:
+                slot = max(parked, key=lambda s: s.parked_at or 0.0)
+                parked.remove(slot)
+                self._discard_later(slot, "memory")
+                entry.last_failure = "memory budget: a parked copy was discarded"
+
+    def _per_copy_estimate(self, entry: _Image) -> int:
+        known = [s.memory_bytes for s in entry.slots if s.memory_bytes]
+        return max(known) if known else 0
+
+    def _refill(self, key: str, entry: _Image, now: float) -> None:
+        if self._closing.is_set() or entry.identity is None or now < entry.retry_at:
+            return
+        with self._lock:
+            live = [slot for slot in entry.slots if not slot.discarding]
+            restoring = [slot for slot in live if slot.record is None]
+            if len(live) >= entry.target.size or restoring or self._parking >= MAX_PARKING:
+                return
+            if entry.target.max_memory is not None:
+                held = sum(slot.memory_bytes or 0 for slot in live)
+                if held + self._per_copy_estimate(entry) > entry.target.max_memory:
+                    return
+            slot = _Slot(id=f"pool-{secrets.token_hex(6)}", image=key)
+            entry.slots.append(slot)
+            self._parking += 1
+        worker = threading.Thread(target=self._park, args=(entry, slot), name=f"park-{slot.id}",
+                                  daemon=True)  # fmt: skip
+        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        worker.start()
+
+    def _park_request(self, target: PoolTarget, lazy: bool) -> CopyRequest:
+        return CopyRequest(image=target.image, lazy=lazy)
+
+    def _resolved_lazy(self, target: PoolTarget) -> bool:
+        if target.lazy is not None:
+            return target.lazy
+        from snapctl.activation.lazy import lazy_by_default
+        from snapctl.images import load_manifest
+
+        return lazy_by_default(load_manifest(Path(target.image)))
+
+    def _park(self, entry: _Image, slot: _Slot) -> None:
+        """A parking thread: one supervisor's restore, until it is parked or failed."""
+        started = time.monotonic()
+        try:
+            lazy = self._resolved_lazy(entry.target)
+            request = self._park_request(entry.target, lazy)
+            job = {
+                "kind": "park", "id": slot.id, "state": str(self.state.root),
+                "request": request.model_dump(mode="json"), "owner_pid": self._owner[0],
+                "owner_start_time": self._owner[1],
+            }  # fmt: skip
+            read_fd = self.spawner.spawn(job)
+            with os.fdopen(read_fd, "rb") as reader:
+                record = _wait_parked(reader)
+        except (SnapctlError, SpawnerGoneError, OSError, ValueError) as error:
+            phase = getattr(error, "phase", None) or "restore"
+            with self._lock:
+                if slot in entry.slots:
+                    entry.slots.remove(slot)
+                self._parking -= 1
+                entry.failures += 1
+                entry.last_failure = f"{phase}: {error}"
+                entry.retry_at = time.monotonic() + min(BACKOFF_MAX_S, 2.0**entry.failures)
+            self.events.failed(slot.image, phase)
+            return
+        with self._lock:
+            self._parking -= 1
+            slot.record = record
+            slot.parked_at = time.monotonic()
+            entry.failures = 0
+            entry.last_failure = None
+            wanted = slot in entry.slots and not self._closing.is_set()
+        if not wanted:
+            self._discard_now(slot, "closing")
+            return
+        slot.memory_bytes = record_memory(record)
+        self.events.parked(slot.image, slot.parked_at - started)
+        self._wake.set()
+
+    # -- discarding ------------------------------------------------------------------------
+
+    def _drop(self, entry: _Image, slot: _Slot, reason: DiscardReason) -> None:
+        """A copy gone by itself: forget it, clean up what it left."""
+        with self._lock:
+            if slot in entry.slots:
+                entry.slots.remove(slot)
+        if slot.record is not None:
+            discard_recorded(slot.record, self.state)
+        self.events.discarded(slot.image, reason)
+
+    def _discard_later(self, slot: _Slot, reason: DiscardReason) -> None:
+        """Discard in a thread of its own: a copy's stop must not hold up the others."""
+        with self._lock:
+            if slot.discarding:
+                return
+            slot.discarding = True
+        threading.Thread(target=self._discard_now, args=(slot, reason), daemon=True,
+                         name=f"discard-{slot.id}").start()  # fmt: skip
+
+    def _discard_now(self, slot: _Slot, reason: DiscardReason) -> None:
+        slot.discarding = True
+        with self._lock:
+            for entry in self._images.values():
+                if slot in entry.slots:
+                    entry.slots.remove(slot)
+        if slot.record is not None:
+            _order_discard(slot.record)
+            discard_recorded(slot.record, self.state)
+        self.events.discarded(slot.image, reason)
+
+
+def _wait_parked(reader: Any) -> ParkedRecord:
+    """Read a park job's pipe until it parked (its record) or failed (raised)."""
+
+    def ignore(lane: str, step: str) -> None:
+        pass
+
+    for line in reader:
+        message = json.loads(line)
+        if "parked" in message:
+            return ParkedRecord.model_validate_json(json.dumps(message["parked"]))
+        if "progress" in message:
+            continue
+        relay([line], ignore)  # raises its error
+    raise SupervisorError("the parked copy's supervisor exited before parking", phase="restore")
+
+
+def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
+    """Ask a parked copy to discard itself; it answers once it is gone (best effort: one
+    that cannot be asked is ended from its record, by ``discard_recorded``)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect(record.socket)
+            conn.sendall(b'{"version":1,"action":"discard"}\n')
+            while conn.recv(4096):
+                pass
+    except OSError:
+        return
+    # It answered and removed its files; its exit follows.
+    with contextlib.suppress(psutil.Error):
+        process = psutil.Process(record.supervisor_pid)
+        if abs(process.create_time() - record.supervisor_start_time) < 0.01:
+            process.wait(timeout_s)

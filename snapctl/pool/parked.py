@@ -1,0 +1,268 @@
+"""A parked copy's supervisor: restore the copy, park it at the activation barrier, wait on
+its own socket for one order, then activate it and supervise it like a detached copy.
+
+Its files live in ``STATE/pool/<id>/`` (0700): ``parked.json`` (:class:`ParkedRecord`, so a
+new agent or ``gc`` finds it), ``order.sock`` (0600, one connection: an
+:class:`ActivationOrder` line in, the report wire out) and ``supervisor.log``. The directory
+goes when the copy is activated (it is then an ordinary activation with its record) or
+discarded. A parked copy discards itself when the agent it was parked for is gone, when its
+tree dies, or on SIGTERM; it is never left waiting for an order that cannot come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.pool._shim import ParkedCopy, activate_copy, discard_parked, restore_copy
+from snapctl.pool.identity import manifest_digest, published_identity
+from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
+from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
+from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
+from snapctl.protocol.atomic import write_json_atomic
+from snapctl.supervision.process import is_same_process
+from snapctl.supervision.state import StateDir
+
+# How often a parked copy looks whether its agent and its tree are still there.
+WATCH_INTERVAL_S = 0.5
+# A client that connected has this long to send its order line.
+ORDER_READ_TIMEOUT_S = 5.0
+MAX_ORDER_BYTES = 64 * 1024
+
+
+class PoolCopyError(SnapctlError):
+    """A parked copy refused an order before activating anything (image removed or replaced,
+    the request does not fit how it was restored, a malformed order): restore instead."""
+
+    exit_status = ExitStatus.ACTIVATION_FAILED
+
+
+def restore_fits(parked: CopyRequest, request: CopyRequest) -> str | None:
+    """Why ``request`` cannot be served by a copy restored for ``parked``; None if it can."""
+    for field in ("image", "host", "port", "server_argv", "allow_mismatch", "native", "criu_path"):
+        if getattr(parked, field) != getattr(request, field):
+            return f"{field} differs from the parked copy's"
+    if request.lazy is not None and request.lazy != parked.lazy:
+        return "lazy differs from the parked copy's"
+    if request.count != 1:
+        return "a parked copy serves one copy"
+    return None
+
+
+class _Parked:
+    """The supervisor's side of one parked copy."""
+
+    def __init__(self, job: dict[str, Any], reporter: Reporter) -> None:
+        from snapctl.supervision.signals import StopSignals
+
+        self.signals = StopSignals().install()
+        self.state = StateDir(Path(job["state"]))
+        self.id: str = job["id"]
+        self.home = parked_home(self.state, self.id)
+        self.request = CopyRequest.model_validate_json(json.dumps(job["request"]))
+        self.owner = (int(job["owner_pid"]), float(job["owner_start_time"]))
+        self.reporter = reporter
+        self.copy: ParkedCopy | None = None
+        self.listener: socket.socket | None = None
+        me = psutil.Process()
+        self.record = ParkedRecord(
+            id=self.id, state="restoring", image=self.request.image, image_id=None,
+            manifest_digest=None, lazy=bool(self.request.lazy), activation_id=None,
+            supervisor_pid=me.pid, supervisor_start_time=me.create_time(), root_pid=None,
+            root_start_time=None, owner_pid=self.owner[0], owner_start_time=self.owner[1],
+            socket=str(self.home / SOCKET_NAME),
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        )  # fmt: skip
+
+    def save(self, **changes: Any) -> None:
+        self.record = self.record.model_copy(update=changes)
+        write_json_atomic(self.home / RECORD_NAME, self.record, overwrite=True)
+
+    def park(self) -> None:
+        """Restore, then listen: the copy is ready for an order."""
+        from snapctl.activation.native import native_step
+        from snapctl.criu import find_criu
+
+        self.home.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+        self.home.mkdir(mode=0o700)
+        log = os.open(self.home / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        for fd in (1, 2):
+            os.dup2(log, fd)
+        os.close(log)
+        self.save()
+        options = launch_options(self.request)
+        self.copy = restore_copy(
+            Path(self.request.image), options, criu=find_criu(self.request.criu_path),
+            native=native_step(self.request.native), state=self.state,
+            progress=lambda step: self.reporter.progress("", step), lazy=bool(self.request.lazy),
+        )  # fmt: skip
+        session = self.copy.session
+        assert session.root is not None
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        previous = os.umask(0o177)  # 0600 from its creation on
+        try:
+            listener.bind(self.record.socket)
+        finally:
+            os.umask(previous)
+        listener.listen(4)
+        listener.settimeout(WATCH_INTERVAL_S)
+        self.listener = listener
+        lazy = session.lazy
+        self.save(
+            state="parked", image_id=self.copy.manifest.image_id,
+            manifest_digest=manifest_digest(self.copy.manifest),
+            activation_id=session.activation_id, root_pid=session.root.pid,
+            root_start_time=session.root.start_time,
+            lazy_pages_pid=None if lazy is None else lazy.daemon.pid,
+            lazy_pages_start_time=None if lazy is None else lazy.daemon.start_time,
+        )  # fmt: skip
+
+    def discard(self) -> None:
+        """Stop the parked copy (if it got that far) and remove its files."""
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.close()
+        if self.copy is not None:
+            copy, self.copy = self.copy, None
+            discard_parked(copy)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+    def wait_for_order(self) -> int:
+        """Until an order is served: watch the agent, the tree and the stop request."""
+        assert self.listener is not None and self.copy is not None
+        while True:
+            if self.signals.requested.is_set():
+                self.discard()
+                return 0
+            if not is_same_process(*self.owner):
+                self.discard()  # its agent is gone: no one can vouch for it any more
+                return 0
+            if not self.copy.session.alive():
+                self.discard()
+                return 1
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                status = self.serve_order(conn)
+            if status is not None:
+                return status
+
+    def serve_order(self, conn: socket.socket) -> int | None:
+        """One connection's order; None: not an order (keep waiting), else the exit status."""
+        reporter = Reporter(os.dup(conn.fileno()))
+        try:
+            order = self.read_order(conn)
+        except PoolCopyError as error:
+            reporter.error(error)
+            reporter.close()
+            return None
+        if order.action == "discard":
+            reporter.send({"discarded": self.id})
+            reporter.close()
+            self.discard()
+            return 0
+        assert order.request is not None
+        try:
+            session = self.activate(order.request, reporter)
+        except BaseException as error:
+            status = reporter.error(error)
+            reporter.close()
+            self.discard()
+            return status
+        reporter.close()
+        conn.close()
+        return self.supervise(session)
+
+    def read_order(self, conn: socket.socket) -> ActivationOrder:
+        conn.settimeout(ORDER_READ_TIMEOUT_S)
+        data = b""
+        try:
+            while b"\n" not in data and len(data) <= MAX_ORDER_BYTES:
+                chunk = conn.recv(MAX_ORDER_BYTES)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as error:
+            raise PoolCopyError(f"no order read: {error}", phase="pool") from error
+        line = data.split(b"\n", 1)[0]
+        try:
+            order = ActivationOrder.model_validate_json(line)
+        except ValueError as error:
+            raise PoolCopyError(f"not an activation order: {error}", phase="pool") from error
+        if order.action == "activate" and order.request is None:
+            raise PoolCopyError("an activate order needs its request", phase="pool")
+        return order
+
+    def activate(self, request: CopyRequest, reporter: Reporter) -> Any:
+        """Check the image is still the one restored, then activate; return the session."""
+        assert self.copy is not None and self.listener is not None
+        self.listener.close()  # one order only
+        self.listener = None
+        self.save(state="activating")
+        why = restore_fits(self.request, request)
+        if why is not None:
+            raise PoolCopyError(f"parked copy {self.id} cannot serve this request: {why}",
+                                phase="pool")  # fmt: skip
+        now = published_identity(Path(self.request.image))
+        if now is None:
+            raise PoolCopyError(f"{self.request.image} is no longer a published image",
+                                phase="pool")  # fmt: skip
+        if now != (self.record.image_id, self.record.manifest_digest):
+            raise PoolCopyError(f"{self.request.image} was replaced since this copy was parked",
+                                phase="pool")  # fmt: skip
+        check_request(request)
+        options = launch_options(request)
+        publish = None if request.publish is None else (request.publish.address,
+                                                          request.publish.port)  # fmt: skip
+        copy, self.copy = self.copy, None  # activate_copy cleans up after its own failure
+        session, report = activate_copy(
+            copy, options, publish=publish, name=request.name,
+            progress=lambda step: reporter.progress("", step),
+        )  # fmt: skip
+        self.signals.started()
+        shutil.rmtree(self.home, ignore_errors=True)  # it is an ordinary activation now
+        reporter.send({"report": {**report.model_dump(mode="json"), "from_pool": True}})
+        return session
+
+    def supervise(self, session: Any) -> int:
+        from snapctl.activation.supervise import run_all_until_stopped
+        from snapctl.supervision.signals import stop_all_tracked
+
+        detach_stdio()
+        try:
+            run_all_until_stopped([session], stop=self.signals.requested)
+        finally:
+            stop_all_tracked()
+        return 0
+
+
+def run_parked(job: dict[str, Any], reporter: Reporter) -> int:
+    """The ``park`` job: report ``{"parked": record}`` (or the error) on the pipe, then wait
+    for the order on the socket; return the exit status."""
+    from snapctl.supervision.signals import stop_all_tracked
+
+    parked = _Parked(job, reporter)
+    try:
+        try:
+            parked.park()
+        except BaseException:
+            stop_all_tracked()
+            raise
+    except BaseException as error:
+        parked.discard()
+        return reporter.error(error)
+    parked.signals.started()  # from here a signal asks for the discard
+    reporter.send({"parked": parked.record.model_dump(mode="json")})
+    reporter.close()
+    return parked.wait_for_order()

@@ -1,0 +1,216 @@
+"""The warm pool with real CRIU, the agent played by ``tests/pool/pool_host.py``: fill,
+take, refill; a pool copy's and a fresh supervisor's outputs equal the donor's; the agent
+killed with copies serving and parked: the serving one keeps serving, the parked ones are
+discarded, a new agent adopts what is left, and nothing remains at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from snapctl.activation.supervise import collect_orphans, stop_recorded
+from snapctl.criu import CriuBinary
+from snapctl.pool.records import load_parked_records, pool_dir
+from snapctl.supervision.state import StateDir
+from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor, leftovers
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
+
+
+class Host:
+    """One pool_host process: the agent of these tests."""
+
+    def __init__(self, state: StateDir) -> None:
+        env = {**os.environ, "SNAPCTL_STATE_DIR": str(state.root)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.pool.pool_host"], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def __call__(self, **command: Any) -> Any:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        answer = json.loads(self.process.stdout.readline())
+        assert "ok" in answer, answer
+        return answer["ok"]
+
+    def parked(self) -> list[dict[str, Any]]:
+        entries = self(op="ls")["entries"]
+        return [row for entry in entries for row in entry["parked"] if row["state"] == "parked"]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def gone(pid: int, start_time: float | None) -> bool:
+    """Not running: exited (a zombie counts: this test process is a subreaper, so orphans
+    of the killed agent end up as its children), or the PID is another process's now."""
+    try:
+        process = psutil.Process(pid)
+        return process.create_time() != start_time or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
+    return StateDir(tmp_path / "state")
+
+
+@pytest.fixture
+def hosts(state: StateDir) -> Iterator[list[Host]]:
+    """Hosts a test started; afterwards each is killed and whatever ran is stopped."""
+    started: list[Host] = []
+    yield started
+    for host in started:
+        host.kill()
+    for _home, record in load_parked_records(state):
+        if record is not None:
+            from snapctl.pool.records import discard_recorded
+
+            discard_recorded(record, state)
+    for record in state.load_records():
+        stop_recorded(record, state)
+    collect_orphans(state)
+
+
+@pytest.fixture
+def donor_image(tmp_path: Path, state: StateDir, criu_binary: CriuBinary) -> tuple[Path, Any]:
+    """An image, and the donor's greedy completion before it was stopped."""
+    image = tmp_path / "image"
+    session, report = launch_donor(image, state, criu_binary, publish=("127.0.0.1", 0))
+    try:
+        assert report.published is not None
+        expected = complete(report.published)
+    finally:
+        session.stop()
+    return image, expected
+
+
+def request(image: Path, **changes: Any) -> dict[str, Any]:
+    return {"image": str(image), "publish": {"port": 0}, "api_key_env": API_KEY_ENV,
+            "api_key": API_KEY, "timeout_s": 60.0, **changes}  # fmt: skip
+
+
+def test_fill_take_refill_outputs_equal_the_donors(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+) -> None:
+    image, expected = donor_image
+    host = Host(state)
+    hosts.append(host)
+    assert host(op="adopt") == {"version": 1, "discarded": [], "removed": []}
+    host(op="set", image=str(image), size=2, lazy=False)
+    until(lambda: len(host.parked()) == 2)
+    first = {row["id"] for row in host.parked()}
+    assert all(row["memory_bytes"] and row["memory_bytes"] > 1 << 20 for row in host.parked())
+
+    taken = host(op="copy", request=request(image, name="from-pool"))
+    report = taken["report"]
+    assert report["from_pool"] is True and report["name"] == "from-pool"
+    assert complete(report["published"]) == expected
+    until(lambda: len(host.parked()) == 2)  # refilled
+    assert len(first & {row["id"] for row in host.parked()}) == 1
+    assert [r.name for r in state.load_records()] == ["from-pool"]  # ps: serving ones only
+
+    fresh = host(op="fresh", request=request(image, name="fresh"))["report"]
+    assert fresh["from_pool"] is False
+    assert complete(fresh["published"]) == expected
+
+    host(op="close")
+    assert host.process.wait(30) == 0
+    assert load_parked_records(state) == []
+    assert sorted(r.name for r in state.load_records()) == ["fresh", "from-pool"]
+    for record in state.load_records():
+        _how, audit = stop_recorded(record, state)
+        assert audit.clean, audit.describe()
+    assert leftovers(state) == []
+
+
+def test_agent_killed_serving_copies_live_parked_ones_are_discarded(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+) -> None:
+    image, expected = donor_image
+    host = Host(state)
+    hosts.append(host)
+    host(op="adopt")
+    host(op="set", image=str(image), size=2, lazy=False)
+    until(lambda: len(host.parked()) == 2)
+    report = host(op="copy", request=request(image, name="serving"))["report"]
+    until(lambda: len(host.parked()) == 2)
+    parked = [record for _home, record in load_parked_records(state) if record is not None]
+    assert len(parked) == 2 and all(r.root_pid for r in parked)
+
+    host.process.send_signal(signal.SIGKILL)
+    host.kill()
+    # The parked copies see their agent gone and discard themselves.
+    until(lambda: load_parked_records(state) == [], timeout_s=30)
+    for record in parked:
+        assert record.root_pid is not None
+        assert gone(record.supervisor_pid, record.supervisor_start_time)
+        assert gone(record.root_pid, record.root_start_time)
+    assert complete(report["published"]) == expected  # still serving
+
+    again = Host(state)
+    hosts.append(again)
+    adopted = again(op="adopt")
+    assert adopted["discarded"] == [] and adopted["removed"] == []
+    until(lambda: len(again.parked()) == 2)  # its targets persisted: refilled
+    assert [r.name for r in state.load_records()] == ["serving"]
+    again(op="close")
+    assert again.process.wait(30) == 0
+    (record,) = state.load_records()
+    _how, audit = stop_recorded(record, state)
+    assert audit.clean, audit.describe()
+    assert leftovers(state) == []
+    assert [p.name for p in pool_dir(state).iterdir()] == ["targets.json"]
+
+
+def test_a_new_agent_discards_parked_copies_it_cannot_vouch_for(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+) -> None:
+    """A parked copy still there when the next agent starts (its supervisor stopped for a
+    moment, say) is discarded by adoption, which ends its tree and removes its files."""
+    image, _expected = donor_image
+    host = Host(state)
+    hosts.append(host)
+    host(op="adopt")
+    host(op="set", image=str(image), size=1, lazy=False)
+    until(lambda: len(host.parked()) == 1)
+    ((home, record),) = load_parked_records(state)
+    assert record is not None and record.root_pid is not None
+    os.kill(record.supervisor_pid, signal.SIGSTOP)  # it cannot notice its agent die
+    try:
+        host.kill()
+        again = Host(state)
+        hosts.append(again)
+        adopted = again(op="adopt")
+    finally:
+        os.kill(record.supervisor_pid, signal.SIGCONT)
+    assert [(d["id"], d["reason"]) for d in adopted["discarded"]] == [(record.id, "unvouched")]
+    assert gone(record.root_pid, record.root_start_time)
+    assert gone(record.supervisor_pid, record.supervisor_start_time)
+    assert not home.exists()
+    again(op="rm", image=str(image))
+    again(op="close")
+    assert leftovers(state) == []

@@ -1,0 +1,312 @@
+"""WarmPool's bookkeeping with the spawner stood in for: fill, take, refill, targets, image
+removed or replaced, the memory budget, failed restores, adoption and close. Each fake
+parked copy's "supervisor" is a sleeping child of the test, so what is discarded is seen
+ended."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from snapctl.pool import CopyRequest, WarmPool
+from snapctl.pool.identity import published_identity
+from snapctl.pool.models import ParkedRecord
+from snapctl.pool.records import RECORD_NAME, parked_home
+from snapctl.protocol.atomic import write_json_atomic
+from snapctl.supervision.state import StateDir
+from tests.images.factories import publish_sample
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[Any, ...]] = []
+
+    def parked(self, image: str, seconds: float) -> None:
+        self.seen.append(("parked", image))
+
+    def taken(self, image: str) -> None:
+        self.seen.append(("taken", image))
+
+    def discarded(self, image: str, reason: str) -> None:
+        self.seen.append(("discarded", reason))
+
+    def failed(self, image: str, phase: str) -> None:
+        self.seen.append(("failed", phase))
+
+
+class FakeSpawner:
+    """Parks at once: a ``sleep`` child stands for each parked copy's supervisor."""
+
+    def __init__(self, state: StateDir, memory: int | None = None) -> None:
+        self.state = state
+        self.jobs: list[dict[str, Any]] = []
+        self.children: list[subprocess.Popen[bytes]] = []
+        self.fail_with: str | None = None
+
+    def spawn(self, job: dict[str, Any]) -> int:
+        self.jobs.append(job)
+        read_fd, write_fd = os.pipe()
+        with os.fdopen(write_fd, "w") as writer:
+            if self.fail_with is not None:
+                writer.write(json.dumps({"error": self.fail_with, "status": 3, "phase": "restore",
+                                         "path": None, "log_tail": None}) + "\n")  # fmt: skip
+                return read_fd
+            child = subprocess.Popen(["sleep", "60"])
+            self.children.append(child)
+            identity = published_identity(Path(job["request"]["image"]))
+            assert identity is not None
+            record = make_record(job["id"], job["request"]["image"], identity, child.pid,
+                                 job["owner_pid"], job["owner_start_time"])  # fmt: skip
+            parked_home(self.state, job["id"]).mkdir(parents=True)
+            write_json_atomic(parked_home(self.state, job["id"]) / RECORD_NAME, record)
+            writer.write(json.dumps({"parked": record.model_dump(mode="json")}) + "\n")
+        return read_fd
+
+    def alive(self) -> list[int]:
+        return [child.pid for child in self.children if child.poll() is None]
+
+    def end(self) -> None:
+        for child in self.children:
+            child.kill()
+            child.wait()
+
+
+def make_record(
+    parked_id: str, image: str, identity: tuple[str, str], pid: int, owner_pid: int,
+    owner_start_time: float, **changes: Any,
+) -> ParkedRecord:  # fmt: skip
+    fields: dict[str, Any] = dict(
+        id=parked_id, state="parked", image=image, image_id=identity[0],
+        manifest_digest=identity[1], lazy=False, activation_id=None, supervisor_pid=pid,
+        supervisor_start_time=psutil.Process(pid).create_time(), root_pid=None,
+        root_start_time=None, owner_pid=owner_pid, owner_start_time=owner_start_time,
+        socket=f"/nonexistent/{parked_id}.sock",
+        created=datetime.datetime.now(datetime.UTC).isoformat(),
+    )  # fmt: skip
+    fields.update(changes)
+    return ParkedRecord(**fields)
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the pool"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> StateDir:
+    return StateDir(tmp_path / "state")
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    publish_sample(tmp_path / "image")
+    return tmp_path / "image"
+
+
+@pytest.fixture
+def spawner(state: StateDir) -> Iterator[FakeSpawner]:
+    fake = FakeSpawner(state)
+    yield fake
+    fake.end()
+
+
+@pytest.fixture
+def pool(state: StateDir, spawner: FakeSpawner) -> Iterator[tuple[WarmPool, Events]]:
+    events = Events()
+    warm = WarmPool(state, spawner=spawner, events=events)  # type: ignore[arg-type]
+    warm.adopt()
+    yield warm, events
+    warm.close(5.0)
+
+
+def parked(warm: WarmPool) -> list[str]:
+    return [row.id for e in warm.listing().entries for row in e.parked if row.state == "parked"]
+
+
+def test_fill_take_refill(pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner) -> None:
+    warm, events = pool
+    assert warm.take(image) is None  # no target: never waits
+    warm.set(image, 2)
+    until(lambda: len(parked(warm)) == 2)
+    first = set(parked(warm))
+    handle = warm.take(image, CopyRequest(image=str(image)))
+    assert handle is not None and handle.id in first
+    until(lambda: len(parked(warm)) == 2)  # refilled
+    assert handle.id not in parked(warm)
+    assert len(spawner.jobs) == 3
+    assert all(job["kind"] == "park" and job["owner_pid"] == os.getpid() for job in spawner.jobs)
+    assert ("taken", str(image)) in events.seen
+
+
+def test_take_skips_copies_restored_for_other_options(
+    pool: tuple[WarmPool, Events], image: Path
+) -> None:
+    warm, _ = pool
+    warm.set(image, 1, lazy=False)
+    until(lambda: len(parked(warm)) == 1)
+    assert warm.take(image, CopyRequest(image=str(image), port=9000)) is None
+    assert warm.take(image, CopyRequest(image=str(image), lazy=True)) is None
+    assert warm.take(image, CopyRequest(image=str(image), count=2)) is None
+    assert warm.take(image, CopyRequest(image=str(image), name="x", lazy=False)) is not None
+
+
+def test_smaller_target_and_remove_discard(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 3)
+    until(lambda: len(parked(warm)) == 3)
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1 and len(spawner.alive()) == 1)
+    assert events.seen.count(("discarded", "target")) == 2
+    warm.remove(image)
+    assert spawner.alive() == [] and warm.listing().entries == ()
+    assert not any(parked_home(warm.state, job["id"]).exists() for job in spawner.jobs)
+
+
+def test_targets_persist_for_the_next_agent(state: StateDir, image: Path) -> None:
+    fake = FakeSpawner(state)
+    warm = WarmPool(state, spawner=fake)  # type: ignore[arg-type]
+    warm.set(image, 2, lazy=True, max_memory=1 << 30)
+    warm.close(5.0)
+    fake.end()
+    again = WarmPool(state, spawner=FakeSpawner(state))  # type: ignore[arg-type]
+    assert [e.target.model_dump() for e in again.listing().entries] == [
+        {"image": str(image), "size": 2, "lazy": True, "max_memory": 1 << 30}
+    ]
+
+
+def test_set_refuses_what_is_not_an_image(pool: tuple[WarmPool, Events], tmp_path: Path) -> None:
+    warm, _ = pool
+    from snapctl.pool.warm import PoolError
+
+    with pytest.raises(PoolError, match="not a published image"):
+        warm.set(tmp_path, 1)
+    with pytest.raises(PoolError, match="no pool target"):
+        warm.remove(tmp_path)
+
+
+def test_replaced_image_discards_and_refills(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    old = parked(warm)
+    publish_sample(image, force=True, image_id="9" * 32)
+    until(lambda: len(parked(warm)) == 1 and parked(warm) != old)
+    assert ("discarded", "replaced") in events.seen
+    assert warm.listing().entries[0].image_id == "9" * 32
+
+
+def test_removed_image_discards(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    (image / "manifest.json").unlink()
+    until(lambda: parked(warm) == [] and spawner.alive() == [])
+    assert ("discarded", "removed") in events.seen
+    assert warm.take(image) is None
+
+
+def test_damaged_image_fails_verification(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    with (image / "criu" / "core-1.img").open("r+b") as damaged:
+        damaged.write(b"X")
+    until(lambda: ("discarded", "verification") in events.seen, timeout_s=15)
+    assert "verification" in (warm.listing().entries[0].last_failure or "")
+
+
+def test_memory_budget_bounds_parked_copies(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    warm, events = pool
+    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: 100)
+    warm.set(image, 4, max_memory=250)
+    until(lambda: len(parked(warm)) == 2)
+    time.sleep(1.5)  # a third would exceed the budget: never started
+    assert len(spawner.jobs) == 2
+    assert warm.listing().entries[0].memory_bytes == 200
+    warm.set(image, 4, max_memory=150)
+    until(lambda: len(parked(warm)) == 1)
+    assert ("discarded", "memory") in events.seen
+
+
+def test_failed_restore_backs_off(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    spawner.fail_with = "criu restore failed: boom"
+    warm.set(image, 1)
+    until(lambda: ("failed", "restore") in events.seen)
+    time.sleep(1.0)
+    assert len(spawner.jobs) == 1  # backing off, not retrying on every tick
+    assert "boom" in (warm.listing().entries[0].last_failure or "")
+
+
+def test_dead_supervisor_is_dropped(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    spawner.children[0].kill()
+    spawner.children[0].wait()
+    assert warm.take(image) is None  # never hands out a copy whose supervisor is gone
+    until(lambda: ("discarded", "died") in events.seen)
+    until(lambda: len(parked(warm)) == 1)
+
+
+def test_adopt_discards_what_another_agent_parked(
+    state: StateDir, image: Path, spawner: FakeSpawner
+) -> None:
+    identity = published_identity(image)
+    assert identity is not None
+    other = subprocess.Popen(["sleep", "60"])
+    spawner.children.append(other)
+    old_agent = psutil.Process(os.getppid())
+    record = make_record("pool-0123456789ab", str(image), identity, other.pid, old_agent.pid,
+                         old_agent.create_time())  # fmt: skip
+    parked_home(state, record.id).mkdir(parents=True)
+    write_json_atomic(parked_home(state, record.id) / RECORD_NAME, record)
+    torn = parked_home(state, "pool-ba9876543210")
+    torn.mkdir()
+    warm = WarmPool(state, spawner=spawner)  # type: ignore[arg-type]
+    report = warm.adopt()
+    warm.close(5.0)
+    assert [(d.id, d.reason) for d in report.discarded] == [(record.id, "unvouched")]
+    assert report.removed == (str(torn),)
+    assert other.wait(5) is not None  # its supervisor was ended
+    assert not parked_home(state, record.id).exists() and not torn.exists()
+
+
+def test_close_discards_every_parked_copy(
+    state: StateDir, image: Path, spawner: FakeSpawner
+) -> None:
+    warm = WarmPool(state, spawner=spawner)  # type: ignore[arg-type]
+    warm.adopt()
+    warm.set(image, 2)
+    until(lambda: len(parked(warm)) == 2)
+    warm.close(5.0)
+    assert spawner.alive() == []
+    assert [p.name for p in (state.root / "pool").iterdir()] == ["targets.json"]
