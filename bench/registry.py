@@ -29,9 +29,9 @@ from typing import Any
 from bench.workload import Answer, ensure_model, first_correct, host_connect, launch_options
 from snapctl.activation.copy import start_copy
 from snapctl.activation.donor import start_donor
-from snapctl.activation.lazy import lazy_by_default
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import find_criu
+from snapctl.criu.lazy.transfer import lazy_by_default
 from snapctl.images import load_manifest
 from snapctl.images.archive import export_image, import_image
 from snapctl.registry.cache import BlobCache
@@ -66,7 +66,7 @@ class Bench:
         self.figures: dict[str, Any] = {"retained_mb": retained_mb}
 
     def capture(self, path: Path) -> None:
-        session, _, _ = start_donor(
+        session, _ = start_donor(
             launch_options(self.retained_mb), image=path, force=True, criu=self.criu,
             native=NoNativeStep(), publish=None, state=self.state, progress=lambda _: None,
             activate_donor=False,

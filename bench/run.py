@@ -25,7 +25,8 @@ from bench.tally import Recorder, judge_targets
 from bench.workload import Answer, ColdServer, ensure_model, first_correct, host_connect
 from bench.workload import launch_options as fixture_options
 from snapctl.activation.copy import start_copies, start_copy
-from snapctl.activation.donor import ActivationReport, new_session, start_donor
+from snapctl.activation.core import ActivationReport, new_session
+from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import (
     fixture_command,
     launch_in_sandbox,
@@ -135,7 +136,7 @@ class Runner:
     def capture(self, size_mb: int, path: Path, *, force: bool) -> ActivationReport:
         """Publish an image of the fixture retaining ``size_mb`` at ``path``; the donor is only
         captured, never activated, and is stopped before this returns."""
-        session, report, _ = start_donor(
+        session, report = start_donor(
             fixture_options(size_mb), image=path, force=force, criu=self.criu,
             native=NoNativeStep(), publish=None, state=self.state, progress=lambda _: None,
             activate_donor=False,

@@ -24,7 +24,8 @@ from bench import bare, workload
 from bench.contenders import copy_phases
 from bench.workload import Answer, free_port, host_connect
 from snapctl.activation.copy import start_copy
-from snapctl.activation.donor import new_session, start_donor
+from snapctl.activation.core import new_session
+from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import (
     LaunchOptions,
     launch_in_sandbox,
@@ -127,7 +128,7 @@ def _donor(
     python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir,
     results: VllmResults, say: Say,
 ) -> None:  # fmt: skip
-    session, report, _ = start_donor(
+    session, report = start_donor(
         _options(python, model), image=image, force=False, criu=criu, native=NoNativeStep(),
         publish=None, state=state, progress=lambda step: None,
     )  # fmt: skip

@@ -3,7 +3,6 @@ original tree and audit the cleanup. The image is the same as a donor capture's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NativeStep
+from snapctl.activation.tools import REAL_TOOLS, Tools
 from snapctl.criu import CriuBinary
 from snapctl.criu.stats import DumpStats
 from snapctl.images import load_manifest
@@ -48,19 +48,20 @@ def bake_image(
     native: NativeStep,
     state: StateDir,
     progress: Progress,
+    tools: Tools = REAL_TOOLS,
 ) -> BakeReport:
     """Launch → capture-ready → dump → publish → stop the original (never activated, so it
     never binds a public socket) → audit. A failure up to publication leaves nothing published
     or running; after it the image stays, and ``clean`` says whether the stop left anything."""
-    session, report, _ = start_donor(
+    session, report = start_donor(
         options, image=image, force=force, criu=criu, native=native, publish=None,
-        state=state, progress=progress, activate_donor=False,
+        state=state, progress=progress, activate_donor=False, tools=tools,
     )  # fmt: skip
     progress("stopping the original tree (it was never activated)")
-    started = time.monotonic()
+    started = tools.clock()
     how, audit = session.stop()
     timings = dict(report.timings_s)
-    timings["stop"] = round(time.monotonic() - started, 6)
+    timings["stop"] = round(tools.clock() - started, 6)
     published = Path(report.image or image)
     manifest = load_manifest(published)
     assert manifest.identity is not None  # a capture always records it

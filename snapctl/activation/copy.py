@@ -1,42 +1,51 @@
 """``snapctl copy``: verify an image, stage fresh directories, restore into new namespaces
-with CRIU, then activate the copy exactly like the donor."""
+with CRIU (:mod:`snapctl.activation.restore`), then activate the copy exactly like the donor.
+
+The two halves can run apart: :func:`restore_copy` leaves a copy *parked* at the activation
+barrier (restored, its server waiting for ``activation.json``), and :func:`activate_copy`
+activates it later; :func:`start_copy` does both at once.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.donor import (
+from snapctl.activation.core import (
     ActivationReport,
     activate_and_probe,
     activation_report,
     new_session,
     reserve_session_name,
 )
-from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions, log_tail
-from snapctl.activation.lazy import HOLD_TRANSFER_MIN_BYTES, LazyTransfer
 from snapctl.activation.native import NativeStep, NoNativeStep, timed, tree_pids_when_read
+from snapctl.activation.restore import (
+    RestoreError,
+    pidfile,
+    pin_restored,
+    restore_tree,
+    strategy_for,
+)
 from snapctl.activation.session import Session
-from snapctl.criu import CriuBinary, CriuError, read_restore_stats
-from snapctl.criu.external import host_mount_sources, is_host_key
-from snapctl.criu.kdat import with_private_run
-from snapctl.criu.netdumps import redundant_net_dumps
-from snapctl.criu.ops import LazyPagesDaemon, restore_tree, restore_tree_lazily
-from snapctl.criu.pagemap import lazy_view
-from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.images import ImageError, Manifest, stage_shm_copy, verify_image
+from snapctl.activation.states import SessionState
+from snapctl.activation.tools import REAL_TOOLS, Tools
+from snapctl.criu import CriuBinary
+from snapctl.errors import SnapctlError
+from snapctl.images import ImageError, Manifest
 from snapctl.images.lock import hold_image
 from snapctl.supervision.names import NameReservation, numbered_names
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError, become_subreaper
+from snapctl.supervision.process import ProcessGoneError
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
+
+__all__ = ["ParkedCopy", "RestoreError", "activate_copy", "restore_copy", "start_copy"]
 
 
 class CopiesReport(BaseModel):
@@ -48,39 +57,38 @@ class CopiesReport(BaseModel):
     total_s: float
 
 
-class RestoreError(SnapctlError):
-    """CRIU could not restore the image; nothing of the copy was left running."""
+@dataclass
+class ParkedCopy:
+    """A restored copy waiting at the activation barrier, and what activating it needs."""
 
-    exit_status = ExitStatus.ACTIVATION_FAILED
+    session: Session
+    manifest: Manifest
+    timings: dict[str, float] = field(default_factory=dict)
 
 
-def start_copy(
+def restore_copy(
     image: Path,
     options: LaunchOptions,
     *,
     criu: CriuBinary,
     native: NativeStep,
-    publish: tuple[str, int] | None,
     state: StateDir,
     progress: Progress,
-    after_restore: Callable[[Session], None] | None = None,
-    before_activation: Callable[[Session], None] | None = None,
     lazy: bool = False,
     reservation: NameReservation | None = None,
-) -> tuple[Session, ActivationReport]:
-    """Restore one copy and activate it; on failure stop and clean up, then raise.
+    after_restore: Callable[[Session], None] | None = None,
+    tools: Tools = REAL_TOOLS,
+) -> ParkedCopy:
+    """Verify, check identity, restore and run the native restore: the copy is parked at the
+    activation barrier. On failure everything started is stopped and cleaned up, then raised.
 
-    Qualification's hooks, whatever they raise fails the copy: ``after_restore`` runs once CRIU
-    restored the tree, before the native step (a lazy-fault run kills the daemon there, before
-    a native restore pulls every page in); ``before_activation`` runs after the native step,
-    before activation.json (fault runs inject a fault into this activation only).
+    ``after_restore`` (qualification's hook) runs once CRIU restored the tree, before the
+    native step (a lazy-fault run kills the daemon there, before a native restore pulls every
+    page in); whatever it raises fails the copy.
 
-    With ``lazy`` the copy serves while its memory still arrives (``session.lazy`` watches the
-    transfer; the report's ``pages_complete`` says whether it had finished by then). The image
-    is held shared from before its verification until the copy no longer reads it.
-
-    The name is reserved first (or ``reservation``, taken by the caller, is used and owned
-    from here on): a name in use is refused before anything else happens.
+    The image is held shared from before its verification until the copy no longer reads it
+    (for a lazy copy: until its last page is in). The name is reserved first (or
+    ``reservation``, taken by the caller, is used and owned from here on).
     """
     state.ensure()
     if reservation is None:
@@ -98,31 +106,9 @@ def start_copy(
         reservation.release()
         raise
     try:
-        progress("verifying the image")
-        started = time.monotonic()
-        manifest = verify_image(image, cache_dir=state.verified)
-        timings["verify"] = time.monotonic() - started
-        progress("checking this host against the image's identity")
-        started = time.monotonic()
-        shown = check_identity(
-            manifest, image, criu_version=criu.version, options=options, state=state
-        )
-        timings["identity"] = time.monotonic() - started
-        waived = [d for d in shown if d.refuses]
-        if waived:
-            progress("waived: " + "; ".join(f"{d.field}: {d.detail}" for d in waived))
-        noted = [d for d in shown if not d.refuses]
-        if noted:
-            progress("differs, does not refuse: " + "; ".join(f"{d.field}: {d.detail}"
-                                                              for d in noted))  # fmt: skip
-        if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
-            raise RestoreError(
-                f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
-                phase="verify",
-            )
-        # Restored trees are reparented to the nearest subreaper: let that be us.
-        become_subreaper()
-        session = new_session(state, "copy", options.name, reservation)
+        manifest = _check_image(image, options, criu, state, timings, progress, tools)
+        tools.sandbox.adopt_restored_trees()
+        session = new_session(state, "copy", options.name, reservation, tools=tools)
     except BaseException:
         hold.release()
         reservation.release()
@@ -130,169 +116,139 @@ def start_copy(
     session.image = image
     session.image_hold = hold
     session.host, session.port = options.host, options.port
-    pidfile = session.dirs.work / "root.pid"
     try:
-        # Restores (and lazy-pages daemons) skip CRIU's kernel probe with a cache for this boot.
-        criu = with_private_run(criu, state.criu)
-        _restore(session, image, manifest, criu, options, timings, progress, lazy=lazy)
-        assert session.root is not None
+        restore_tree(
+            session, image, manifest, strategy_for(lazy, tools),
+            criu=tools.criu.for_restores(criu, state), timeout_s=options.timeout_s,
+            timings=timings, progress=progress, tools=tools,
+        )  # fmt: skip
         if after_restore is not None:
             after_restore(session)
-        if session.failure is not None:  # the lazy transfer failed: the memory is incomplete
-            raise RestoreError(session.failure, phase="lazy-pages")
-        if session.lazy is not None and native.name != NoNativeStep.name:
+        _fail_if_pages_failed(session)
+        if native.name != NoNativeStep.name:
             # A native restore (cuda-checkpoint) reads much of the memory: in bulk, not by faults.
-            session.lazy.release_transfer()
+            session.memory.bulk_read_ahead()
         with timed(native, timings, "native_restore"):
-            native.after_restore(tree_pids_when_read(session.root.pid), options.timeout_s)
-        if before_activation is not None:
-            before_activation(session)
-        progress("activating the copy")
-        try:
-            phases = activate_and_probe(session, manifest.capture_id, options, publish, timings)
-        except SnapctlError as error:
-            if error.log_tail is None:
-                error.log_tail = log_tail(session.dirs.server_log)
-            raise
-        if session.failure is not None:
-            raise RestoreError(session.failure, phase="lazy-pages")
-        return session, _report(session, manifest, timings, phases)
+            native.after_restore(tree_pids_when_read(session.tree.pid), options.timeout_s)
+        session.advance(SessionState.PARKED)
+        return ParkedCopy(session=session, manifest=manifest, timings=timings)
     except BaseException as error:
-        if session.root is None and pidfile.exists():
+        if session.root is None and pidfile(session).exists():
             # Interrupted after CRIU restored the tree but before we pinned it.
             with contextlib.suppress(ProcessGoneError, ValueError):
-                session.root = PinnedProcess(int(pidfile.read_text().strip()))
+                pin_restored(session)
         session.stop_failed_start(error)
         raise
 
 
-def _restore(
-    session: Session,
-    image: Path,
-    manifest: Manifest,
-    criu: CriuBinary,
+def activate_copy(
+    parked: ParkedCopy,
     options: LaunchOptions,
-    timings: dict[str, float],
-    progress: Progress,
     *,
-    lazy: bool,
-) -> None:
-    """Stage the copy's directories and restore its tree (pinned as ``session.root``).
-
-    Lazy: see :func:`_restore_lazily`. Plain: every page is in place when CRIU returns, so the
-    image is let go at once.
-    """
-    pidfile = session.dirs.work / "root.pid"
-    progress("staging the copy's directories")
-    started = time.monotonic()
-    stage_shm_copy(image / "shm", session.dirs.shm)
-    timings["stage"] = time.monotonic() - started
-    external_dirs = {
-        **{k: session.dirs.host_dir_for(k) for k in manifest.external_mounts if not is_host_key(k)},
-        **host_mount_sources(manifest.external_mounts),
-    }
-    if lazy:
-        _restore_lazily(session, image, criu, options, timings, progress, pidfile, external_dirs)
-    else:
-        progress("restoring with CRIU")
-        started = time.monotonic()
+    publish: tuple[str, int] | None,
+    progress: Progress,
+    before_activation: Callable[[Session], None] | None = None,
+    name: str | None = None,
+    tools: Tools = REAL_TOOLS,
+) -> tuple[Session, ActivationReport]:
+    """Activate a parked copy: handshake, probe, publish; on failure stop it, then raise.
+    ``name``: serve under this name (reserved here) instead of the one it was parked under.
+    ``before_activation`` (qualification's fault runs inject a fault into this activation
+    only) runs first; whatever it raises fails the copy."""
+    session, manifest, timings = parked.session, parked.manifest, parked.timings
+    try:
+        if name is not None and name != session.name:
+            session.rename(session.state_dir.reserve_name(name))
+        if before_activation is not None:
+            before_activation(session)
+        progress("activating the copy")
         try:
-            restore_tree(
-                criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
-                pidfile, external_dirs=external_dirs, timeout_s=options.timeout_s,
-            )  # fmt: skip
+            phases = activate_and_probe(
+                session, manifest.capture_id, options, publish, timings, tools=tools
+            )
         except SnapctlError as error:
-            raise _criu_failed("criu restore failed", error, session, "restore") from error
-        timings["restore"] = time.monotonic() - started
-    session.root = PinnedProcess(int(pidfile.read_text().strip()))
-    session.remember_tree()
-    if session.lazy is None:
-        session.release_image()
-    elif session.lazy.status.state == "failed":
-        # It died before we could pin the tree, so its watcher had nothing to kill yet.
-        session.kill_unsafe(session.lazy.status.failure or "lazy-pages daemon failed")
+            if error.log_tail is None:
+                error.log_tail = log_tail(session.dirs.server_log)
+            raise
+        _fail_if_pages_failed(session)
+        report = activation_report(
+            session, manifest, timings, phases,
+            restore_stats=tools.criu.restore_stats(session.dirs.work),
+        )  # fmt: skip
+        return session, report
+    except BaseException as error:
+        session.stop_failed_start(error)
+        raise
 
 
-def _restore_lazily(
-    session: Session,
+def start_copy(
     image: Path,
-    criu: CriuBinary,
     options: LaunchOptions,
+    *,
+    criu: CriuBinary,
+    native: NativeStep,
+    publish: tuple[str, int] | None,
+    state: StateDir,
+    progress: Progress,
+    after_restore: Callable[[Session], None] | None = None,
+    before_activation: Callable[[Session], None] | None = None,
+    lazy: bool = False,
+    reservation: NameReservation | None = None,
+    tools: Tools = REAL_TOOLS,
+) -> tuple[Session, ActivationReport]:
+    """Restore one copy and activate it at once (:func:`restore_copy`, :func:`activate_copy`).
+
+    With ``lazy`` the copy serves while its memory still arrives (``session.memory`` watches
+    the transfer; the report's ``pages_complete`` says whether it had finished by then).
+    """
+    parked = restore_copy(
+        image, options, criu=criu, native=native, state=state, progress=progress, lazy=lazy,
+        reservation=reservation, after_restore=after_restore, tools=tools,
+    )  # fmt: skip
+    return activate_copy(
+        parked, options, publish=publish, progress=progress,
+        before_activation=before_activation, tools=tools,
+    )  # fmt: skip
+
+
+def _check_image(
+    image: Path,
+    options: LaunchOptions,
+    criu: CriuBinary,
+    state: StateDir,
     timings: dict[str, float],
     progress: Progress,
-    pidfile: Path,
-    external_dirs: dict[str, Path],
-) -> None:
-    """Restore with ``--lazy-pages`` and the copy's own lazy-pages daemon on its own work dir,
-    started together (:func:`restore_tree_lazily`); ``session.lazy`` watches the daemon from
-    the moment it listens. Both read the image through a view in the work dir in which only big
-    runs of memory stay lazy (see :mod:`snapctl.criu.pagemap`) and the network dumps that
-    restore nothing are left out (:mod:`snapctl.criu.netdumps`). With much memory left lazy,
-    the daemon's background transfer is held back until the copy is ready
-    (:mod:`snapctl.criu.relay`): until then it only serves faults."""
-    progress("restoring with CRIU")
-    view_started = time.monotonic()
-    view = session.dirs.work / "images"
-    try:
-        omit = redundant_net_dumps(image / "criu")
-        summary = lazy_view(image / "criu", view, cache_dir=session.state.views, omit=omit)
-    except (SnapctlError, OSError) as error:
-        raise RestoreError(
-            f"cannot build the lazy restore's image view: {error}", phase="restore", path=view
-        ) from error
-    timings["lazy_view"] = time.monotonic() - view_started
-
-    def watch(daemon: LazyPagesDaemon) -> None:
-        # From now on a daemon that dies, during the restore or after, fails the copy.
-        timings["lazy_pages_start"] = time.monotonic() - started
-        session.lazy = LazyTransfer(
-            daemon, restore_started=started, on_failure=session.kill_unsafe,
-            on_done=session.pages_done,
-        )  # fmt: skip
-
-    started = time.monotonic()
-    try:
-        restore_tree_lazily(
-            criu, view, session.dirs.work, session.dirs.logs, pidfile,
-            external_dirs=external_dirs, timeout_s=options.timeout_s, on_daemon_ready=watch,
-            hold_transfer=summary.lazy_bytes >= HOLD_TRANSFER_MIN_BYTES,
-        )  # fmt: skip
-    except SnapctlError as error:
-        if isinstance(error, CriuError) and error.action == "lazy-pages":
-            raise _criu_failed(
-                "criu lazy-pages failed to start", error, session, "lazy-pages"
-            ) from error
-        if session.lazy is not None:
-            # Its daemon ends with the failed restore: a consequence, not the cause.
-            session.lazy.stop()
-            session.failure = None
-        raise _criu_failed("criu restore failed", error, session, "restore") from error
-    timings["restore"] = time.monotonic() - started
-
-
-def _criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> RestoreError:
-    """The restore's error for a CRIU step that failed, pointing at that step's log."""
-    return RestoreError(
-        f"{what}: {error}",
-        phase="restore",
-        path=session.dirs.logs / f"{log}.log",
-        log_tail=error.excerpt,
+    tools: Tools,
+) -> Manifest:
+    """Verify every entry of the image, then this host against its identity."""
+    progress("verifying the image")
+    started = tools.clock()
+    manifest = tools.images.verify(image, state)
+    timings["verify"] = tools.clock() - started
+    progress("checking this host against the image's identity")
+    started = tools.clock()
+    shown = tools.images.check_identity(
+        manifest, image, criu_version=criu.version, options=options, state=state
     )
+    timings["identity"] = tools.clock() - started
+    waived = [d for d in shown if d.refuses]
+    if waived:
+        progress("waived: " + "; ".join(f"{d.field}: {d.detail}" for d in waived))
+    noted = [d for d in shown if not d.refuses]
+    if noted:
+        progress("differs, does not refuse: " + "; ".join(f"{d.field}: {d.detail}"
+                                                          for d in noted))  # fmt: skip
+    if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
+        raise RestoreError(
+            f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
+            phase="verify",
+        )
+    return manifest
 
 
-def _report(
-    session: Session, manifest: Manifest, timings: dict[str, float], phases: list[str]
-) -> ActivationReport:
-    pages = session.pages
-    return activation_report(
-        session, manifest, timings, phases,
-        restore_stats=read_restore_stats(session.dirs.work).model_dump(),
-        lazy=pages is not None,
-        lazy_pages_pid=None if session.lazy is None else session.lazy.daemon.pid,
-        pages_complete=None if pages is None else pages.state == "complete",
-        pages_complete_s=None if pages is None else pages.complete_s,
-        pages_complete_at=None if pages is None else pages.complete_at,
-    )  # fmt: skip
+def _fail_if_pages_failed(session: Session) -> None:
+    if session.failure is not None:  # the lazy transfer failed: the memory is incomplete
+        raise RestoreError(session.failure, phase="lazy-pages")
 
 
 def start_copies(
@@ -306,6 +262,7 @@ def start_copies(
     state: StateDir,
     progress_for: Callable[[str], Progress],
     lazy: bool = False,
+    tools: Tools = REAL_TOOLS,
 ) -> list[tuple[Session, ActivationReport] | SnapctlError]:
     """Restore ``count`` copies at once, each with its own name, directories and port (and,
     with ``lazy``, its own lazy-pages daemon and work dir).
@@ -321,15 +278,14 @@ def start_copies(
         # Every name before anything starts: one in use fails them all, and nothing ran.
         for name in names:
             reservations.append(reserve_session_name(state, "copy", name))
-        verify_image(image.absolute(), cache_dir=state.verified)  # once, before the parallel starts
+        tools.images.verify(image.absolute(), state)  # once, before the parallel starts
     except BaseException:
         for reservation in reservations:
             reservation.release()
         raise
 
     def one(index: int) -> tuple[Session, ActivationReport] | SnapctlError:
-        copy_options = LaunchOptions(**{**options.__dict__})
-        copy_options.name = names[index]
+        copy_options = replace(options, name=names[index])
         publish = None
         if publish_base is not None:
             publish = (publish_base[0], publish_base[1] + index if publish_base[1] else 0)
@@ -337,7 +293,7 @@ def start_copies(
             return start_copy(
                 image, copy_options, criu=criu, native=native, publish=publish, state=state,
                 progress=progress_for(f"copy {index + 1}"), lazy=lazy,
-                reservation=reservations[index],
+                reservation=reservations[index], tools=tools,
             )  # fmt: skip
         except SnapctlError as error:
             return error
@@ -357,26 +313,12 @@ def start_copies(
             raise
 
 
-def start_all_copies(
-    image: Path,
-    options: LaunchOptions,
-    count: int,
-    *,
-    criu: CriuBinary,
-    native: NativeStep,
-    publish_base: tuple[str, int] | None,
-    state: StateDir,
-    progress_for: Callable[[str], Progress],
-    lazy: bool = False,
+def require_all(
+    results: list[tuple[Session, ActivationReport] | SnapctlError], total_s: float
 ) -> tuple[list[Session], CopiesReport]:
-    """``copy --count N``: all or nothing. If any copy fails, the others are stopped and one
-    error says how many failed and why the first did."""
-    started = time.monotonic()
-    results = start_copies(
-        image, options, count, criu=criu, native=native, publish_base=publish_base,
-        state=state, progress_for=progress_for, lazy=lazy,
-    )  # fmt: skip
-    total_s = time.monotonic() - started
+    """``copy --count N``: all or nothing. If any copy of ``results`` (of
+    :func:`start_copies`) failed, the others are stopped and one error says how many failed
+    and why the first did."""
     sessions = [result[0] for result in results if isinstance(result, tuple)]
     failures = [result for result in results if isinstance(result, SnapctlError)]
     if failures:
@@ -384,7 +326,8 @@ def start_all_copies(
             session.stop()
         first = failures[0]
         raise SnapctlError(
-            f"{len(failures)} of {count} copies failed (the others were stopped): {first}",
+            f"{len(failures)} of {len(results)} copies failed (the others were stopped): "
+            f"{first}",
             phase=first.phase, path=first.path,
         )  # fmt: skip
     reports = [result[1] for result in results if isinstance(result, tuple)]

@@ -1,48 +1,44 @@
 """``snapctl donor``: launch, wait for capture-ready, dump with CRIU (leave running), publish
-a verified image, then activate the continuing original."""
+a verified image, then activate the continuing original (through :mod:`snapctl.activation.core`,
+like a copy)."""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 import platform
 import shutil
 import socket
-import time
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import psutil
-from pydantic import BaseModel, ConfigDict
 
 import snapctl
-from snapctl.activation.gate import capture_identity
-from snapctl.activation.handshake import activate, probe_http_ready
+from snapctl.activation.core import (
+    ActivationReport,
+    activate_and_probe,
+    activation_report,
+    new_session,
+    reserve_session_name,
+)
 from snapctl.activation.launch import (
     LaunchOptions,
     fixture_command,
-    launch_in_sandbox,
     redact_argv,
     snapshot_config_arg,
-    wait_capture_ready,
 )
-from snapctl.activation.lazy import TRANSFER_AFTER_READY_S
-from snapctl.activation.native import NativeStep, timed, tree_pids
-from snapctl.activation.session import CleanupAudit, Session
-from snapctl.criu import CriuBinary, read_dump_stats
-from snapctl.criu.external import sandbox_external_mounts
-from snapctl.criu.inventory import require_dumpable
-from snapctl.criu.ops import dump_tree, write_action_script
-from snapctl.criu.stats import DumpStats
+from snapctl.activation.native import NativeStep, timed
+from snapctl.activation.session import Session
+from snapctl.activation.states import SessionState
+from snapctl.activation.tools import REAL_TOOLS, Tools
+from snapctl.criu import CriuBinary
+from snapctl.criu.ops import write_action_script
 from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
-from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.protocol.models import CaptureReady
-from snapctl.supervision.names import NameReservation
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -54,80 +50,15 @@ class CaptureError(SnapctlError):
     exit_status = ExitStatus.CAPTURE_FAILED
 
 
-class ActivationReport(BaseModel):
-    """The one machine-readable record of a started activation (``--json``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    kind: str
-    image: str | None
-    image_id: str | None
-    activation_id: str
-    root_pid: int
-    pids: list[int]
-    host: str | None
-    port: int
-    published: str | None
-    logs: str
-    timings_s: dict[str, float]
-    image_bytes: int | None = None
-    dump_stats: DumpStats | None = None
-    restore_stats: dict[str, int] | None = None
-    handshake_phases: list[str] = []
-    # A lazy copy serves before its memory is all in place (see snapctl.activation.lazy).
-    # pages_complete: None when not lazy; False while the lazy-pages daemon still transfers;
-    # True once it exited 0, pages_complete_s after the restore started (at pages_complete_at).
-    lazy: bool = False
-    lazy_pages_pid: int | None = None
-    pages_complete: bool | None = None
-    pages_complete_s: float | None = None
-    pages_complete_at: str | None = None
-
-
 @dataclass
 class _Captured:
     manifest: Manifest
     image: Path
 
 
-def new_activation_id(kind: str) -> str:
-    return f"{kind}-{uuid.uuid4().hex[:12]}"
-
-
-def reserve_session_name(state: StateDir, kind: str, name: str | None) -> NameReservation:
-    """Reserve the activation's name (``name``, else a fresh activation id) before anything
-    starts; a name in use is refused here (see ``snapctl.supervision.names``)."""
-    return state.reserve_name(name or new_activation_id(kind))
-
-
-def new_session(
-    state: StateDir, kind: str, name: str | None, reservation: NameReservation | None = None
-) -> Session:
-    """A session with fresh directories, under ``reservation`` (taken here when None). The
-    session owns the reservation from here on, and releases it when it stops; if this fails,
-    the reservation is released."""
-    if reservation is None:
-        reservation = reserve_session_name(state, kind, name)
-    try:
-        # Unnamed, the activation goes by its id, which is what was reserved.
-        activation_id = reservation.name if name is None else new_activation_id(kind)
-        dirs = ActivationDirs(
-            root=state.activations / activation_id, logs=state.logs / activation_id
-        )
-        dirs.create()
-    except BaseException:
-        reservation.release()
-        raise
-    return Session(
-        name=reservation.name, activation_id=activation_id, kind=kind, dirs=dirs, state=state,
-        reservation=reservation,
-    )  # fmt: skip
-
-
-def _process_tree(root_pid: int) -> list[ProcessEntry]:
+def _process_tree(pids: list[int]) -> list[ProcessEntry]:
     entries = []
-    for pid in tree_pids(root_pid):
+    for pid in pids:
         try:
             proc = psutil.Process(pid)
             with proc.oneshot():
@@ -157,35 +88,35 @@ def capture(
     options: LaunchOptions,
     timings: dict[str, float],
     server_env: Mapping[str, str],
+    tools: Tools,
 ) -> _Captured:
     """Dump the running tree into a staging directory and publish it; the tree keeps running."""
-    assert session.root is not None
+    root = session.tree
+    clock = tools.clock
     try:
-        pids = tree_pids(session.root.pid)
-        process_tree = _process_tree(session.root.pid)
-        started = time.monotonic()
+        pids = tools.sandbox.tree_pids(root.pid)
+        process_tree = _process_tree(pids)
+        started = clock()
         # Read while the tree waits at its barrier: it maps and opens nothing new until released.
-        identity = capture_identity(
+        identity = tools.images.capture_identity(
             pids, criu_version=criu.version, server_argv=server_argv, server_env=server_env,
-            state=session.state,
+            state=session.state_dir,
         )  # fmt: skip
-        timings["identity"] = time.monotonic() - started
-        external_mounts = sandbox_external_mounts(
-            session.root.pid, EXTERNAL_MOUNT_KEYS, session.dirs.host_binds()
-        )
+        timings["identity"] = clock() - started
+        external_mounts = tools.sandbox.external_mounts(root.pid, session.dirs)
         with timed(native, timings, "native_checkpoint"):
             native.before_dump(pids, options.timeout_s)
         action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
-        started = time.monotonic()
+        started = clock()
         try:
             # What CRIU cannot dump is refused before CRIU runs, so the tree is never frozen
             # for nothing; after the native step, which releases devices, as CRIU would see it.
-            require_dumpable(pids)
-            timings["inventory"] = time.monotonic() - started
-            started = time.monotonic()
-            dump_tree(
+            tools.criu.require_dumpable(pids)
+            timings["inventory"] = clock() - started
+            started = clock()
+            stats = tools.criu.dump(
                 criu,
-                session.root.pid,
+                root.pid,
                 staging.dir / "criu",
                 # In the activation's logs, which outlive a failed capture's staging directory.
                 session.dirs.logs / "dump.log",
@@ -195,7 +126,7 @@ def capture(
             )
         except BaseException as dump_error:
             if "inventory" in timings:  # the dump itself ran
-                timings["dump"] = time.monotonic() - started
+                timings["dump"] = clock() - started
             try:
                 native.after_dump(pids, options.timeout_s)
             except SnapctlError as native_error:
@@ -204,13 +135,12 @@ def capture(
                     dump_error.message += f"; then the native restore failed too: {native_error}"
                     dump_error.args = (dump_error.message,)
             raise
-        timings["dump"] = time.monotonic() - started
+        timings["dump"] = clock() - started
         (staging.dir / "logs").mkdir(exist_ok=True)
         shutil.copy2(session.dirs.logs / "dump.log", staging.dir / "logs" / "dump.log")
         with timed(native, timings, "native_restore"):
             native.after_dump(pids, options.timeout_s)
-        stats = read_dump_stats(staging.dir / "criu")
-        started = time.monotonic()
+        started = clock()
         files = hash_tree(staging.dir)
         manifest = Manifest(
             image_id=uuid.uuid4().hex,
@@ -224,7 +154,7 @@ def capture(
             server_argv=redact_argv(server_argv),
             server_cwd=str(server_cwd),
             oracle=ready.oracle,
-            root_pid=session.root.pid,
+            root_pid=root.pid,
             process_tree=process_tree,
             dump_stats=stats,
             dump_seconds=round(timings["dump"], 6),
@@ -240,7 +170,7 @@ def capture(
             identity=identity,
         )
         published = staging.publish(manifest)
-        timings["publish"] = time.monotonic() - started
+        timings["publish"] = clock() - started
         return _Captured(manifest=manifest, image=published)
     except BaseException as error:
         staging.abort()
@@ -274,7 +204,8 @@ def start_donor(
     state: StateDir,
     progress: Progress,
     activate_donor: bool = True,
-) -> tuple[Session, ActivationReport, CleanupAudit | None]:
+    tools: Tools = REAL_TOOLS,
+) -> tuple[Session, ActivationReport]:
     """Launch → capture-ready → dump → publish → (activate the donor). On failure everything
     started is stopped and audited before the error propagates."""
     state.ensure()
@@ -287,7 +218,7 @@ def start_donor(
         reservation.release()
         raise
     try:
-        session = new_session(state, "donor", options.name, reservation)
+        session = new_session(state, "donor", options.name, reservation, tools=tools)
     except BaseException:
         staging.abort()
         raise
@@ -303,101 +234,35 @@ def start_donor(
         if options.api_key and not options.server_argv:
             env["FIXTURE_API_KEY"] = options.api_key
         progress("launching the server in fresh namespaces")
-        started = time.monotonic()
-        session.launcher, session.root = launch_in_sandbox(argv, cwd, session.dirs, options, env)
+        session.advance(SessionState.LAUNCHING)
+        started = tools.clock()
+        session.launched(*tools.sandbox.launch(argv, cwd, session.dirs, options, env))
         progress("waiting for capture-ready.json")
-        ready = wait_capture_ready(session.dirs, session.root, options.ready_timeout_s)
-        timings["launch_to_capture_ready"] = time.monotonic() - started
+        ready = tools.sandbox.wait_capture_ready(
+            session.dirs, session.tree, options.ready_timeout_s
+        )
+        timings["launch_to_capture_ready"] = tools.clock() - started
+        session.advance(SessionState.CAPTURE_READY)
         session.remember_tree()
         progress("capturing the process tree with CRIU")
         captured = capture(
             session, ready, staging=staging, criu=criu, native=native,
             server_argv=argv, server_cwd=cwd, options=options, timings=timings,
-            server_env=os.environ,
+            server_env=os.environ, tools=tools,
         )  # fmt: skip
         session.image = captured.image
+        session.advance(SessionState.PARKED)
         phases: list[str] = []
         if activate_donor:
             progress("activating the donor")
-            phases = activate_and_probe(session, ready.capture_id, options, publish, timings)
+            phases = activate_and_probe(
+                session, ready.capture_id, options, publish, timings, tools=tools
+            )
         report = activation_report(
             session, captured.manifest, timings, phases, dump_stats=captured.manifest.dump_stats
         )
-        return session, report, None
+        return session, report
     except BaseException as error:
         staging.abort()
         session.stop_failed_start(error)
         raise
-
-
-def activation_report(
-    session: Session,
-    manifest: Manifest,
-    timings: dict[str, float],
-    phases: list[str],
-    **details: Any,
-) -> ActivationReport:
-    """The report of an activation that serves: what every kind has, read from its session
-    and image, plus ``details``, the fields of its own kind."""
-    assert session.root is not None
-    return ActivationReport(
-        name=session.name,
-        kind=session.kind,
-        image=None if session.image is None else str(session.image),
-        image_id=manifest.image_id,
-        activation_id=session.activation_id,
-        root_pid=session.root.pid,
-        pids=session.current_pids,
-        host=session.host,
-        port=session.port,
-        published=session.published,
-        logs=str(session.dirs.logs),
-        timings_s={k: round(v, 6) for k, v in timings.items()},
-        image_bytes=manifest.total_bytes,
-        handshake_phases=phases,
-        **details,
-    )
-
-
-def activate_and_probe(
-    session: Session,
-    capture_id: str,
-    options: LaunchOptions,
-    publish: tuple[str, int] | None,
-    timings: dict[str, float],
-) -> list[str]:
-    """Handshake, then probe public HTTP through the activation's netns, then publish."""
-    assert session.root is not None
-    # Its thread enters the netns while the server validates, not after. A tree that is gone
-    # already (stopped by a failing lazy transfer, say) fails the handshake, with its reason.
-    with contextlib.suppress(OSError):
-        session.connect_network()
-    started = time.monotonic()
-    handshake = activate(
-        session.control,
-        capture_id=capture_id,
-        activation_id=session.activation_id,
-        kind="donor" if session.kind == "donor" else "copy",
-        host=session.host,
-        port=session.port,
-        timeout_s=options.timeout_s,
-        alive=session.root.alive,
-    )
-    timings["handshake"] = time.monotonic() - started
-    session.connect_network()
-    assert session.connector is not None
-    timings["validated_to_http_200"] = probe_http_ready(
-        session.connector,
-        session.host or "127.0.0.1",
-        session.port,
-        api_key=options.api_key,
-        timeout_s=options.timeout_s,
-        alive=session.root.alive,
-    )
-    if session.lazy is not None:
-        # Ready: the rest of a lazy copy's memory may stream in now, before anyone can ask.
-        session.lazy.release_transfer(TRANSFER_AFTER_READY_S)
-    session.publish(publish)
-    session.remember_tree()
-    session.save_record()
-    return handshake.phases

@@ -16,7 +16,9 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.lazy import LazyTransfer, PagesStatus
+from snapctl.activation.memory import InPlace, Memory
+from snapctl.activation.states import SessionState, TransitionError, check_transition
+from snapctl.criu.lazy.transfer import LazyTransfer, PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest
 from snapctl.images.lock import ImageHold
@@ -60,7 +62,7 @@ HOST_SHM = Path("/dev/shm")
 def criu_processes(work_dir: Path) -> list[int]:
     """PIDs of CRIU processes working for the activation whose work dir is ``work_dir``: its
     restore and its ``lazy-pages`` daemon (whose own work dir, while its transfer is held, is
-    below it; see ``snapctl.criu.relay``).
+    below it; see ``snapctl.criu.lazy.relay``).
 
     They run in the host's namespaces, so they do not see the activation's tmpfs; their
     ``--work-dir`` (one per activation) names them instead.
@@ -135,7 +137,9 @@ class Session:
     activation_id: str
     kind: str
     dirs: ActivationDirs
-    state: StateDir
+    state_dir: StateDir
+    # Changed only through advance(); see snapctl.activation.states.
+    state: SessionState = SessionState.CREATED
     image: Path | None = None
     root: PinnedProcess | None = None
     launcher: subprocess.Popen[bytes] | None = None
@@ -146,11 +150,10 @@ class Session:
     publisher: Publisher | None = None
     host: str | None = None
     port: int = 8000
-    stopped: bool = False
     # A shared hold on the image while the copy still reads it: through the restore, and for a
     # lazy copy until its pages are complete.
     image_hold: ImageHold | None = None
-    lazy: LazyTransfer | None = None
+    memory: Memory = field(default_factory=InPlace)
     # Why the activation was stopped behind the user's back (a lazy-pages daemon that died).
     failure: str | None = None
     # The name, held until the record is dropped (see snapctl.supervision.names).
@@ -161,6 +164,41 @@ class Session:
     def __post_init__(self) -> None:
         # From here until stop() ends, an interrupted command still stops it (see signals).
         track(self)
+
+    def advance(self, target: SessionState) -> None:
+        """Change state, as the lifecycle allows (a bug otherwise: TransitionError)."""
+        with self._lock:
+            check_transition(self.state, target)
+            self.state = target
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in (SessionState.STOPPED, SessionState.FAILED)
+
+    @property
+    def tree(self) -> PinnedProcess:
+        """The tree's root, pinned; only once it was launched or restored."""
+        if self.root is None:
+            raise TransitionError(f"activation {self.name} has no tree yet ({self.state})")
+        return self.root
+
+    def launched(self, launcher: subprocess.Popen[bytes], root: PinnedProcess) -> None:
+        self.launcher, self.root = launcher, root
+
+    def rename(self, reservation: NameReservation) -> None:
+        """Go by ``reservation``'s name from now on (a parked copy taken under the name its
+        user asked for), releasing the name it had; only before it serves."""
+        with self._lock:
+            if self._record_saved:
+                raise TransitionError(f"activation {self.name} is recorded already")
+            previous, self.reservation, self.name = self.reservation, reservation, reservation.name
+        if previous is not None:
+            previous.release()
+
+    @property
+    def lazy(self) -> LazyTransfer | None:
+        """A lazy copy's page transfer, watched; None for a donor or a plain copy."""
+        return self.memory.transfer
 
     @property
     def control(self) -> ControlDir:
@@ -190,7 +228,7 @@ class Session:
     @property
     def pages(self) -> PagesStatus | None:
         """The lazy page transfer's status; None for a donor or a plain copy."""
-        return None if self.lazy is None else self.lazy.status
+        return self.memory.status()
 
     def release_image(self) -> None:
         with self._lock:
@@ -199,7 +237,7 @@ class Session:
                 self.image_hold = None
 
     def kill_unsafe(self, reason: str) -> None:
-        """SIGKILL the tree now: it can no longer be trusted to run (see ``activation.lazy``)."""
+        """SIGKILL the tree now: it can no longer be trusted to run (see ``criu.lazy.transfer``)."""
         with self._lock:
             self.failure = self.failure or reason
             if self.root is not None:
@@ -210,25 +248,6 @@ class Session:
         self.release_image()
         if status.state == "complete":
             self._save_record_if_kept()
-
-    def attach_network(self, publish: tuple[str, int] | None) -> None:
-        self.connect_network()
-        self.publish(publish)
-
-    def connect_network(self) -> None:
-        """Enter the tree's network namespace (a thread of ours) for probes and publishing."""
-        assert self.root is not None
-        if self.connector is None:
-            self.connector = NetnsConnector(self.root.pid)
-
-    def publish(self, publish: tuple[str, int] | None) -> None:
-        """Forward a host port to the server's (once it serves: a client connecting earlier
-        would reach nothing)."""
-        assert self.connector is not None
-        if publish is not None:
-            self.publisher = Publisher(
-                self.connector, publish[0], publish[1], (self.host or "127.0.0.1", self.port)
-            )
 
     def save_record(self) -> None:
         with self._lock:
@@ -241,17 +260,17 @@ class Session:
                 self._write_record()
 
     def _write_record(self) -> None:
-        assert self.root is not None
+        root = self.tree
         me = psutil.Process()
-        pages = self.pages
-        self.state.save_record(
+        transfer = self.memory.transfer
+        self.state_dir.save_record(
             ActivationRecord(
                 name=self.name,
                 activation_id=self.activation_id,
                 kind=self.kind,
                 image=str(self.image) if self.image else None,
-                root_pid=self.root.pid,
-                root_start_time=self.root.start_time,
+                root_pid=root.pid,
+                root_start_time=root.start_time,
                 supervisor_pid=me.pid,
                 supervisor_start_time=me.create_time(),
                 activation_dir=str(self.dirs.root),
@@ -260,17 +279,20 @@ class Session:
                 port=self.port,
                 published=self.published,
                 created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                lazy=self.lazy is not None,
-                lazy_pages_pid=None if self.lazy is None else self.lazy.daemon.pid,
-                lazy_pages_start_time=None if self.lazy is None else self.lazy.daemon.start_time,
-                pages_complete=None if pages is None else pages.state == "complete",
-                pages_complete_s=None if pages is None else pages.complete_s,
-                pages_complete_at=None if pages is None else pages.complete_at,
+                lazy_pages_start_time=None if transfer is None else transfer.daemon.start_time,
+                **self.memory.report_fields(),
             )
         )
 
-    def stop(self, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
-        """Stop the tree (TERM, wait, KILL), tear down, and audit. Safe to call twice."""
+    def stop(
+        self, stop_timeout_s: float = 10.0, *, failed: bool = False
+    ) -> tuple[str, CleanupAudit]:
+        """Stop the tree (TERM, wait, KILL), tear down, and audit. Safe to call twice.
+        ``failed``: the stop ends a start that failed (the session ends ``failed``)."""
+        with self._lock:
+            if self.state is not SessionState.STOPPING and not self.stopped:
+                check_transition(self.state, SessionState.STOPPING)
+                self.state = SessionState.STOPPING
         how = "not started"
         listening = self.publisher.address if self.publisher else None
         if self.publisher is not None:
@@ -289,11 +311,7 @@ class Session:
                 how = error.message
             with self._lock:
                 self.root.close()
-        leftover_daemon: list[int] = []
-        if self.lazy is not None:
-            # Only after the tree: a daemon stopped first would leave it running on zero pages.
-            self.lazy.stop()
-            leftover_daemon = [self.lazy.daemon.pid] if self.lazy.daemon.poll() is None else []
+        leftover_daemon = self.memory.stop()
         self.release_image()
         if self.launcher is not None:
             try:
@@ -306,8 +324,9 @@ class Session:
         left = wait_gone(self.tree_pids, stop_timeout_s) + leftover_daemon
         audit = remove_activation(self.dirs, left, stop_timeout_s)
         with self._lock:
-            self.stopped = True
-            self.state.drop_record(self.name)
+            if not self.stopped:
+                self.state = SessionState.FAILED if failed else SessionState.STOPPED
+            self.state_dir.drop_record(self.name)
             if self.reservation is not None:
                 self.reservation.release()
         if self.failure is not None:
@@ -325,7 +344,7 @@ class Session:
         """Stop after a start failed with ``error`` and, for a :class:`SnapctlError`, add what
         the cleanup found and where the logs are; a lazy transfer's failure, the cause of what
         the start then saw, leads the message."""
-        _, audit = self.stop()
+        _, audit = self.stop(failed=True)
         if isinstance(error, SnapctlError):
             if self.failure is not None and self.failure not in error.message:
                 error.message = f"{self.failure}: {error.message}"

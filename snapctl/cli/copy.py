@@ -49,7 +49,7 @@ from snapctl.cli.serving import Progress, serve
     default=None,
     help="Serve at once and let memory arrive on demand and in the background (CRIU lazy "
     "pages); the image stays held until every page is in (see ps). Default: lazy when the "
-    # activation.lazy.LAZY_DEFAULT_MIN_BYTES (not imported here: --help stays light).
+    # criu.lazy.tuning.LAZY_DEFAULT_MIN_BYTES (not imported here: --help stays light).
     "image holds at least 256 MiB of pages.",
 )
 @activation_options
@@ -78,10 +78,11 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
         return
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
-    from snapctl.activation.lazy import LAZY_DEFAULT_MIN_BYTES, lazy_by_default
     from snapctl.activation.native import native_step
     from snapctl.cli.output import note
     from snapctl.criu import find_criu
+    from snapctl.criu.lazy.transfer import lazy_by_default
+    from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
     from snapctl.images import load_manifest
     from snapctl.images.identity import check_waivers, needless_waivers
     from snapctl.supervision.state import StateDir
@@ -190,14 +191,18 @@ def start_many(
     image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
     progress_for: Any, lazy: bool = False,
 ) -> tuple[list[Any], Any]:  # fmt: skip
-    """Start the copies, all or nothing (see ``start_all_copies``)."""
-    from snapctl.activation.copy import start_all_copies
+    """Start the copies, all or nothing (see ``require_all``)."""
+    import time
+
+    from snapctl.activation.copy import require_all, start_copies
     from snapctl.supervision.state import StateDir
 
-    return start_all_copies(
+    started = time.monotonic()
+    results = start_copies(
         image, options, count, criu=criu, native=native, publish_base=common.publish,
         state=StateDir(), progress_for=progress_for, lazy=lazy,
     )  # fmt: skip
+    return require_all(results, time.monotonic() - started)
 
 
 def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:

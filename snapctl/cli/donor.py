@@ -46,7 +46,7 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
     native = native_step(common.native)
 
     def start(progress: Progress) -> tuple[Any, Any]:
-        session, report, _ = start_donor(
+        session, report = start_donor(
             options, image=image, force=force, criu=criu, native=native,
             publish=common.publish, state=StateDir(), progress=progress,
         )  # fmt: skip

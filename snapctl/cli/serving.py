@@ -55,7 +55,7 @@ def render_copies(reports: list[Any], total_s: float) -> None:
 
 def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach: bool) -> None:
     """Start (with progress), print the report, then supervise or hand over to a supervisor."""
-    from snapctl.activation.donor import ActivationReport
+    from snapctl.activation.core import ActivationReport
 
     if detach:
         run_detached(

@@ -1,7 +1,7 @@
 """The one piece of protobuf's wire format that reading CRIU's images here needs: varints.
 
 CRIU's stats and pagemap images hold small proto2 messages with (almost) only varint fields, so
-:mod:`snapctl.criu.stats` and :mod:`snapctl.criu.pagemap` walk them by hand, with no protobuf
+:mod:`snapctl.criu.stats` and :mod:`snapctl.criu.lazy.pagemap` walk them by hand, with no protobuf
 runtime or generated code; both decode their varints here.
 """
 

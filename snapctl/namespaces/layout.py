@@ -155,9 +155,10 @@ class ActivationDirs:
         """Where ``root`` is made with its owner file, before it appears under its name."""
         return self.root.parent / f".{self.root.name}{CREATING_SUFFIX}"
 
-    def create(self, shm_size: str = "50%") -> None:
+    def create(self, shm_size: str = "50%", *, tmpfs: bool = True) -> None:
         """Make fresh directories and mount both tmpfs; on failure none is left mounted and
-        ``root`` is removed again (the logs stay).
+        ``root`` is removed again (the logs stay). Without ``tmpfs`` (tests without root) the
+        directories stay plain.
 
         ``root`` appears with its owner file already in it (made beside it, then renamed), so
         ``snapctl gc`` never meets an activation without an owner to judge it by.
@@ -180,13 +181,14 @@ class ActivationDirs:
             fd = os.open(self.server_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.close(fd)
             os.chmod(self.server_log, 0o600)
-            mounts.mount_tmpfs(
-                self.control,
-                CONTROL_TMPFS_OPTIONS,
-                source=self.control_source,
-                flags=CONTROL_TMPFS_FLAGS,
-            )
-            mounts.mount_tmpfs(self.shm, f"mode=1777,size={shm_size}", source=self.mount_source)
+            if tmpfs:
+                mounts.mount_tmpfs(
+                    self.control,
+                    CONTROL_TMPFS_OPTIONS,
+                    source=self.control_source,
+                    flags=CONTROL_TMPFS_FLAGS,
+                )
+                mounts.mount_tmpfs(self.shm, f"mode=1777,size={shm_size}", source=self.mount_source)
         except BaseException:
             # Nothing runs in the activation yet, so both unmounts succeed; the primary error
             # is what the caller must see.

@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.session import CleanupAudit
+from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.images.manifest import FileEntry
 from snapctl.protocol.models import ErrorReport
 from snapctl.qualification.watch import Residue

@@ -57,7 +57,7 @@ def run_criu_dump_fault(ctx: RunContext) -> RunResult:
     error: str | None = None
     with criu_fault(CRIU_DUMP_FAULT):
         try:
-            session, _, _ = start_donor(
+            session, _ = start_donor(
                 ctx.options, image=target, force=False, criu=ctx.criu, native=ctx.native,
                 publish=None, state=ctx.state,
                 progress=lambda step: ctx.progress(f"criu-dump-fault: {step}"),

@@ -91,9 +91,8 @@ def _observe_fail_closed(
     ctx: RunContext, session: Session, run: str, drive: Drive, seen: FailClosedSeen
 ) -> None:
     """Drive the handshake, watch the tree end by itself, save its files, stop, audit."""
-    assert session.root is not None
     seen.activation_id = session.activation_id
-    watch = ListenerWatch(session.root.pid, session.port, alive=session.root.alive)
+    watch = ListenerWatch(session.tree.pid, session.port, alive=session.tree.alive)
     try:
         started = time.monotonic()
         try:
@@ -113,7 +112,7 @@ def _observe_fail_closed(
             # Give it the time to exit on its own; a server that validated never would.
             seen.exit_wait_s = min(ctx.options.timeout_s, EXIT_TIMEOUT_S)
             waited = time.monotonic()
-            seen.exited = session.root.wait(seen.exit_wait_s)
+            seen.exited = session.tree.wait(seen.exit_wait_s)
             if seen.exited:
                 seen.error_to_exit_s = time.monotonic() - waited
     finally:
@@ -133,11 +132,10 @@ def _activate(ctx: RunContext, manifest: Manifest) -> Drive:
     """The ordinary capturer handshake (it raises ActivationError on error.json)."""
 
     def drive(session: Session) -> list[str]:
-        assert session.root is not None
         return activate(
             session.control, capture_id=manifest.capture_id,
             activation_id=session.activation_id, kind="copy", host=session.host,
-            port=session.port, timeout_s=ctx.options.timeout_s, alive=session.root.alive,
+            port=session.port, timeout_s=ctx.options.timeout_s, alive=session.tree.alive,
         ).phases  # fmt: skip
 
     return drive
@@ -248,8 +246,7 @@ def inject_weights_fault(
 ) -> None:
     """Make ``weights`` changed (one byte flipped) or unreadable in this activation's mount
     namespace only, by a bind mount made from outside; the host's file is not touched."""
-    assert session.root is not None
-    root = session.root
+    root = session.tree
     record.host_before = _sha256(weights)
     if mode == "changed":
         # The copy sees its own /dev/shm (this host directory): stage the changed file there.
@@ -332,8 +329,7 @@ def _replay_drive(ctx: RunContext, manifest: Manifest, earlier: Challenge) -> Dr
     """Activate, then answer the fresh challenge with the earlier challenge's nonce."""
 
     def drive(session: Session) -> list[str]:
-        assert session.root is not None
-        alive = session.root.alive
+        alive = session.tree.alive
         deadline = time.monotonic() + ctx.options.timeout_s
 
         def send(payload: Activation | Release, *answers: ControlFile) -> object:

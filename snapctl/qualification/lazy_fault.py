@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from snapctl.activation.copy import start_copy
-from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.session import Session
+from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest, verify_image
 from snapctl.images.lock import hold_image
@@ -95,11 +95,11 @@ def pause(process: PinnedProcess, timeout_s: float = PAUSE_TIMEOUT_S) -> bool:
 def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -> None:
     """Pause the copy's lazy-pages daemon, check pages are still missing, SIGKILL it, and watch
     snapctl stop the copy. Returns with the tree gone, so ``start_copy`` fails by itself."""
-    assert session.root is not None and session.lazy is not None
+    assert session.lazy is not None  # a lazy copy: its transfer
     seen.session = session
     daemon = session.lazy.daemon
     seen.daemon_pid = daemon.pid
-    watch = ListenerWatch(session.root.pid, session.port, alive=session.root.alive)
+    watch = ListenerWatch(session.tree.pid, session.port, alive=session.tree.alive)
     try:
         try:
             # Our child, but the watcher thread reaps it the moment it exits: pin it, and
@@ -117,7 +117,7 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
             ctx.progress(f"{RUN}: killing the lazy-pages daemon {daemon.pid} mid-transfer")
             killed = time.monotonic()
             pinned.signal(signal.SIGKILL)
-        seen.exited = session.root.wait(STOP_BOUND_S)
+        seen.exited = session.tree.wait(STOP_BOUND_S)
         if seen.exited:
             # PID 1 is gone; the kernel takes the rest of its namespace along asynchronously.
             seen.left = wait_gone(session.tree_pids, STOP_BOUND_S)

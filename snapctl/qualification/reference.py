@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from snapctl.activation.donor import new_session
+from snapctl.activation.core import new_session
 from snapctl.activation.handshake import probe_http_ready
 from snapctl.activation.launch import (
     LaunchError,
@@ -25,9 +25,11 @@ from snapctl.activation.launch import (
     repo_root,
 )
 from snapctl.activation.session import Session
+from snapctl.activation.states import SessionState
 from snapctl.activation.timeouts import ready_timeout_hint
 from snapctl.errors import SnapctlError
 from snapctl.images.manifest import Manifest
+from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -161,13 +163,14 @@ def start_reference(
     try:
         progress("launching the ordinary reference (no capture)")
         started = time.monotonic()
-        session.launcher, session.root = launch_in_sandbox(argv, cwd, session.dirs, options, env)
-        session.attach_network(publish)
-        assert session.connector is not None
+        session.advance(SessionState.LAUNCHING)
+        session.launched(*launch_in_sandbox(argv, cwd, session.dirs, options, env))
+        connector = session.connector = NetnsConnector(session.tree.pid)
+        session.publisher = Publisher(connector, *publish, (options.host, options.port))
         try:
             probe_http_ready(
-                session.connector, options.host, options.port, api_key=options.api_key,
-                timeout_s=options.ready_timeout_s, alive=session.root.alive,
+                connector, options.host, options.port, api_key=options.api_key,
+                timeout_s=options.ready_timeout_s, alive=session.tree.alive,
                 timeout_hint=ready_timeout_hint(),
             )  # fmt: skip
         except SnapctlError as error:
@@ -179,6 +182,7 @@ def start_reference(
             ) from error
         ready_s = time.monotonic() - started
         session.remember_tree()
+        session.advance(SessionState.SERVING)
         return session, ready_s
     except BaseException:
         session.stop()

@@ -22,12 +22,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.copy import start_copy
-from snapctl.activation.donor import ActivationReport, start_donor
+from snapctl.activation.core import ActivationReport
+from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import LaunchOptions
-from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.native import NativeStep
 from snapctl.activation.session import CleanupAudit, Session
 from snapctl.criu import CriuBinary
+from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import FileEntry, hash_tree, load_manifest
 from snapctl.protocol.models import ControlFile
@@ -414,7 +415,7 @@ def run_donor(ctx: RunContext) -> RunResult:
     started = time.monotonic()
     baseline = take_baseline(ctx.state)
     try:
-        session, report, _ = start_donor(
+        session, report = start_donor(
             ctx.options, image=ctx.image, force=False, criu=ctx.criu, native=ctx.native,
             publish=(PUBLISH_HOST, 0), state=ctx.state,
             progress=lambda step: ctx.progress(f"donor: {step}"),

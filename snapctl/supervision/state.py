@@ -74,7 +74,7 @@ class StateDir:
 
     @property
     def views(self) -> Path:
-        """Pagemaps as lazy copies see them, by content (see ``snapctl.criu.pagemap``)."""
+        """Pagemaps as lazy copies see them, by content (see ``snapctl.criu.lazy.pagemap``)."""
         return self.root / "views"
 
     @property

@@ -8,7 +8,8 @@ import urllib.request
 from pathlib import Path
 
 from snapctl.activation.copy import start_copy
-from snapctl.activation.donor import ActivationReport, start_donor
+from snapctl.activation.core import ActivationReport
+from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NativeStep, NoNativeStep
 from snapctl.activation.session import Session
@@ -88,7 +89,7 @@ def launch_donor(
 ) -> tuple[Session, ActivationReport]:
     """``start_donor`` with the tests' defaults: ``options(**changes)``, no native step, no
     ``--force``, no progress output."""
-    session, report, _ = start_donor(
+    session, report = start_donor(
         options(**changes), image=image, force=False, criu=criu, native=native or NoNativeStep(),
         publish=publish, state=state, progress=lambda step: None, activate_donor=activate,
     )  # fmt: skip

@@ -10,8 +10,17 @@ import pytest
 
 from snapctl.activation import copy
 from snapctl.activation.launch import LaunchOptions
+from snapctl.activation.tools import RealImageChecks, Tools
 from snapctl.criu import CriuBinary
 from snapctl.supervision.state import StateDir
+
+
+class NoVerify(RealImageChecks):
+    def verify(self, image: Path, state: StateDir) -> Any:
+        return None
+
+
+NO_VERIFY = Tools(images=NoVerify())
 
 
 class FakeSession:
@@ -37,13 +46,13 @@ def test_copies_started_are_stopped_when_another_start_breaks(
         first_done.set()
         return session, None
 
-    monkeypatch.setattr(copy, "verify_image", lambda *args, **kwargs: None)
     monkeypatch.setattr(copy, "start_copy", start_copy)
     criu = CriuBinary(path=Path("/bin/false"), version="4.2.1", source="option")
     with pytest.raises(RuntimeError, match="copy 2"):
         copy.start_copies(
             tmp_path, LaunchOptions(name="c"), 2, criu=criu, native=None,  # type: ignore[arg-type]
             publish_base=None, state=StateDir(tmp_path), progress_for=lambda label: print,
+            tools=NO_VERIFY,
         )  # fmt: skip
     assert [session.stopped for session in started] == [True]
 
@@ -62,13 +71,14 @@ def test_all_or_nothing_stops_the_copies_that_started_and_names_the_failure(
         started.append(session)
         return session, None
 
-    monkeypatch.setattr(copy, "verify_image", lambda *args, **kwargs: None)
     monkeypatch.setattr(copy, "start_copy", start_copy)
     criu = CriuBinary(path=Path("/bin/false"), version="4.2.1", source="option")
     with pytest.raises(copy.SnapctlError, match=r"1 of 3 copies failed.*criu restore") as info:
-        copy.start_all_copies(
+        results = copy.start_copies(
             tmp_path, LaunchOptions(name="c"), 3, criu=criu, native=None,  # type: ignore[arg-type]
             publish_base=None, state=StateDir(tmp_path), progress_for=lambda label: print,
+            tools=NO_VERIFY,
         )  # fmt: skip
+        copy.require_all(results, 0.0)  # type: ignore[arg-type]
     assert info.value.phase == "restore"
     assert len(started) == 2 and all(session.stopped for session in started)

@@ -81,9 +81,9 @@ def test_interrupt_after_restore_before_pin_leaves_nothing(
     image: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C right after CRIU restored the tree, before snapctl learnt its root PID."""
-    import snapctl.activation.copy as copy_module
+    import snapctl.activation.tools as tools_module
 
-    real_restore = copy_module.restore_tree
+    real_restore = tools_module.restore_tree
     restored: list[str] = []
 
     def restore_then_interrupt(criu: CriuBinary, images: Path, work: Path, log: Path,
@@ -93,7 +93,7 @@ def test_interrupt_after_restore_before_pin_leaves_nothing(
         pidfile.unlink()  # as if the interrupt came before the pidfile could be read
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(copy_module, "restore_tree", restore_then_interrupt)
+    monkeypatch.setattr(tools_module, "restore_tree", restore_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         restore_copy(image, state, criu_binary)
     assert restored, "the restore ran"
@@ -103,9 +103,9 @@ def test_interrupt_after_restore_before_pin_leaves_nothing(
 def test_missing_staged_file_fails_restore_and_image_stays_usable(
     image: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import snapctl.activation.copy as copy_module
+    import snapctl.activation.tools as tools_module
 
-    real_stage = copy_module.stage_shm_copy
+    real_stage = tools_module.stage_shm_copy
     removed: list[str] = []
 
     def stage_then_lose_a_file(source: Path, target: Path) -> None:
@@ -114,7 +114,7 @@ def test_missing_staged_file_fails_restore_and_image_stays_usable(
         removed.append(victim.name)
         victim.unlink()
 
-    monkeypatch.setattr(copy_module, "stage_shm_copy", stage_then_lose_a_file)
+    monkeypatch.setattr(tools_module, "stage_shm_copy", stage_then_lose_a_file)
     before = image_files(image)
     with pytest.raises(RestoreError, match="criu restore failed") as info:
         restore_copy(image, state, criu_binary)

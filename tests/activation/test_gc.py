@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.donor import new_session
+from snapctl.activation.core import new_session
 from snapctl.activation.supervise import collect_orphans
 from snapctl.namespaces.layout import ActivationOwner
 from snapctl.protocol.atomic import write_json_atomic

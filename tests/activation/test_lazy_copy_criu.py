@@ -25,16 +25,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from snapctl.activation import copy as copy_module
-from snapctl.activation import donor as donor_module
 from snapctl.activation.copy import RestoreError, start_copies, start_copy
 from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.activation.supervise import run_until_stopped
-from snapctl.criu import CriuBinary, ops
+from snapctl.criu import CriuBinary
 from snapctl.criu.kdat import run_is_tmpfs
+from snapctl.criu.lazy import tuning
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import complete, get, leftovers
@@ -71,7 +70,7 @@ def donor(tmp_path_factory: pytest.TempPathFactory) -> Donor:
         pytest.skip(problem)
     root = tmp_path_factory.mktemp("lazy")
     state, image = StateDir(root / "state"), root / "image"
-    session, report, _ = start_donor(
+    session, report = start_donor(
         options(), image=image, force=False, criu=criu, native=NoNativeStep(),
         publish=("127.0.0.1", 0), state=state, progress=lambda step: None,
     )  # fmt: skip
@@ -141,7 +140,7 @@ def paused_lazy_copy(donor: Donor, criu: CriuBinary, running: list[Session]) -> 
 
 
 def record_of(session: Session) -> dict[str, object]:
-    (record,) = [r for r in session.state.load_records() if r.name == session.name]
+    (record,) = [r for r in session.state_dir.load_records() if r.name == session.name]
     return record.model_dump()
 
 
@@ -190,8 +189,8 @@ def test_the_restore_waits_at_its_inventory_for_a_daemon_that_is_slow_to_listen(
 @pytest.fixture
 def held_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Copies whose background transfer stays held until a test releases it (a minute)."""
-    monkeypatch.setattr(donor_module, "TRANSFER_AFTER_READY_S", 60.0)
-    monkeypatch.setattr(ops, "TRANSFER_HOLD_MAX_S", 60.0)
+    monkeypatch.setattr(tuning, "TRANSFER_AFTER_READY_S", 60.0)
+    monkeypatch.setattr(tuning, "TRANSFER_HOLD_MAX_S", 60.0)
 
 
 def test_the_transfer_waits_for_its_release_while_faults_are_served(
@@ -248,7 +247,7 @@ def test_a_native_step_gets_the_transfer_released_first(
 def test_little_lazy_memory_is_not_held(
     donor: Donor, criu_binary: CriuBinary, running: list[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(copy_module, "HOLD_TRANSFER_MIN_BYTES", (RETAINED_MB + 1) * 2**20)
+    monkeypatch.setattr(tuning, "HOLD_TRANSFER_MIN_BYTES", (RETAINED_MB + 1) * 2**20)
     session = lazy_copy(donor, criu_binary, running)
     assert session.lazy is not None and session.lazy.daemon.hold is None
     assert session.lazy.wait(120).state == "complete"
@@ -282,7 +281,7 @@ def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
     assert session.lazy is not None and session.lazy.status.state == "failed"
     assert "before every page was copied" in (Path(session.dirs.logs) / "failure.txt").read_text()
     assert not any(psutil.pid_exists(pid) for pid in [*tree, daemon])
-    assert session.state.load_records() == []
+    assert session.state_dir.load_records() == []
     assert leftovers(donor.state, [session.activation_id]) == []
     hold_image(donor.image, exclusive=True).release()
 

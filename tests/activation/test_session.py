@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.donor import new_session
+from snapctl.activation.core import new_session
 from snapctl.activation.session import criu_processes
 from snapctl.errors import SnapctlError
 from snapctl.supervision.process import PinnedProcess

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.lazy import LazyTransfer, PagesStatus
 from snapctl.criu import CriuBinary, CriuError
-from snapctl.criu.ops import LazyPagesDaemon, spawn_lazy_pages_daemon
-from snapctl.criu.relay import TransferHold
+from snapctl.criu.lazy.daemon import LazyPagesDaemon, spawn_lazy_pages_daemon
+from snapctl.criu.lazy.relay import TransferHold
+from snapctl.criu.lazy.transfer import LazyTransfer, PagesStatus
 from tests.criu.fakes import install_fake_criu
 
 # A fake criu: records its argv, then as FAKE_MODE says: "ready" writes the status byte to the

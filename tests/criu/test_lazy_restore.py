@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.criu import CriuBinary, CriuError
-from snapctl.criu.ops import LazyPagesDaemon, restore_tree_lazily
+from snapctl.criu.lazy.daemon import LazyPagesDaemon, restore_tree_lazily
 from tests.criu.fakes import install_fake_criu
 
 INVENTORY = b"\x01\x02inventory\x00\x03"

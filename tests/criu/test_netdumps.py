@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.criu.netdumps import (
+from snapctl.criu.lazy.netdumps import (
     IFADDR_MAGIC,
     ROUTE_MAGIC,
     RULE_MAGIC,
     redundant_net_dumps,
 )
-from snapctl.criu.pagemap import lazy_view
+from snapctl.criu.lazy.pagemap import lazy_view
 from tests.criu.test_pagemap import varint
 
 IFF_UP, IFF_LOOPBACK = 0x1, 0x8

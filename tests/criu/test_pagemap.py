@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.criu import pagemap as pagemap_module
-from snapctl.criu.pagemap import (
+from snapctl.criu.lazy import pagemap as pagemap_module
+from snapctl.criu.lazy.pagemap import (
     PAGE_SIZE,
     PE_LAZY,
     PagemapError,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.criu.relay import RESTORE_FINISHED, SOCKET_NAME, TransferHold, socket_path
+from snapctl.criu.lazy.relay import RESTORE_FINISHED, SOCKET_NAME, TransferHold, socket_path
 
 pytestmark = pytest.mark.timeout(30)
 

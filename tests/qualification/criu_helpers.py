@@ -30,7 +30,7 @@ def captured_image(
         patch.setenv("SNAPCTL_STATE_DIR", str(state.root))
         donor: Session | None = None
         try:
-            donor, _, _ = start_donor(
+            donor, _ = start_donor(
                 LaunchOptions(timeout_s=120, **options),  # type: ignore[arg-type]
                 image=root / "image", force=False, criu=find_criu(), native=NoNativeStep(),
                 publish=None, state=state, progress=lambda step: None,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from snapctl.activation.lazy import PagesStatus
 from snapctl.activation.session import CleanupAudit
+from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.images.manifest import FileEntry
 from snapctl.protocol.models import ErrorReport
 from snapctl.qualification.workload import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from snapctl.activation.lazy import PagesStatus
+from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.qualification import checks
 from snapctl.qualification.watch import Residue
 from tests.qualification.factories import (

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.activation.copy import start_all_copies, start_copy
+from snapctl.activation.copy import start_copies, start_copy
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NoNativeStep
 from snapctl.cli import main
@@ -119,7 +119,7 @@ def test_count_refuses_every_copy_when_one_name_is_in_use(tmp_path: Path) -> Non
     state = StateDir(tmp_path / "state")
     held = state.reserve_name("web-2")
     with pytest.raises(NameInUseError):
-        start_all_copies(
+        start_copies(
             tmp_path / "no-such-image", _copy_options("web"), 3, criu=CRIU,
             native=NoNativeStep(), publish_base=None, state=state,
             progress_for=lambda label: lambda step: None,

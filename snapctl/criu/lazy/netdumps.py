@@ -9,7 +9,7 @@ out (only ``lo``, up) they say nothing new: no route of the main tables, the ker
 default IPv4 rules (which CRIU flushes and restores as they were), and the addresses the kernel
 puts on ``lo`` itself when it comes up (restoring them fails with "address already assigned").
 CRIU treats a missing dump as empty and runs no ``ip`` for it, so a restore view
-(:func:`snapctl.criu.pagemap.lazy_view`) leaves such dumps out. Anything else (another address,
+(:func:`snapctl.criu.lazy.pagemap.lazy_view`) leaves such dumps out. Anything else (another address,
 a route, another rule, a format this module does not know) keeps its dump, restored as usual.
 
 The dumps are iproute2's: a 32-bit magic, then netlink messages (``nlmsghdr``, the family's

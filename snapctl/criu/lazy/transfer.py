@@ -18,20 +18,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.criu.ops import LazyPagesDaemon
-from snapctl.criu.pagemap import PAGE_SIZE
+from snapctl.criu.lazy.daemon import LazyPagesDaemon
+from snapctl.criu.lazy.pagemap import PAGE_SIZE
+from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
 from snapctl.images.manifest import Manifest
-
-# Images with at least this much page data restore lazily unless told otherwise: below it a
-# plain restore is as quick to answer and completes sooner (docs/lazy.md, "Default").
-LAZY_DEFAULT_MIN_BYTES = 256 * 1024 * 1024
-# With at least this much memory left lazy, the background transfer is held back until the
-# copy is ready and TRANSFER_AFTER_READY_S more (the request that asked for the copy usually
-# follows at once): activation and first answer have both cores. Below it the transfer takes
-# about as long as the activation, and holding it back would bring the last page later than a
-# plain restore does (at 512 MiB: 0.34 s against 0.28 s unheld; a plain restore 0.35-0.39 s).
-HOLD_TRANSFER_MIN_BYTES = 1024 * 1024 * 1024
-TRANSFER_AFTER_READY_S = 0.05
 
 
 def lazy_by_default(manifest: Manifest) -> bool:

@@ -10,9 +10,10 @@ engine's stream. What a restored server touches first is its small memory: the h
 interpreter's arenas, thread stacks. What makes a restore slow is its big memory: model weights,
 KV or pinned buffers, device memory saved by cuda-checkpoint, each one long contiguous run. So:
 
-- a process with less than :data:`EAGER_PROCESS_BELOW` of lazy memory is restored whole (the
-  frontend and helpers: nothing to gain, and each of their faults would wait for a chunk);
-- in the others, every run of contiguous lazy pages shorter than :data:`EAGER_RUN_BELOW` is
+- a process with less than ``EAGER_PROCESS_BELOW`` (:mod:`.tuning`) of lazy memory is restored
+  whole (the frontend and helpers: nothing to gain, and each of their faults would wait for a
+  chunk);
+- in the others, every run of contiguous lazy pages shorter than ``EAGER_RUN_BELOW`` is
   restored eagerly too, so only the big runs are left to the daemon.
 
 How: ``pagemap-PID.img`` flags each entry (at most 1 MiB of pages) ``PE_LAZY``; without that flag
@@ -36,13 +37,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
 from snapctl.errors import SnapctlError
 from snapctl.protocol.atomic import replace_file
 
-# Below this much lazy memory a whole process is restored eagerly (about 40 ms of restore here).
-EAGER_PROCESS_BELOW = 64 * 1024 * 1024
-# In bigger processes, runs of contiguous lazy memory shorter than this are restored eagerly.
-EAGER_RUN_BELOW = 16 * 1024 * 1024
 PAGE_SIZE = 4096
 _MAGICS = (0x54564319, 0x56084025)  # IMG_COMMON_MAGIC, PAGEMAP_MAGIC
 _VADDR, _COMPAT_NR_PAGES, _FLAGS, _NR_PAGES = 1, 2, 4, 5
@@ -204,7 +202,7 @@ def lazy_view(
 ) -> ViewSummary:
     """Create ``target``: ``images_dir`` seen through symbolic links, except for the pagemaps
     that :func:`eager_entries` changes, which are rewritten copies, and the files named in
-    ``omit``, which CRIU then finds missing (for :mod:`snapctl.criu.netdumps`).
+    ``omit``, which CRIU then finds missing (for :mod:`snapctl.criu.lazy.netdumps`).
 
     With ``cache_dir``, a pagemap is parsed only the first time its content is seen: the
     outcome is kept there under the sha256 of that content (and the thresholds), so later

@@ -1,0 +1,188 @@
+"""Restoring a copy's tree from an image, plain or lazy: two strategies behind one call.
+
+Both stage the copy's ``/dev/shm`` and restore into fresh namespaces; the session ends
+``restored`` with its tree pinned and its :mod:`memory <snapctl.activation.memory>` saying how
+its pages arrive. Plain: every page is in place when CRIU returns, so the image is let go at
+once. Lazy: the tree runs while a ``criu lazy-pages`` daemon of its own serves its faults and
+streams the rest (:mod:`snapctl.criu.lazy`); the image stays held until every page is in.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from snapctl.activation.memory import LazyPages
+from snapctl.activation.session import Session
+from snapctl.activation.states import SessionState
+from snapctl.activation.tools import Tools
+from snapctl.criu import CriuBinary, CriuError
+from snapctl.criu.external import host_mount_sources, is_host_key
+from snapctl.criu.lazy import tuning
+from snapctl.criu.lazy.daemon import LazyPagesDaemon
+from snapctl.criu.lazy.netdumps import redundant_net_dumps
+from snapctl.criu.lazy.pagemap import lazy_view
+from snapctl.criu.lazy.transfer import LazyTransfer
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.images import Manifest
+from snapctl.supervision.process import PinnedProcess
+
+Progress = Callable[[str], None]
+
+
+class RestoreError(SnapctlError):
+    """CRIU could not restore the image; nothing of the copy was left running."""
+
+    exit_status = ExitStatus.ACTIVATION_FAILED
+
+
+class RestoreStrategy(Protocol):
+    name: str
+
+    def restore(
+        self, session: Session, image: Path, external_dirs: dict[str, Path], *,
+        criu: CriuBinary, timeout_s: float, timings: dict[str, float],
+    ) -> None:  # fmt: skip
+        """Restore the tree; its pid is in ``session.dirs.work / "root.pid"`` when it returns."""
+
+
+class PlainRestore:
+    name = "plain"
+
+    def __init__(self, tools: Tools) -> None:
+        self._tools = tools
+
+    def restore(
+        self, session: Session, image: Path, external_dirs: dict[str, Path], *,
+        criu: CriuBinary, timeout_s: float, timings: dict[str, float],
+    ) -> None:  # fmt: skip
+        started = self._tools.clock()
+        try:
+            self._tools.criu.restore(
+                criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
+                pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
+            )  # fmt: skip
+        except SnapctlError as error:
+            raise criu_failed("criu restore failed", error, session, "restore") from error
+        timings["restore"] = self._tools.clock() - started
+
+
+class LazyRestore:
+    """``--lazy-pages`` with the copy's own lazy-pages daemon on its own work dir, started
+    together; the session's memory watches the daemon from the moment it listens. Both read the
+    image through a view in the work dir in which only big runs of memory stay lazy and the
+    network dumps that restore nothing are left out. With much memory left lazy, the daemon's
+    background transfer is held back until the copy is ready: until then it only serves faults.
+    """
+
+    name = "lazy"
+
+    def __init__(self, tools: Tools) -> None:
+        self._tools = tools
+
+    def restore(
+        self, session: Session, image: Path, external_dirs: dict[str, Path], *,
+        criu: CriuBinary, timeout_s: float, timings: dict[str, float],
+    ) -> None:  # fmt: skip
+        clock = self._tools.clock
+        view_started = clock()
+        view = session.dirs.work / "images"
+        try:
+            omit = redundant_net_dumps(image / "criu")
+            summary = lazy_view(image / "criu", view, cache_dir=session.state_dir.views, omit=omit)
+        except (SnapctlError, OSError) as error:
+            raise RestoreError(
+                f"cannot build the lazy restore's image view: {error}", phase="restore", path=view
+            ) from error
+        timings["lazy_view"] = clock() - view_started
+        # Monotonic, whatever the tools' clock: the transfer reports when its last page came.
+        restore_started = time.monotonic()
+        started = clock()
+
+        def watch(daemon: LazyPagesDaemon) -> None:
+            # From now on a daemon that dies, during the restore or after, fails the copy.
+            timings["lazy_pages_start"] = clock() - started
+            session.memory = LazyPages(
+                LazyTransfer(
+                    daemon, restore_started=restore_started, on_failure=session.kill_unsafe,
+                    on_done=session.pages_done,
+                )
+            )  # fmt: skip
+
+        try:
+            self._tools.criu.restore_lazily(
+                criu, view, session.dirs.work, session.dirs.logs, pidfile(session),
+                external_dirs=external_dirs, timeout_s=timeout_s, on_daemon_ready=watch,
+                hold_transfer=summary.lazy_bytes >= tuning.HOLD_TRANSFER_MIN_BYTES,
+            )  # fmt: skip
+        except SnapctlError as error:
+            if isinstance(error, CriuError) and error.action == "lazy-pages":
+                raise criu_failed(
+                    "criu lazy-pages failed to start", error, session, "lazy-pages"
+                ) from error
+            # Its daemon ends with the failed restore: a consequence, not the cause.
+            session.memory.stop()
+            session.failure = None
+            raise criu_failed("criu restore failed", error, session, "restore") from error
+        timings["restore"] = clock() - started
+
+
+def pidfile(session: Session) -> Path:
+    return session.dirs.work / "root.pid"
+
+
+def pin_restored(session: Session) -> None:
+    """Pin the tree CRIU restored (also after an interrupted restore, if its pidfile exists)."""
+    session.root = PinnedProcess(int(pidfile(session).read_text().strip()))
+
+
+def restore_tree(
+    session: Session,
+    image: Path,
+    manifest: Manifest,
+    strategy: RestoreStrategy,
+    *,
+    criu: CriuBinary,
+    timeout_s: float,
+    timings: dict[str, float],
+    progress: Progress,
+    tools: Tools,
+) -> None:
+    """Stage the copy's directories and restore its tree with ``strategy``; the session goes
+    from created through restoring to restored, its tree pinned as ``session.root``."""
+    session.advance(SessionState.RESTORING)
+    progress("staging the copy's directories")
+    started = tools.clock()
+    tools.sandbox.stage_shm(image / "shm", session.dirs.shm)
+    timings["stage"] = tools.clock() - started
+    external_dirs = {
+        **{k: session.dirs.host_dir_for(k) for k in manifest.external_mounts if not is_host_key(k)},
+        **host_mount_sources(manifest.external_mounts),
+    }
+    progress("restoring with CRIU")
+    strategy.restore(session, image, external_dirs, criu=criu, timeout_s=timeout_s, timings=timings)
+    pin_restored(session)
+    session.remember_tree()
+    session.advance(SessionState.RESTORED)
+    pages = session.memory.status()
+    if pages is None:
+        session.release_image()
+    elif pages.state == "failed":
+        # It died before we could pin the tree, so its watcher had nothing to kill yet.
+        session.kill_unsafe(pages.failure or "lazy-pages daemon failed")
+
+
+def criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> RestoreError:
+    """The restore's error for a CRIU step that failed, pointing at that step's log."""
+    return RestoreError(
+        f"{what}: {error}",
+        phase="restore",
+        path=session.dirs.logs / f"{log}.log",
+        log_tail=error.excerpt,
+    )
+
+
+def strategy_for(lazy: bool, tools: Tools) -> RestoreStrategy:
+    return LazyRestore(tools) if lazy else PlainRestore(tools)

@@ -1,0 +1,26 @@
+"""Every tuning constant of lazy restores in one place: when a copy restores lazily by default,
+which memory stays lazy, and when the background transfer may start (docs/lazy.md has the
+measurements behind each)."""
+
+from __future__ import annotations
+
+# Images with at least this much page data restore lazily unless told otherwise: below it a
+# plain restore is as quick to answer and completes sooner (docs/lazy.md, "Default").
+LAZY_DEFAULT_MIN_BYTES = 256 * 1024 * 1024
+# With at least this much memory left lazy, the background transfer is held back until the
+# copy is ready and TRANSFER_AFTER_READY_S more (the request that asked for the copy usually
+# follows at once): activation and first answer have both cores. Below it the transfer takes
+# about as long as the activation, and holding it back would bring the last page later than a
+# plain restore does (at 512 MiB: 0.34 s against 0.28 s unheld; a plain restore 0.35-0.39 s).
+HOLD_TRANSFER_MIN_BYTES = 1024 * 1024 * 1024
+TRANSFER_AFTER_READY_S = 0.05
+# A held background transfer starts this long after the restore finished at the latest, even
+# if the copy is not ready by then: a server that touches much of its lazy memory while it
+# recovers gets it a page per fault while the transfer is held (docs/lazy.md).
+TRANSFER_HOLD_MAX_S = 0.5
+# How often the inventory gate looks whether the restore has read the inventory image.
+GATE_POLL_S = 0.0005
+# Below this much lazy memory a whole process is restored eagerly (about 40 ms of restore here).
+EAGER_PROCESS_BELOW = 64 * 1024 * 1024
+# In bigger processes, runs of contiguous lazy memory shorter than this are restored eagerly.
+EAGER_RUN_BELOW = 16 * 1024 * 1024
