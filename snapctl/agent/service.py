@@ -203,7 +203,8 @@ class AgentService:
         return require_image(text).absolute()
 
     def _lazy_default(self, image: Path, emit: Emit) -> bool:
-        from snapctl.activation.lazy import LAZY_DEFAULT_MIN_BYTES, lazy_by_default
+        from snapctl.criu.lazy.transfer import lazy_by_default
+        from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
         from snapctl.images import load_manifest
 
         lazy = lazy_by_default(load_manifest(image))
