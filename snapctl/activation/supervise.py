@@ -353,4 +353,7 @@ def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageRep
     activations = collect_orphans(state, stop_timeout_s)
     removed = sweep_creating(state) + sweep_stale_records(state)
     removed += sweep_claims(state.claims) + sweep_records(state.records)
+    from snapctl.pool.records import sweep_parked  # the pool's parked copies (issue 19)
+
+    removed += sweep_parked(state)
     return GarbageReport(activations=activations, removed=removed)

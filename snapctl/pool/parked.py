@@ -22,12 +22,12 @@ from typing import Any
 
 import psutil
 
-from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool._shim import ParkedCopy, activate_copy, discard_parked, restore_copy
 from snapctl.pool.identity import manifest_digest, published_identity
 from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
 from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
 from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
+from snapctl.pool.serve import ParkedCopyUnusableError
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.supervision.process import is_same_process
 from snapctl.supervision.state import StateDir
@@ -37,13 +37,6 @@ WATCH_INTERVAL_S = 0.5
 # A client that connected has this long to send its order line.
 ORDER_READ_TIMEOUT_S = 5.0
 MAX_ORDER_BYTES = 64 * 1024
-
-
-class PoolCopyError(SnapctlError):
-    """A parked copy refused an order before activating anything (image removed or replaced,
-    the request does not fit how it was restored, a malformed order): restore instead."""
-
-    exit_status = ExitStatus.ACTIVATION_FAILED
 
 
 def restore_fits(parked: CopyRequest, request: CopyRequest) -> str | None:
@@ -163,7 +156,7 @@ class _Parked:
         reporter = Reporter(os.dup(conn.fileno()))
         try:
             order = self.read_order(conn)
-        except PoolCopyError as error:
+        except ParkedCopyUnusableError as error:
             reporter.error(error)
             reporter.close()
             return None
@@ -176,9 +169,9 @@ class _Parked:
         try:
             session = self.activate(order.request, reporter)
         except BaseException as error:
+            self.discard()  # first: once answered, nothing of it is left
             status = reporter.error(error)
             reporter.close()
-            self.discard()
             return status
         reporter.close()
         conn.close()
@@ -194,14 +187,16 @@ class _Parked:
                     break
                 data += chunk
         except OSError as error:
-            raise PoolCopyError(f"no order read: {error}", phase="pool") from error
+            raise ParkedCopyUnusableError(f"no order read: {error}", phase="pool") from error
         line = data.split(b"\n", 1)[0]
         try:
             order = ActivationOrder.model_validate_json(line)
         except ValueError as error:
-            raise PoolCopyError(f"not an activation order: {error}", phase="pool") from error
+            raise ParkedCopyUnusableError(
+                f"not an activation order: {error}", phase="pool"
+            ) from error
         if order.action == "activate" and order.request is None:
-            raise PoolCopyError("an activate order needs its request", phase="pool")
+            raise ParkedCopyUnusableError("an activate order needs its request", phase="pool")
         return order
 
     def activate(self, request: CopyRequest, reporter: Reporter) -> Any:
@@ -211,16 +206,14 @@ class _Parked:
         self.listener = None
         self.save(state="activating")
         why = restore_fits(self.request, request)
-        if why is not None:
-            raise PoolCopyError(f"parked copy {self.id} cannot serve this request: {why}",
-                                phase="pool")  # fmt: skip
         now = published_identity(Path(self.request.image))
-        if now is None:
-            raise PoolCopyError(f"{self.request.image} is no longer a published image",
-                                phase="pool")  # fmt: skip
-        if now != (self.record.image_id, self.record.manifest_digest):
-            raise PoolCopyError(f"{self.request.image} was replaced since this copy was parked",
-                                phase="pool")  # fmt: skip
+        if why is None and now is None:
+            why = f"{self.request.image} is no longer a published image"
+        elif why is None and now != (self.record.image_id, self.record.manifest_digest):
+            why = f"{self.request.image} was replaced since this copy was parked"
+        if why is not None:
+            raise ParkedCopyUnusableError(f"parked copy {self.id} cannot serve: {why}",
+                                          phase="pool")  # fmt: skip
         check_request(request)
         options = launch_options(request)
         publish = None if request.publish is None else (request.publish.address,

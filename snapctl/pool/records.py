@@ -104,3 +104,25 @@ def discard_recorded(
             shutil.rmtree(dirs.logs, ignore_errors=True)  # a parked copy never served
     shutil.rmtree(parked_home(state, record.id), ignore_errors=True)
     return sorted(set(ended))
+
+
+def sweep_parked(state: StateDir, grace_s: float = 60.0) -> list[str]:
+    """``snapctl gc``, with or without an agent: end what parked copies whose supervisor died
+    left behind (a live one discards itself once its agent is gone), and remove pool
+    directories without a record that are older than ``grace_s``; return what went."""
+    import time
+
+    from snapctl.supervision.process import is_same_process
+
+    removed = []
+    for home, record in load_parked_records(state):
+        if record is None:
+            with contextlib.suppress(OSError):
+                if time.time() - home.stat().st_mtime < grace_s:
+                    continue  # being created right now: its record is written first thing
+            shutil.rmtree(home, ignore_errors=True)
+            removed.append(str(home))
+        elif not is_same_process(record.supervisor_pid, record.supervisor_start_time):
+            discard_recorded(record, state)
+            removed.append(str(home))
+    return removed

@@ -39,8 +39,9 @@ class SupervisorError(SnapctlError):
 
 
 class ParkedCopyUnusableError(SnapctlError):
-    """The parked copy taken could not be activated, and nothing of it serves (it was gone, or
-    its image changed since it was parked): restore a fresh copy instead."""
+    """A parked copy refused its order before activating anything (it was gone, its image
+    was removed or replaced since it was parked, the request does not fit how it was
+    restored, a malformed order); nothing of it serves: restore a fresh copy instead."""
 
     exit_status = ExitStatus.ACTIVATION_FAILED
 

@@ -4,7 +4,9 @@ line on stdout. Killing this process is what "the agent was killed" means in the
 
 Commands: {"op": "adopt"}, {"op": "set", "image", "size", "lazy"?, "max_memory"?},
 {"op": "rm", "image"}, {"op": "ls"}, {"op": "copy", "request"} (from the pool when one is
-ready, else a fresh supervisor), {"op": "fresh", "request"}, {"op": "close"}.
+ready, else a fresh supervisor), {"op": "fresh", "request"}, {"op": "take", "request"} (a
+parked copy's id, or None), {"op": "activate", "id", "request"}, {"op": "events"},
+{"op": "close"}.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from snapctl.pool import CopyRequest, Spawner, WarmPool, activate_taken, copy_via_supervisor
-from snapctl.pool.serve import ParkedCopyUnusableError
+from snapctl.pool.serve import ParkedCopyUnusableError, ParkedHandle
 from snapctl.supervision.state import StateDir
 
 
@@ -42,6 +44,8 @@ def main() -> None:
     state = StateDir()
     events = Events()
     pool = WarmPool(state, spawner=spawner, events=events)
+
+    taken: dict[str, ParkedHandle] = {}
 
     def progress(lane: str, step: str) -> None:
         pass
@@ -74,6 +78,16 @@ def main() -> None:
                 fallback = None
             report = copy_via_supervisor(request, state, progress, spawner=spawner)
             return {"report": report, "wall_s": time.monotonic() - started, "fallback": fallback}
+        if op == "take":
+            request = CopyRequest.model_validate_json(json.dumps(command["request"]))
+            handle = pool.take(Path(request.image), request)
+            if handle is None:
+                return None
+            taken[handle.id] = handle
+            return handle.id
+        if op == "activate":
+            request = CopyRequest.model_validate_json(json.dumps(command["request"]))
+            return activate_taken(taken.pop(command["id"]), request, progress)
         if op == "close":
             pool.close()
             spawner.close()

@@ -38,12 +38,16 @@ class Host:
         )  # fmt: skip
 
     def __call__(self, **command: Any) -> Any:
+        answer = self.ask(**command)
+        assert "ok" in answer, answer
+        return answer["ok"]
+
+    def ask(self, **command: Any) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(json.dumps(command) + "\n")
         self.process.stdin.flush()
-        answer = json.loads(self.process.stdout.readline())
-        assert "ok" in answer, answer
-        return answer["ok"]
+        answer: dict[str, Any] = json.loads(self.process.stdout.readline())
+        return answer
 
     def parked(self) -> list[dict[str, Any]]:
         entries = self(op="ls")["entries"]
@@ -214,3 +218,57 @@ def test_a_new_agent_discards_parked_copies_it_cannot_vouch_for(
     again(op="rm", image=str(image))
     again(op="close")
     assert leftovers(state) == []
+
+
+def test_lazy_parked_copy_serves_the_donors_output(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+) -> None:
+    image, expected = donor_image
+    host = Host(state)
+    hosts.append(host)
+    host(op="adopt")
+    host(op="set", image=str(image), size=1, lazy=True)
+    until(lambda: len(host.parked()) == 1)
+    assert host(op="take", request=request(image, lazy=False)) is None  # restored lazily
+    report = host(op="copy", request=request(image, name="lazy"))["report"]
+    assert report["from_pool"] is True and report["lazy"] is True
+    assert complete(report["published"]) == expected
+    host(op="rm", image=str(image))
+    host(op="close")
+    (record,) = state.load_records()
+    _how, audit = stop_recorded(record, state)
+    assert audit.clean, audit.describe()
+    assert leftovers(state) == []
+
+
+def test_image_replaced_after_the_take_is_refused_before_activation(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host], criu_binary: CriuBinary
+) -> None:
+    from snapctl.activation.bake import bake_image
+    from snapctl.activation.native import NoNativeStep
+    from tests.activation.criu_helpers import options
+
+    image, expected = donor_image
+    host = Host(state)
+    hosts.append(host)
+    host(op="adopt")
+    host(op="set", image=str(image), size=1, lazy=False)
+    until(lambda: len(host.parked()) == 1)
+    ((home, record),) = load_parked_records(state)
+    assert record is not None
+    parked_id = host(op="take", request=request(image))
+    assert parked_id == record.id
+    bake_image(options(), image=image, force=True, criu=criu_binary, native=NoNativeStep(),
+               state=state, progress=lambda step: None)  # fmt: skip
+
+    answer = host.ask(op="activate", id=parked_id, request=request(image, name="late"))
+    assert "ParkedCopyUnusableError" in answer["error"] and "replaced" in answer["error"]
+    until(lambda: gone(record.supervisor_pid, record.supervisor_start_time), timeout_s=10)
+    assert record.root_pid is not None and gone(record.root_pid, record.root_start_time)
+    assert not home.exists() and state.load_records() == []
+    # The pool refills from the image published now.
+    until(lambda: len(host.parked()) == 1)
+    report = host(op="copy", request=request(image, name="new"))["report"]
+    assert report["from_pool"] is True and report["image_id"] != record.image_id
+    assert complete(report["published"]) == expected
+    host(op="close")
