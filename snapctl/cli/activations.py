@@ -1,7 +1,7 @@
 """``snapctl ps``, ``stop``, ``logs`` and ``gc``: activations from their records, in this
 process or through the agent (:mod:`snapctl.cli.remote`), with the same output either way.
 
-Light at import (click and :mod:`snapctl.cli.plain`): ``snapctl ps`` through the agent imports
+Light at import (click and :mod:`snapctl.plain`): ``snapctl ps`` through the agent imports
 neither rich nor pydantic nor psutil.
 """
 
@@ -13,9 +13,9 @@ from urllib.parse import quote
 import click
 
 from snapctl.cli._activation_options import check_name_option
-from snapctl.cli.plain import PS_COLUMNS, audit_clean, describe_audit, emit_json, print_table
-from snapctl.cli.plain import ps_rows as _ps_rows
 from snapctl.cli.remote import agent_client, call
+from snapctl.plain import PS_COLUMNS, audit_clean, describe_audit, emit_json, print_table
+from snapctl.plain import ps_rows as _ps_rows
 
 if TYPE_CHECKING:
     from snapctl.supervision.state import ActivationRecord

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from snapctl.cli.plain import emit_json, print_table
 from snapctl.cli.remote import agent_client, call
+from snapctl.plain import emit_json, print_table
 
 if TYPE_CHECKING:
     from snapctl.agent.client import AgentClient

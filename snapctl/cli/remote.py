@@ -92,7 +92,7 @@ def copy_through_agent(
             lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
         outcome = _stream_copy(client, request, lane_step, as_json)
     if as_json:
-        from snapctl.cli.plain import emit_json
+        from snapctl.plain import emit_json
 
         emit_json(outcome)
     else:
@@ -152,8 +152,8 @@ def _serve_until_stopped(client: AgentClient, names: list[str], *, as_json: bool
     """The foreground's wait: until Ctrl-C/SIGTERM or every copy exited, then stop each
     through the agent, report its cleanup, and fail if one was not clean."""
     from snapctl.agent.client import AgentClient as Client
-    from snapctl.cli.plain import audit_clean, describe_audit
     from snapctl.errors import SnapctlError
+    from snapctl.plain import audit_clean, describe_audit
 
     stop = threading.Event()
     previous = {

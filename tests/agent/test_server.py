@@ -7,6 +7,8 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle
 from snapctl.supervision.state import ActivationRecord, StateDir
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
+
+HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client"}
 
 
 def raw(path: Path, request: bytes) -> tuple[int, bytes]:
@@ -306,3 +310,21 @@ def test_listen_without_a_token_file_is_refused(tmp_path: Path) -> None:
     with pytest.raises(TokenFileError):
         Agent(StateDir(tmp_path), AgentOptions(listen=("127.0.0.1", 0))).start()
     assert not os.path.exists(tmp_path / "agent.sock")
+
+
+def test_ps_through_the_agent_imports_neither_click_nor_anything_heavy(
+    running_agent: RunningAgent,
+) -> None:
+    _record(running_agent.state, "one")
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
+    for args in (["ps"], ["ps", "--json"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "snapctl", *args],
+                              env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0 and "one" in done.stdout
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+        heavy = {name for name in imported if name.split(".")[0] in HEAVY}
+        assert heavy == set(), heavy
+    # Without an agent the same command takes the full CLI, and says the same.
+    local = subprocess.run([sys.executable, "-m", "snapctl", "--no-agent", "ps", "--json"],
+                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert local.stdout == done.stdout

@@ -1,5 +1,7 @@
 """Output for the CLI's light paths (``ps``, ``stop``, and every command through the agent):
-JSON records and tables drawn with the standard library only.
+JSON records and tables drawn with the standard library only. It lives outside
+:mod:`snapctl.cli`, whose package imports click: :mod:`snapctl.entry` answers ``ps`` before
+click is imported.
 
 ``snapctl ps`` through the agent must finish in tens of milliseconds, which leaves no room for
 importing rich or pydantic; so the commands whose output this module draws draw it this way in
