@@ -131,6 +131,8 @@ class Router:
             ("POST", re.compile(rf"/activations/{_NAME}/stop"), self._stop),
             ("GET", re.compile(rf"/activations/{_NAME}/logs"), self._logs),
             ("POST", re.compile(r"/copies"), self._copy),
+            ("GET", re.compile(r"/images"), self._images),
+            ("GET", re.compile(r"/images/inspect"), self._inspect),
             ("GET", re.compile(r"/pool"), lambda m, q, b: Answer(200, s.pool_listing())),
             ("POST", re.compile(r"/pool/set"), self._pool_set),
             ("POST", re.compile(r"/pool/rm"), self._pool_rm),
@@ -181,6 +183,15 @@ class Router:
     def _copy(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         request = _parse(CopyRequest, body)
         return Stream(lambda emit: {"report": self.service.copy(request, emit)})
+
+    def _images(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        return Answer(200, self.service.images(query.get("root")))
+
+    def _inspect(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        if "image" not in query:
+            return _refusal(422, "give the image directory: ?image=/ABSOLUTE/PATH")
+        verify = query.get("verify") in ("1", "true")
+        return Answer(200, self.service.inspect(query["image"], verify))
 
     def _pool_set(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         return Answer(200, self.service.pool_set(_parse(PoolTarget, body)))

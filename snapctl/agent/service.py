@@ -112,6 +112,20 @@ class AgentService:
         report = collect_garbage(self.state, timeout_s)
         return report.model_dump(mode="json")
 
+    # images ----------------------------------------------------------------------------------
+
+    def images(self, root: str | None) -> list[dict[str, object]]:
+        from snapctl.cli.images import image_records
+
+        if root is not None and not Path(root).is_absolute():
+            raise BadRequestError(f"{root} is not an absolute path", usage="--root")
+        return image_records(None if root is None else Path(root))
+
+    def inspect(self, image: str, verify: bool) -> dict[str, Any]:
+        from snapctl.cli.inspect import inspect_record
+
+        return inspect_record(self._published_image(image, "IMAGE"), verify)
+
     # pool ------------------------------------------------------------------------------------
 
     def pool_set(self, target: PoolTarget) -> PoolTarget:

@@ -21,6 +21,7 @@ from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle
 from snapctl.supervision.state import ActivationRecord, StateDir
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
+from tests.images.factories import publish_sample
 
 HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client"}
 
@@ -328,3 +329,23 @@ def test_ps_through_the_agent_imports_neither_click_nor_anything_heavy(
     local = subprocess.run([sys.executable, "-m", "snapctl", "--no-agent", "ps", "--json"],
                            env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert local.stdout == done.stdout
+
+
+def test_images_and_inspect_give_the_same_output_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    root = tmp_path / "images"
+    publish_sample(root / "one")
+    for args in (
+        ["images", "--root", str(root), "--json"],
+        ["images", "--root", str(root)],
+        ["inspect", str(root / "one"), "--json"],
+        ["inspect", str(root / "one"), "--verify", "--json"],
+        ["inspect", str(root / "one"), "--brief"],
+    ):
+        through = run_cli(capsys, *args)
+        assert through[0] == 0, through
+        assert through == run_cli(capsys, "--no-agent", *args)
+    code, _, err = run_cli(capsys, "inspect", str(tmp_path))
+    assert code == ExitStatus.VERIFY_FAILED and err.startswith("error: ")
+    assert (code, err) == run_cli(capsys, "--no-agent", "inspect", str(tmp_path))[::2]
