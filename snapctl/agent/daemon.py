@@ -32,6 +32,9 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import Spawner, WarmPool
 from snapctl.supervision.state import StateDir
 
+# How long a stopping agent lets the requests it is answering finish (a copy's restore).
+IN_FLIGHT_WAIT_S = 60.0
+
 
 class AgentRunningError(SnapctlError):
     """Another agent already owns this state directory (its lock is held)."""
@@ -90,6 +93,7 @@ class Agent:
         self.spawner: Spawner | None = None
         self.pool: WarmPool | None = None
         self.metrics = AgentMetrics()
+        self._router: Router | None = None
 
     def start(self) -> None:
         """Take the state directory, fork the spawner, adopt, listen. On failure, undo."""
@@ -112,6 +116,7 @@ class Agent:
                 self.state, pool=self.pool, spawner=self.spawner, metrics=self.metrics
             )
             router = Router(service)
+            self._router = router
             self._listen_unix(router)
             if self.options.listen is not None:
                 handler = handler_for(router, token=token)
@@ -166,6 +171,10 @@ class Agent:
         for thread in self._threads:
             thread.join(timeout=5)
         self._servers, self._threads = [], []
+        if self._router is not None and not self._router.in_flight.wait_idle(IN_FLIGHT_WAIT_S):
+            log(f"requests still running after {IN_FLIGHT_WAIT_S:.0f} s: stopping anyway (their "
+                "copies keep serving; their clients get no report)")  # fmt: skip
+        self._router = None
         with contextlib.suppress(FileNotFoundError):
             if self._lock_fd is not None:
                 self.socket_path.unlink()

@@ -119,11 +119,34 @@ class _Refused(Exception):
         self.answer = answer
 
 
+class InFlight:
+    """The requests being answered, so that a stopping agent lets them finish (a copy's
+    report reaches its client) before it discards the pool."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self._idle:
+            self._count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._idle:
+            self._count -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout_s)
+
+
 class Router:
     """Method and path → the service call, with the body parsed into its model."""
 
     def __init__(self, service: AgentService) -> None:
         self.service = service
+        self.in_flight = InFlight()
         s = service
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Result]]] = [
             ("GET", re.compile(r"/version"), lambda m, q, b: Answer(200, s.version())),
@@ -240,7 +263,8 @@ class Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         status = 500
         try:
-            status = self._answer(method, self._result(method))
+            with self.router.in_flight:
+                status = self._answer(method, self._result(method))
         except (BrokenPipeError, ConnectionResetError):
             status = 499  # the client went away; what it asked for goes on without it
         finally:

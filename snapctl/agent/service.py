@@ -168,7 +168,8 @@ class AgentService:
                 request = request.model_copy(update={"lazy": self._lazy_default(image, emit)})
             report = copy_via_supervisor(request, self.state, progress, spawner=self.spawner)
         except SnapctlError as error:
-            self.metrics.request_failed(error.phase)
+            if error.exit_status != ExitStatus.USAGE:  # a refused request failed no phase
+                self.metrics.request_failed(error.phase)
             raise
         self.metrics.served(report, source="restore", seconds=time.monotonic() - started)
         return report

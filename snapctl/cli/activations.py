@@ -111,7 +111,11 @@ def logs(name: str, follow: bool) -> None:
     client = agent_client()
     if client is not None:
         target = f"/activations/{quote(name)}/logs" + ("?follow=1" if follow else "")
+        from snapctl.cli.remote import raise_for
+
         for message in client.stream("GET", target):
+            if "error" in message:  # the follow failed after it began
+                raise_for(message)
             sys.stdout.write(message["text"])
             sys.stdout.flush()
         return

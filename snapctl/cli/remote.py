@@ -7,6 +7,7 @@ imported only to draw what a terminal shows, pydantic never.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -17,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from snapctl.agent import NO_AGENT_ENV
+from snapctl.agent.client import AgentClient
 
 if TYPE_CHECKING:
-    from snapctl.agent.client import AgentClient, AgentError
+    from snapctl.agent.client import AgentError
 
 
 def agent_client() -> AgentClient | None:
@@ -108,9 +110,37 @@ def copy_through_agent(
 def _stream_copy(
     client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
 ) -> dict[str, Any]:
-    # While the agent starts the copy, SIGTERM is Ctrl-C: the stream's end stops nothing the
-    # agent started (the copy lives in its own supervisor), so the request goes on; its
-    # report still comes, then the stop below runs.
+    """Relay the copy request's stream up to its report. SIGINT/SIGTERM while it starts do
+    not cut the stream (the copy would be left serving with no one to stop it): they are
+    held, and once the report comes what started is stopped and the command fails as an
+    interrupted in-process start does (exit 130)."""
+    interrupted = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: interrupted.set())
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        report = _relay_copy(client, request, lane_step, as_json)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if interrupted.is_set():
+        from snapctl.agent.client import AgentError
+        from snapctl.errors import ExitStatus
+
+        for copy in report.get("copies", [report]):
+            with contextlib.suppress(Exception):
+                AgentClient(client.path).call("POST", f"/activations/{copy['name']}/stop", {})
+        raise AgentError(
+            "interrupted while starting (SIGINT/SIGTERM); what had started was stopped",
+            exit_status=ExitStatus.INTERRUPTED,
+        )
+    return report
+
+
+def _relay_copy(
+    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
+) -> dict[str, Any]:
     for message in client.stream("POST", "/copies", request):
         if "progress" in message:
             if lane_step is not None:
@@ -151,7 +181,6 @@ def _dim(text: str) -> None:
 def _serve_until_stopped(client: AgentClient, names: list[str], *, as_json: bool) -> None:
     """The foreground's wait: until Ctrl-C/SIGTERM or every copy exited, then stop each
     through the agent, report its cleanup, and fail if one was not clean."""
-    from snapctl.agent.client import AgentClient as Client
     from snapctl.errors import SnapctlError
     from snapctl.plain import audit_clean, describe_audit
 
@@ -164,14 +193,14 @@ def _serve_until_stopped(client: AgentClient, names: list[str], *, as_json: bool
         if not as_json:
             _dim("serving; press Ctrl-C to stop")
         while not stop.wait(0.5):
-            rows = Client(client.path).call("GET", "/activations")
+            rows = AgentClient(client.path).call("GET", "/activations")
             running = {row["name"] for row in rows if row["running"]}
             if not running & set(names):
                 break
         dirty = []
         for name in names:
             try:
-                answer = Client(client.path).call("POST", f"/activations/{name}/stop", {})
+                answer = AgentClient(client.path).call("POST", f"/activations/{name}/stop", {})
             except SnapctlError:
                 continue  # already gone and cleaned up by its supervisor
             if not as_json:

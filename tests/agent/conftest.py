@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,13 +54,23 @@ class FakeSpawner:
     )
     closed: bool = False
     pid: int = 0
+    # Seconds before the last message (the outcome): a start that takes a while.
+    delay_s: float = 0.0
 
     def spawn(self, job: dict[str, Any]) -> int:
         self.jobs.append(job)
         read_fd, write_fd = os.pipe()
-        with os.fdopen(write_fd, "w") as writer:
-            for message in self.script:
-                writer.write(json.dumps(message) + "\n")
+        writer = os.fdopen(write_fd, "w")
+        for message in self.script[:-1]:
+            writer.write(json.dumps(message) + "\n")
+        writer.flush()
+
+        def finish() -> None:
+            time.sleep(self.delay_s)
+            with writer:
+                writer.write(json.dumps(self.script[-1]) + "\n")
+
+        threading.Thread(target=finish, daemon=True).start()
         return read_fd
 
     def close(self) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -349,3 +351,30 @@ def test_images_and_inspect_give_the_same_output_either_way(
     code, _, err = run_cli(capsys, "inspect", str(tmp_path))
     assert code == ExitStatus.VERIFY_FAILED and err.startswith("error: ")
     assert (code, err) == run_cli(capsys, "--no-agent", "inspect", str(tmp_path))[::2]
+
+
+def test_ctrl_c_while_the_agent_starts_a_copy_stops_it_once_it_started(
+    running_agent: RunningAgent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    running_agent.spawner.delay_s = 1.5
+    stopped: list[str] = []
+    monkeypatch.setattr(
+        "snapctl.agent.service.AgentService.stop",
+        lambda self, name, timeout_s: stopped.append(name) or {"name": name},
+    )
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", "copy", "--image", str(image), "--no-lazy",
+         "--detach", "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    until = time.monotonic() + 30
+    while not running_agent.spawner.jobs and time.monotonic() < until:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == ExitStatus.INTERRUPTED, err
+    assert out == "" and "interrupted while starting" in err
+    assert stopped == ["copy-1"]  # the report's name, stopped once it had started
