@@ -74,6 +74,12 @@ def restore_copy(
         if holder.get("abort") or holder["parked"]._discard:
             raise _Discarded
         parked: ParkedCopy = holder["parked"]
+
+        # start_copy publishes what it was given (nothing): publish the order's instead.
+        def publish_ordered(_given: tuple[str, int] | None) -> None:
+            Session.publish(session, parked._publish)
+
+        session.publish = publish_ordered  # type: ignore[method-assign,assignment]
         if parked._name is not None and parked._name != session.name:
             mine = reserve_session_name(state, "copy", parked._name)
             if session.reservation is not None:
@@ -131,10 +137,6 @@ def activate_copy(
     if "error" in parked._outcome:
         raise parked._outcome["error"]
     session, report = parked._outcome["result"]
-    if publish is not None:
-        session.publish(publish)
-        session.save_record()
-    report = report.model_copy(update={"name": session.name, "published": session.published})
     return session, report
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.pool._shim import ParkedCopy, activate_copy, discard_parked, restore_copy
 from snapctl.pool.identity import manifest_digest, published_identity
 from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
@@ -37,6 +38,14 @@ WATCH_INTERVAL_S = 0.5
 # A client that connected has this long to send its order line.
 ORDER_READ_TIMEOUT_S = 5.0
 MAX_ORDER_BYTES = 64 * 1024
+
+
+def manifest_stat(image: Path) -> tuple[int, ...] | None:
+    try:
+        st = (image / MANIFEST_NAME).stat()
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def restore_fits(parked: CopyRequest, request: CopyRequest) -> str | None:
@@ -65,6 +74,8 @@ class _Parked:
         self.owner = (int(job["owner_pid"]), float(job["owner_start_time"]))
         self.reporter = reporter
         self.copy: ParkedCopy | None = None
+        self.image = Path(self.request.image)
+        self.manifest_stat: tuple[int, ...] | None = None
         self.listener: socket.socket | None = None
         me = psutil.Process()
         self.record = ParkedRecord(
@@ -100,6 +111,13 @@ class _Parked:
         )  # fmt: skip
         session = self.copy.session
         assert session.root is not None
+        # Read after the restore verified the image: a change since shows as another stat.
+        self.manifest_stat = manifest_stat(self.image)
+        if published_identity(self.image) != (
+            self.copy.manifest.image_id,
+            manifest_digest(self.copy.manifest),
+        ):
+            raise ParkedCopyUnusableError("the image changed during the restore", phase="pool")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         previous = os.umask(0o177)  # 0600 from its creation on
         try:
@@ -118,6 +136,14 @@ class _Parked:
             lazy_pages_pid=None if lazy is None else lazy.daemon.pid,
             lazy_pages_start_time=None if lazy is None else lazy.daemon.start_time,
         )  # fmt: skip
+
+    def image_now(self) -> tuple[str | None, str | None] | None:
+        """The image's ``(image_id, manifest digest)`` now; without reading the manifest
+        when its file is the very one seen at parking (a publication renames a new one in:
+        another inode, another ctime)."""
+        if self.manifest_stat is not None and manifest_stat(self.image) == self.manifest_stat:
+            return self.record.image_id, self.record.manifest_digest
+        return published_identity(self.image)
 
     def discard(self) -> None:
         """Stop the parked copy (if it got that far) and remove its files."""
@@ -204,9 +230,8 @@ class _Parked:
         assert self.copy is not None and self.listener is not None
         self.listener.close()  # one order only
         self.listener = None
-        self.save(state="activating")
         why = restore_fits(self.request, request)
-        now = published_identity(Path(self.request.image))
+        now = self.image_now()
         if why is None and now is None:
             why = f"{self.request.image} is no longer a published image"
         elif why is None and now != (self.record.image_id, self.record.manifest_digest):
@@ -224,8 +249,8 @@ class _Parked:
             progress=lambda step: reporter.progress("", step),
         )  # fmt: skip
         self.signals.started()
-        shutil.rmtree(self.home, ignore_errors=True)  # it is an ordinary activation now
         reporter.send({"report": {**report.model_dump(mode="json"), "from_pool": True}})
+        shutil.rmtree(self.home, ignore_errors=True)  # it is an ordinary activation now
         return session
 
     def supervise(self, session: Any) -> int:

@@ -53,16 +53,21 @@ class Host:
         entries = self(op="ls")["entries"]
         return [row for entry in entries for row in entry["parked"] if row["state"] == "parked"]
 
+    def wait_parked(self, count: int) -> None:
+        until(lambda: len(self.parked()) == count, shown=lambda: self(op="ls"))
+
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait(10)
 
 
-def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+def until(
+    condition: Callable[[], bool], timeout_s: float = 60.0, shown: Callable[[], Any] = str
+) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, f"timed out: {shown()}"
         time.sleep(0.1)
 
 
@@ -125,7 +130,7 @@ def test_fill_take_refill_outputs_equal_the_donors(
     hosts.append(host)
     assert host(op="adopt") == {"version": 1, "discarded": [], "removed": []}
     host(op="set", image=str(image), size=2, lazy=False)
-    until(lambda: len(host.parked()) == 2)
+    host.wait_parked(2)
     first = {row["id"] for row in host.parked()}
     assert all(row["memory_bytes"] and row["memory_bytes"] > 1 << 20 for row in host.parked())
 
@@ -133,7 +138,7 @@ def test_fill_take_refill_outputs_equal_the_donors(
     report = taken["report"]
     assert report["from_pool"] is True and report["name"] == "from-pool"
     assert complete(report["published"]) == expected
-    until(lambda: len(host.parked()) == 2)  # refilled
+    host.wait_parked(2)  # refilled
     assert len(first & {row["id"] for row in host.parked()}) == 1
     assert [r.name for r in state.load_records()] == ["from-pool"]  # ps: serving ones only
 
@@ -159,9 +164,9 @@ def test_agent_killed_serving_copies_live_parked_ones_are_discarded(
     hosts.append(host)
     host(op="adopt")
     host(op="set", image=str(image), size=2, lazy=False)
-    until(lambda: len(host.parked()) == 2)
+    host.wait_parked(2)
     report = host(op="copy", request=request(image, name="serving"))["report"]
-    until(lambda: len(host.parked()) == 2)
+    host.wait_parked(2)
     parked = [record for _home, record in load_parked_records(state) if record is not None]
     assert len(parked) == 2 and all(r.root_pid for r in parked)
 
@@ -179,7 +184,7 @@ def test_agent_killed_serving_copies_live_parked_ones_are_discarded(
     hosts.append(again)
     adopted = again(op="adopt")
     assert adopted["discarded"] == [] and adopted["removed"] == []
-    until(lambda: len(again.parked()) == 2)  # its targets persisted: refilled
+    again.wait_parked(2)  # its targets persisted: refilled
     assert [r.name for r in state.load_records()] == ["serving"]
     again(op="close")
     assert again.process.wait(30) == 0
@@ -200,7 +205,7 @@ def test_a_new_agent_discards_parked_copies_it_cannot_vouch_for(
     hosts.append(host)
     host(op="adopt")
     host(op="set", image=str(image), size=1, lazy=False)
-    until(lambda: len(host.parked()) == 1)
+    host.wait_parked(1)
     ((home, record),) = load_parked_records(state)
     assert record is not None and record.root_pid is not None
     os.kill(record.supervisor_pid, signal.SIGSTOP)  # it cannot notice its agent die
@@ -228,7 +233,7 @@ def test_lazy_parked_copy_serves_the_donors_output(
     hosts.append(host)
     host(op="adopt")
     host(op="set", image=str(image), size=1, lazy=True)
-    until(lambda: len(host.parked()) == 1)
+    host.wait_parked(1)
     assert host(op="take", request=request(image, lazy=False)) is None  # restored lazily
     report = host(op="copy", request=request(image, name="lazy"))["report"]
     assert report["from_pool"] is True and report["lazy"] is True
@@ -253,7 +258,7 @@ def test_image_replaced_after_the_take_is_refused_before_activation(
     hosts.append(host)
     host(op="adopt")
     host(op="set", image=str(image), size=1, lazy=False)
-    until(lambda: len(host.parked()) == 1)
+    host.wait_parked(1)
     ((home, record),) = load_parked_records(state)
     assert record is not None
     parked_id = host(op="take", request=request(image))
@@ -267,7 +272,7 @@ def test_image_replaced_after_the_take_is_refused_before_activation(
     assert record.root_pid is not None and gone(record.root_pid, record.root_start_time)
     assert not home.exists() and state.load_records() == []
     # The pool refills from the image published now.
-    until(lambda: len(host.parked()) == 1)
+    host.wait_parked(1)
     report = host(op="copy", request=request(image, name="new"))["report"]
     assert report["from_pool"] is True and report["image_id"] != record.image_id
     assert complete(report["published"]) == expected
