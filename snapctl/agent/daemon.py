@@ -101,10 +101,16 @@ class Agent:
         if self.options.listen is not None and token is None:
             raise TokenFileError("--listen needs --token-file (a TCP listener needs a token)")
         self.state.ensure()
-        self._lock()
+        # Before any thread: the spawner forks every supervisor from here on. Before the lock
+        # too: a child forked with the lock's descriptor would hold the lock after a killed
+        # agent, for as long as any supervisor it forked lives.
+        self.spawner = self._spawner_factory()
         try:
-            # Before any thread: the spawner forks every supervisor from here on.
-            self.spawner = self._spawner_factory()
+            self._lock()
+        except BaseException:
+            self.stop()
+            raise
+        try:
             self.pool = self._pool_factory(self.state, spawner=self.spawner, events=self.metrics)
             adoption = self.pool.adopt()
             if adoption.discarded or adoption.removed:
