@@ -108,14 +108,14 @@ def restore_copy(
     try:
         manifest = _check_image(image, options, criu, state, timings, progress, tools)
         tools.sandbox.adopt_restored_trees()
-        session = new_session(state, "copy", options.name, reservation, tools=tools)
     except BaseException:
         hold.release()
         reservation.release()
         raise
-    session.image = image
-    session.image_hold = hold
-    session.host, session.port = options.host, options.port
+    session = new_session(
+        state, "copy", options.name, reservation, options=options, image=image, image_hold=hold,
+        tools=tools,
+    )  # fmt: skip
     try:
         restore_tree(
             session, image, manifest, strategy_for(lazy, tools),

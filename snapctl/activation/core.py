@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -16,6 +17,7 @@ from snapctl.activation.states import SessionState
 from snapctl.activation.tools import REAL_TOOLS, Tools
 from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest
+from snapctl.images.lock import ImageHold
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.supervision.names import NameReservation
 from snapctl.supervision.state import StateDir
@@ -72,11 +74,15 @@ def new_session(
     name: str | None,
     reservation: NameReservation | None = None,
     *,
+    options: LaunchOptions | None = None,
+    image: Path | None = None,
+    image_hold: ImageHold | None = None,
     tools: Tools = REAL_TOOLS,
 ) -> Session:
-    """A session with fresh directories, under ``reservation`` (taken here when None). The
-    session owns the reservation from here on, and releases it when it stops; if this fails,
-    the reservation is released."""
+    """A session with fresh directories, under ``reservation`` (taken here when None), for a
+    server on ``options``' host and port, of ``image`` held by ``image_hold``. The session
+    owns the reservation and the hold from here on and releases them when it stops; if this
+    fails, they are released."""
     if reservation is None:
         reservation = reserve_session_name(state, kind, name)
     # Unnamed, the activation goes by its id, which is what was reserved.
@@ -85,8 +91,10 @@ def new_session(
     # Tracked before its directories exist: an interrupt from here on still removes them.
     session = Session(
         name=reservation.name, activation_id=activation_id, kind=kind, dirs=dirs,
-        state_dir=state, reservation=reservation,
+        state_dir=state, reservation=reservation, image=image, image_hold=image_hold,
     )  # fmt: skip
+    if options is not None:
+        session.host, session.port = options.host, options.port
     try:
         tools.sandbox.create_dirs(dirs)
     except BaseException:

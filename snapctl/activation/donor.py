@@ -36,6 +36,7 @@ from snapctl.activation.states import SessionState
 from snapctl.activation.tools import REAL_TOOLS, Tools
 from snapctl.criu import CriuBinary
 from snapctl.criu.ops import write_action_script
+from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
 from snapctl.protocol.models import CaptureReady
@@ -104,44 +105,11 @@ def capture(
         )  # fmt: skip
         timings["identity"] = clock() - started
         external_mounts = tools.sandbox.external_mounts(root.pid, session.dirs)
-        with timed(native, timings, "native_checkpoint"):
-            native.before_dump(pids, options.timeout_s)
-        action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
+        stats = _dump(
+            session, pids, staging, criu=criu, native=native, options=options,
+            external_mounts=external_mounts, timings=timings, tools=tools,
+        )  # fmt: skip
         started = clock()
-        try:
-            # What CRIU cannot dump is refused before CRIU runs, so the tree is never frozen
-            # for nothing; after the native step, which releases devices, as CRIU would see it.
-            tools.criu.require_dumpable(pids)
-            timings["inventory"] = clock() - started
-            started = clock()
-            stats = tools.criu.dump(
-                criu,
-                root.pid,
-                staging.dir / "criu",
-                # In the activation's logs, which outlive a failed capture's staging directory.
-                session.dirs.logs / "dump.log",
-                external_mounts=external_mounts,
-                action_script=action,
-                timeout_s=options.timeout_s,
-            )
-        except BaseException as dump_error:
-            if "inventory" in timings:  # the dump itself ran
-                timings["dump"] = clock() - started
-            try:
-                native.after_dump(pids, options.timeout_s)
-            except SnapctlError as native_error:
-                # Both failed: the dump's error stays the primary one, the native one is named.
-                if isinstance(dump_error, SnapctlError):
-                    dump_error.message += f"; then the native restore failed too: {native_error}"
-                    dump_error.args = (dump_error.message,)
-            raise
-        timings["dump"] = clock() - started
-        (staging.dir / "logs").mkdir(exist_ok=True)
-        shutil.copy2(session.dirs.logs / "dump.log", staging.dir / "logs" / "dump.log")
-        with timed(native, timings, "native_restore"):
-            native.after_dump(pids, options.timeout_s)
-        started = clock()
-        files = hash_tree(staging.dir)
         manifest = Manifest(
             image_id=uuid.uuid4().hex,
             capture_id=ready.capture_id,
@@ -166,7 +134,7 @@ def capture(
             shm_files=sorted(
                 str(p.relative_to(staging.dir / "shm")) for p in (staging.dir / "shm").rglob("*")
             ),
-            files=files,
+            files=hash_tree(staging.dir),
             identity=identity,
         )
         published = staging.publish(manifest)
@@ -174,23 +142,83 @@ def capture(
         return _Captured(manifest=manifest, image=published)
     except BaseException as error:
         staging.abort()
-        if is_no_space(error):
-            # Still the capture's error (and exit status), saying ENOSPC, where, and how much.
-            where = staging.dir.parent
-            message = no_space_message(where, "capture failed, no image published")
-            raise CaptureError(message, phase="capture", path=where) from error
-        if isinstance(error, SnapctlError):
-            raise CaptureError(
-                f"capture failed, no image published: {error}",
-                phase="capture",
-                path=error.path,
-                log_tail=error.excerpt,
-            ) from error
-        if isinstance(error, OSError):
-            raise CaptureError(
-                f"capture failed, no image published: {error}", phase="capture"
-            ) from error
+        translated = _capture_error(error, staging)
+        if translated is None:
+            raise
+        raise translated from error
+
+
+def _dump(
+    session: Session,
+    pids: list[int],
+    staging: ImageStaging,
+    *,
+    criu: CriuBinary,
+    native: NativeStep,
+    options: LaunchOptions,
+    external_mounts: dict[str, str],
+    timings: dict[str, float],
+    tools: Tools,
+) -> DumpStats:
+    """Native checkpoint, descriptor inventory, ``criu dump``, native restore: the tree runs
+    on after it, whatever failed (the native restore runs after a failed dump too)."""
+    clock = tools.clock
+    with timed(native, timings, "native_checkpoint"):
+        native.before_dump(pids, options.timeout_s)
+    action = write_action_script(session.dirs.work / "action-script", staging.dir / "shm")
+    started = clock()
+    try:
+        # What CRIU cannot dump is refused before CRIU runs, so the tree is never frozen for
+        # nothing; after the native step, which releases devices, as CRIU would see it.
+        tools.criu.require_dumpable(pids)
+        timings["inventory"] = clock() - started
+        started = clock()
+        stats = tools.criu.dump(
+            criu,
+            session.tree.pid,
+            staging.dir / "criu",
+            # In the activation's logs, which outlive a failed capture's staging directory.
+            session.dirs.logs / "dump.log",
+            external_mounts=external_mounts,
+            action_script=action,
+            timeout_s=options.timeout_s,
+        )
+    except BaseException as dump_error:
+        if "inventory" in timings:  # the dump itself ran
+            timings["dump"] = clock() - started
+        try:
+            native.after_dump(pids, options.timeout_s)
+        except SnapctlError as native_error:
+            # Both failed: the dump's error stays the primary one, the native one is named.
+            if isinstance(dump_error, SnapctlError):
+                dump_error.message += f"; then the native restore failed too: {native_error}"
+                dump_error.args = (dump_error.message,)
         raise
+    timings["dump"] = clock() - started
+    (staging.dir / "logs").mkdir(exist_ok=True)
+    shutil.copy2(session.dirs.logs / "dump.log", staging.dir / "logs" / "dump.log")
+    with timed(native, timings, "native_restore"):
+        native.after_dump(pids, options.timeout_s)
+    return stats
+
+
+def _capture_error(error: BaseException, staging: ImageStaging) -> CaptureError | None:
+    """The capture's error for ``error`` (None: let it through as it is, e.g. an interrupt)."""
+    if is_no_space(error):
+        # Still the capture's error (and exit status), saying ENOSPC, where, and how much.
+        where = staging.dir.parent
+        message = no_space_message(where, "capture failed, no image published")
+        return CaptureError(message, phase="capture", path=where)
+    if isinstance(error, SnapctlError):
+        return CaptureError(
+            f"capture failed, no image published: {error}",
+            phase="capture",
+            path=error.path,
+            log_tail=error.excerpt,
+        )
+    if isinstance(error, OSError):
+        return CaptureError(f"capture failed, no image published: {error}", phase="capture")
+    return None
 
 
 def start_donor(
@@ -218,11 +246,12 @@ def start_donor(
         reservation.release()
         raise
     try:
-        session = new_session(state, "donor", options.name, reservation, tools=tools)
+        session = new_session(
+            state, "donor", options.name, reservation, options=options, tools=tools
+        )
     except BaseException:
         staging.abort()
         raise
-    session.host, session.port = options.host, options.port
     try:
         if options.server_argv:
             argv, cwd = list(options.server_argv), Path.cwd()

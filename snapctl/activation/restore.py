@@ -10,9 +10,9 @@ streams the rest (:mod:`snapctl.criu.lazy`); the image stays held until every pa
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
 
 from snapctl.activation.memory import LazyPages
 from snapctl.activation.session import Session
@@ -38,9 +38,15 @@ class RestoreError(SnapctlError):
     exit_status = ExitStatus.ACTIVATION_FAILED
 
 
-class RestoreStrategy(Protocol):
+class RestoreStrategy(ABC):
+    """One way of restoring a copy's tree, acting through ``tools``."""
+
     name: str
 
+    def __init__(self, tools: Tools) -> None:
+        self._tools = tools
+
+    @abstractmethod
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,
         criu: CriuBinary, timeout_s: float, timings: dict[str, float],
@@ -48,11 +54,8 @@ class RestoreStrategy(Protocol):
         """Restore the tree; its pid is in ``session.dirs.work / "root.pid"`` when it returns."""
 
 
-class PlainRestore:
+class PlainRestore(RestoreStrategy):
     name = "plain"
-
-    def __init__(self, tools: Tools) -> None:
-        self._tools = tools
 
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,
@@ -69,7 +72,7 @@ class PlainRestore:
         timings["restore"] = self._tools.clock() - started
 
 
-class LazyRestore:
+class LazyRestore(RestoreStrategy):
     """``--lazy-pages`` with the copy's own lazy-pages daemon on its own work dir, started
     together; the session's memory watches the daemon from the moment it listens. Both read the
     image through a view in the work dir in which only big runs of memory stay lazy and the
@@ -78,9 +81,6 @@ class LazyRestore:
     """
 
     name = "lazy"
-
-    def __init__(self, tools: Tools) -> None:
-        self._tools = tools
 
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,12 @@ from typing import Any
 # Imported here, before the spawner forks: a supervisor's start imports nothing more.
 import snapctl.activation.copy
 import snapctl.activation.supervise
-import snapctl.pool._shim
 from snapctl.activation.launch import LaunchOptions
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool.models import CopyRequest
 from snapctl.supervision.state import StateDir
 
-assert snapctl.activation.copy and snapctl.activation.supervise and snapctl.pool._shim
+assert snapctl.activation.copy and snapctl.activation.supervise
 
 
 class Reporter:
@@ -131,11 +131,11 @@ def run_job(job: dict[str, Any], pipe_fd: int) -> None:
 
 def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
-    from snapctl.activation.copy import start_all_copies, start_copy
-    from snapctl.activation.lazy import lazy_by_default
+    from snapctl.activation.copy import require_all, start_copies, start_copy
     from snapctl.activation.native import native_step
     from snapctl.activation.supervise import run_all_until_stopped
     from snapctl.criu import find_criu
+    from snapctl.criu.lazy.transfer import lazy_by_default
     from snapctl.images import load_manifest
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
@@ -162,16 +162,16 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
                     progress=lambda step: reporter.progress("", step), lazy=lazy,
                 )  # fmt: skip
                 sessions = [session]
-                report = {**single.model_dump(mode="json"), "from_pool": False}
+                report = single.model_dump(mode="json")
             else:
-                sessions, many = start_all_copies(
+                started = time.monotonic()
+                results = start_copies(
                     image, options, request.count, criu=criu, native=native,
                     publish_base=publish, state=state, lazy=lazy,
                     progress_for=lambda lane: lambda step: reporter.progress(lane, step),
                 )  # fmt: skip
+                sessions, many = require_all(results, time.monotonic() - started)
                 report = many.model_dump(mode="json")
-                for entry in report["copies"]:
-                    entry["from_pool"] = False
         except BaseException:
             stop_all_tracked()  # what a start interrupted at any point had started
             raise

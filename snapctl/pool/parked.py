@@ -22,8 +22,8 @@ from typing import Any
 
 import psutil
 
+from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
 from snapctl.images.manifest import MANIFEST_NAME
-from snapctl.pool._shim import ParkedCopy, activate_copy, discard_parked, restore_copy
 from snapctl.pool.identity import manifest_digest, published_identity
 from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
 from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
@@ -152,7 +152,7 @@ class _Parked:
                 self.listener.close()
         if self.copy is not None:
             copy, self.copy = self.copy, None
-            discard_parked(copy)
+            copy.session.stop()
         shutil.rmtree(self.home, ignore_errors=True)
 
     def wait_for_order(self) -> int:
@@ -249,7 +249,8 @@ class _Parked:
             progress=lambda step: reporter.progress("", step),
         )  # fmt: skip
         self.signals.started()
-        reporter.send({"report": {**report.model_dump(mode="json"), "from_pool": True}})
+        report = report.model_copy(update={"from_pool": True})
+        reporter.send({"report": report.model_dump(mode="json")})
         shutil.rmtree(self.home, ignore_errors=True)  # it is an ordinary activation now
         return session
 

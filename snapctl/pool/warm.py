@@ -464,7 +464,7 @@ class WarmPool:
     def _resolved_lazy(self, target: PoolTarget) -> bool:
         if target.lazy is not None:
             return target.lazy
-        from snapctl.activation.lazy import lazy_by_default
+        from snapctl.criu.lazy.transfer import lazy_by_default
         from snapctl.images import load_manifest
 
         return lazy_by_default(load_manifest(Path(target.image)))

@@ -154,8 +154,7 @@ def start_reference(
 ) -> tuple[Session, float]:
     """Launch the ordinary server and wait for its first HTTP 200; return it and that time."""
     state.ensure()
-    session = new_session(state, "reference", None)
-    session.host, session.port = options.host, options.port
+    session = new_session(state, "reference", None, options=options)
     env = dict(os.environ)
     if options.api_key and not options.server_argv:
         # Exactly as start_donor gives the key to the bundled fixture.
