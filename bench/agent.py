@@ -62,6 +62,7 @@ class Bench:
         self.samples: dict[str, dict[int, list[float]]] = {m: {} for m in MODES}
         self.sources: dict[str, list[bool]] = {}
         self.results: dict[str, Any] = {}
+        self.reports: dict[str, dict[int, list[dict[str, float]]]] = {}
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -160,7 +161,7 @@ class Bench:
         finally:
             self.stop_agent()
         return {"machine": machine(find_criu().version).model_dump(), "results": self.results,
-                "samples": self.samples}  # fmt: skip
+                "samples": self.samples, "timings_s": self.reports}  # fmt: skip
 
     def measure_ps(self, reps: int = 15) -> None:
         def wall(*args: str) -> float:
@@ -180,29 +181,26 @@ class Bench:
             say(f"{key}: median {value['median']:.3f} s (min {value['min']:.3f})")
 
     def measure_copies(self, image: Path, size: int) -> None:
+        """The three modes without a pool target (so nothing is taken from a pool), rotated
+        per repetition; then the pool's, its copy parked again before each repetition."""
         flags = {
             "in-process": ("--no-agent",),
             "agent plain": ("--no-lazy",),
             "agent lazy": ("--lazy",),
             "agent pool": (),
         }
-        for mode in MODES:  # untimed warm-up: page cache, verification cache
-            if mode != "agent pool":
-                _, report = self.copy(image, *flags[mode])
-                self.stop(report["name"])
-        self.snapctl("pool", "set", "--image", str(image), "--size", "1")
-        park_s = self.wait_parked(image, 1)
-        say(f"{size} MB: first copy parked after {park_s:.2f} s")
+        unpooled = [mode for mode in MODES if mode != "agent pool"]
+        for mode in unpooled:  # untimed warm-up: page cache, verification cache
+            _, report = self.copy(image, *flags[mode])
+            self.stop(report["name"])
         for rep in range(self.reps):
-            for mode in MODES[rep % len(MODES) :] + MODES[: rep % len(MODES)]:
-                if mode == "agent pool":
-                    self.wait_parked(image, 1)
-                seconds, report = self.copy(image, *flags[mode])
-                self.stop(report["name"])
-                self.samples[mode].setdefault(size, []).append(seconds)
-                self.sources.setdefault(mode, []).append(bool(report.get("from_pool")))
-                say(f"{size} MB rep {rep + 1}: {mode}: {seconds:.3f} s "
-                    f"(from_pool {report.get('from_pool')})")  # fmt: skip
+            for mode in unpooled[rep % len(unpooled) :] + unpooled[: rep % len(unpooled)]:
+                self.sample(image, size, mode, flags[mode], rep)
+        self.snapctl("pool", "set", "--image", str(image), "--size", "1")
+        say(f"{size} MB: first copy parked after {self.wait_parked(image, 1):.2f} s")
+        for rep in range(self.reps):
+            self.wait_parked(image, 1)
+            self.sample(image, size, "agent pool", flags["agent pool"], rep)
         self.snapctl("pool", "rm", "--image", str(image))
         self.results.setdefault("copy_first_correct_s", {})[size] = {
             mode: summary(self.samples[mode][size]) for mode in MODES
@@ -210,6 +208,15 @@ class Bench:
         self.results.setdefault("from_pool", {})[size] = {
             mode: sum(self.sources[mode][-self.reps :]) for mode in MODES
         }
+
+    def sample(self, image: Path, size: int, mode: str, flags: tuple[str, ...], rep: int) -> None:
+        seconds, report = self.copy(image, *flags)
+        self.stop(report["name"])
+        self.samples[mode].setdefault(size, []).append(seconds)
+        self.sources.setdefault(mode, []).append(bool(report.get("from_pool")))
+        self.reports.setdefault(mode, {}).setdefault(size, []).append(report["timings_s"])
+        say(f"{size} MB rep {rep + 1}: {mode}: {seconds:.3f} s (from_pool "
+            f"{report.get('from_pool')}; phases {_phases(report['timings_s'])})")  # fmt: skip
 
     def measure_concurrent(self, image: Path, requests: int = 16, pool: int = 4) -> None:
         self.snapctl("pool", "set", "--image", str(image), "--size", str(pool))
@@ -239,6 +246,10 @@ class Bench:
             return True, seconds, report
         except Exception as error:
             return False, 0.0, error
+
+
+def _phases(timings: dict[str, float]) -> str:
+    return " ".join(f"{name}={seconds * 1000:.0f}ms" for name, seconds in timings.items())
 
 
 def summary(values: list[float]) -> dict[str, float]:
