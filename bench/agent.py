@@ -48,8 +48,11 @@ def say(message: str) -> None:
 
 
 class Bench:
-    def __init__(self, work: Path, sizes: list[int], reps: int) -> None:
+    def __init__(
+        self, work: Path, sizes: list[int], reps: int, *, requests: int = 16, pool: int = 4
+    ) -> None:
         self.work = work
+        self.requests, self.pool = requests, pool
         self.sizes = sizes
         self.reps = reps
         self.state = StateDir(work / "state")
@@ -157,7 +160,9 @@ class Bench:
                 self.measure_copies(image, size)
                 if size != self.sizes[0]:
                     self.snapctl("image", "rm", str(image), check=False)
-            self.measure_concurrent(self.work / "images" / f"retained-{self.sizes[0]}mb")
+            self.measure_concurrent(
+                self.work / "images" / f"retained-{self.sizes[0]}mb", self.requests, self.pool
+            )
         finally:
             self.stop_agent()
         return {"machine": machine(find_criu().version).model_dump(), "results": self.results,
@@ -286,10 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("/var/tmp"))
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--requests", type=int, default=16, help="concurrent copy requests")
+    parser.add_argument("--pool", type=int, default=4, help="pool size for --requests")
     args = parser.parse_args(argv)
     sizes = [int(part) for part in args.sizes.split(",")]
     with workdir(args.work_dir, args.keep) as work:
-        results = Bench(work, sizes, args.reps).run()
+        results = Bench(work, sizes, args.reps, requests=args.requests, pool=args.pool).run()
     text = json.dumps(results, indent=2, default=str)
     if args.out:
         args.out.write_text(text + "\n")
