@@ -42,6 +42,13 @@ class AgentRunningError(SnapctlError):
     exit_status = ExitStatus.CONFLICT
 
 
+class ListenError(SnapctlError):
+    """The agent cannot listen where it was asked to (the address is in use, not on this
+    host, or a socket path too long)."""
+
+    exit_status = ExitStatus.UNAVAILABLE
+
+
 class TokenFileError(SnapctlError):
     """The TCP listener's token file is missing, empty, or readable by other users."""
 
@@ -126,10 +133,10 @@ class Agent:
             self._listen_unix(router)
             if self.options.listen is not None:
                 handler = handler_for(router, token=token)
-                self._serve(TCPHTTPServer(self.options.listen, handler), "api (tcp)")
+                self._serve(_tcp(self.options.listen, handler), "api (tcp)")
             if self.options.metrics_listen is not None:
                 handler = handler_for(router, metrics_only=True)
-                self._serve(TCPHTTPServer(self.options.metrics_listen, handler), "metrics")
+                self._serve(_tcp(self.options.metrics_listen, handler), "metrics")
         except BaseException:
             self.stop()
             raise
@@ -152,7 +159,13 @@ class Agent:
             self.socket_path.unlink()
         self.socket_path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
         root_only = frozenset({0, os.getuid()})
-        server = UnixHTTPServer(str(self.socket_path), handler_for(router, allowed_uids=root_only))
+        try:
+            server = UnixHTTPServer(
+                str(self.socket_path), handler_for(router, allowed_uids=root_only)
+            )
+        except OSError as error:
+            raise ListenError(f"cannot listen on {self.socket_path}: {error.strerror}",
+                              path=self.socket_path) from error  # fmt: skip
         self._serve(server, "api")
 
     def _serve(self, server: Any, what: str) -> None:
@@ -196,6 +209,15 @@ class Agent:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+def _tcp(address: tuple[str, int], handler: Any) -> TCPHTTPServer:
+    try:
+        return TCPHTTPServer(address, handler)
+    except OSError as error:
+        raise ListenError(
+            f"cannot listen on {address[0]}:{address[1]}: {error.strerror or error}"
+        ) from error
 
 
 def _safe_listing(pool: WarmPool) -> Any:

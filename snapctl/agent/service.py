@@ -10,7 +10,7 @@ Copies never run in the agent's process: each is served by a parked copy's super
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,8 +228,3 @@ class AgentService:
             emit({"note": f"restoring lazily: the image holds {threshold} MiB of pages or more "
                           "(--no-lazy: restore every page first)"})  # fmt: skip
         return lazy
-
-
-def chunks_of(text: bytes, size: int = 64 * 1024) -> Iterator[bytes]:
-    for start in range(0, len(text), size):
-        yield text[start : start + size]

@@ -96,7 +96,9 @@ def copy_through_agent(
     if as_json:
         from snapctl.plain import emit_json
 
-        emit_json(outcome)
+        # As in-process: a detached start prints the supervisor's record as JSON (sorted
+        # keys), a foreground one its report model (field order).
+        emit_json(outcome, sort_keys=detach)
     else:
         _show(outcome)
     if detach:

@@ -17,7 +17,13 @@ from typing import Any
 import pytest
 
 from snapctl.agent.client import AgentClient, AgentError, connect
-from snapctl.agent.daemon import Agent, AgentOptions, AgentRunningError, TokenFileError
+from snapctl.agent.daemon import (
+    Agent,
+    AgentOptions,
+    AgentRunningError,
+    ListenError,
+    TokenFileError,
+)
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle
@@ -395,3 +401,22 @@ def test_copy_through_the_agent_imports_nothing_heavy(
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
     heavy = {name for name in imported if name.split(".")[0] in HEAVY - {"click"}}
     assert heavy == set(), heavy
+
+
+def test_an_address_in_use_is_a_listen_error_and_undoes_the_start(
+    running_agent: RunningAgent, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spawner = FakeSpawner()
+        options = AgentOptions(metrics_listen=("127.0.0.1", port))
+        agent = Agent(StateDir(tmp_path / "other"), options, spawner_factory=lambda: spawner,  # type: ignore[arg-type,return-value]
+                      pool_factory=FakePool)  # fmt: skip
+        with pytest.raises(ListenError) as refused:
+            agent.start()
+    assert (
+        refused.value.exit_status == ExitStatus.UNAVAILABLE and str(port) in refused.value.message
+    )
+    assert spawner.closed and not (tmp_path / "other" / "agent.sock").exists()
