@@ -2,19 +2,67 @@
 
 Every error snapctl raises on purpose derives from :class:`SnapctlError` and may carry where it
 happened as structured attributes (``phase``, ``path``, ``pid``, ``log_tail``), so callers and
-the CLI can report it without parsing messages::
+the CLI can report it without parsing messages. The whole tree, with each class's exit status
+(:class:`ExitStatus`) and the module that defines it (tests/test_errors.py checks that this
+drawing lists every class, under its base, with its code)::
 
-    SnapctlError                      base; phase, path, pid, log_tail; exit_status
-    ├── ProtocolError                 a control file or its directory broke the v1 protocol
-    │   └── ControlDirError           the control directory itself is unsafe or unusable
-    ├── WaitTimeoutError              a bounded wait expired (also a TimeoutError)
-    ├── ProcessExitedError            the process being waited on is gone
-    ├── CanaryMismatchError           a canary result differs from its oracle
-    └── NoSpaceError                  a disk filled up (ENOSPC): where, and how much is free
+    SnapctlError                       1  errors: base; phase, path, pid, log_tail
+    ├── ProtocolError                  1  errors: a control file broke the v1 protocol
+    │   └── ControlDirError            1  errors: the control directory is unsafe
+    ├── WaitTimeoutError               1  errors: a bounded wait expired (a TimeoutError too)
+    ├── ProcessExitedError             1  errors: the process waited on is gone
+    ├── CanaryMismatchError            5  errors: a canary result differs from its oracle
+    ├── NoSpaceError                   7  errors: a disk filled up (ENOSPC): where, how much free
+    ├── ProcessGoneError               1  supervision.process: a recorded PID is gone or reused
+    ├── InvalidNameError               2  supervision.names: a --name outside the pattern
+    ├── NameInUseError                 6  supervision.names: another activation has the name
+    ├── PublishError                   2  namespaces.publish: a --publish address refused
+    ├── PublishAddressMissing          7  namespaces.publish: the address is not on this host
+    ├── PortInUseError                 6  namespaces.publish: the port is taken
+    ├── LaunchError                    3  activation.launch: the server failed before capture
+    ├── NativeStepError                1  activation.native: cuda-checkpoint failed
+    ├── ActivationError                4  activation.handshake: the server refused or failed
+    ├── CaptureError                   3  activation.donor: no image was published
+    ├── RestoreError                   4  activation.copy: CRIU could not restore the copy
+    ├── DetachedStartError       relayed  activation.supervise: the supervisor's error
+    ├── SupervisorError          relayed  pool.serve: an agent's copy supervisor failed the start
+    ├── ParkedCopyUnusableError        4  pool.serve: a parked copy refused before activating
+    ├── PoolError                      2  pool.warm: a pool request that cannot be done
+    ├── AgentError               relayed  agent.client: the agent refused or failed a request
+    ├── AgentUnavailableError          7  agent.client: no agent answers, or it stopped
+    ├── AgentRunningError              6  agent.daemon: another agent owns the state directory
+    ├── ListenError                    7  agent.daemon: cannot listen where asked
+    ├── TokenFileError                 2  agent.daemon: the --token-file is unusable
+    ├── BadRequestError                2  agent.service: a request refused before it started
+    ├── NotFoundError                  1  agent.service: the activation named is unknown
+    ├── CriuError              by action  criu.run: dump/pre-dump 3, restore/lazy-pages 4, else 1
+    ├── CriuNotFound                   7  criu.locate: no usable CRIU binary
+    ├── UndumpableError                3  criu.inventory: the tree holds what CRIU cannot dump
+    ├── HostMountMissing               7  criu.external: a host mount the image needs is absent
+    ├── PagemapError                   1  criu.pagemap: a pagemap image cannot be read
+    ├── StatsFormatError               1  criu.stats: a CRIU stats image cannot be decoded
+    ├── ImageError                     5  images.store: an image is missing or fails a check
+    │   ├── ImageExistsError           6  images.store: the image directory already exists
+    │   ├── ImageWriteError            1  images.store: staging or publishing failed on disk
+    │   └── ArchiveError               5  images.archive: an archive is malformed or hostile
+    ├── ImageBusyError                 6  images.lock: a copy holds the image, or it changes
+    ├── IdentityMismatchError          5  images.identity: this host differs, not waived
+    ├── RegistryError                  1  registry.client: refused, or outside the API
+    │   ├── RegistryUnreachableError   7  registry.client: the registry cannot be reached
+    │   └── BlobMismatchError          5  registry.client: a blob does not match its digest
+    ├── QualificationError             1  qualification.suite: cannot be set up
+    ├── QualificationFailed            5  qualification.suite: a qualification check failed
+    ├── StartupCaptureError            1  launcher: in the server, error.json written
+    ├── UsageError                     2  launcher.vllm.cli: in the server, a bad command line
+    └── CanaryError                    1  launcher.vllm.hooks: in the server, a bad canary
 
-The other packages derive their own errors from these (``ImageError``, ``CriuError``,
-``RestoreError``, ...); docs/errors.md lists every class with its exit status.
+The last three are raised inside the server (by :mod:`snapctl.launcher`, which the server
+runs): the host never catches them, it reads the ``error.json`` they leave (its phase is a
+:class:`~snapctl.protocol.models.Phase`) and raises its own ``LaunchError`` or
+``ActivationError``. docs/errors.md has the same tree as a table, with what each class means.
 
+``phase`` is a :class:`~snapctl.phases.HostPhase` (what snapctl was doing) or, for an error
+met while waiting on the server, the server's :class:`~snapctl.protocol.models.Phase`.
 Messages are lowercase, name the field or path that failed, and never include secret values.
 Lower-layer errors are translated at module boundaries and chained with ``from``.
 """
@@ -26,6 +74,12 @@ import shutil
 from collections.abc import Iterable
 from enum import IntEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from snapctl.phases import HostPhase
+
+if TYPE_CHECKING:  # the CLI imports this module: pydantic only when it fails
+    from snapctl.protocol.models import Phase
 
 
 class ExitStatus(IntEnum):
@@ -44,13 +98,14 @@ class ExitStatus(IntEnum):
     6     CONFLICT            something is already there or in use: an image directory, an
                               activation name, a host port, an image a copy still holds
     7     UNAVAILABLE         this host lacks what the command needs: CRIU, disk space, an
-                              address, a host mount
+                              address, a host mount, a registry it can reach
     130   INTERRUPTED         stopped by SIGINT or SIGTERM (128 + SIGINT, as shells report
                               Ctrl-C); whatever was started was stopped
     ====  ==================  ==================================================================
 
-    Every error class declares its code as ``exit_status`` (see the tree above); the CLI
-    reads only that attribute. docs/errors.md has the same table, with the classes.
+    Every error class declares its code as ``exit_status`` (see the tree in the module's
+    docstring); the CLI reads only that attribute. docs/errors.md has the same table, with
+    the classes.
     """
 
     OK = 0
@@ -78,7 +133,7 @@ class SnapctlError(Exception):
         self,
         message: str,
         *,
-        phase: str | None = None,
+        phase: HostPhase | Phase | None = None,
         path: str | Path | None = None,
         pid: int | None = None,
         log_tail: str | None = None,
@@ -89,11 +144,6 @@ class SnapctlError(Exception):
         self.path = None if path is None else Path(path)
         self.pid = pid
         self.log_tail = log_tail
-
-    @property
-    def excerpt(self) -> str | None:
-        """The log lines that explain the error: ``log_tail``, or a subclass's own (CRIU's)."""
-        return self.log_tail
 
     def __str__(self) -> str:
         if not self.log_tail:
@@ -117,7 +167,7 @@ class _WaitError(SnapctlError):
         message: str,
         *,
         awaited: Iterable[str] = (),
-        phase: str | None = None,
+        phase: HostPhase | Phase | None = None,
         path: str | Path | None = None,
         pid: int | None = None,
         log_tail: str | None = None,
@@ -146,7 +196,7 @@ class NoSpaceError(SnapctlError):
     exit_status = ExitStatus.UNAVAILABLE
 
     @classmethod
-    def at(cls, path: Path, what: str, *, phase: str | None = None) -> NoSpaceError:
+    def at(cls, path: Path, what: str, *, phase: HostPhase | Phase | None = None) -> NoSpaceError:
         """``what`` failed for lack of space on the filesystem holding ``path``."""
         return cls(no_space_message(path, what), phase=phase, path=path)
 
@@ -171,7 +221,7 @@ def is_no_space(error: BaseException) -> bool:
             return True
         if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if isinstance(seen, SnapctlError) and _NO_SPACE_TEXT in f"{seen.message}{seen.excerpt}":
+        if isinstance(seen, SnapctlError) and _NO_SPACE_TEXT in f"{seen.message}{seen.log_tail}":
             return True
         seen = seen.__cause__ or seen.__context__
     return False

@@ -1,7 +1,9 @@
-"""The exit-code table: every error class declares its code, and docs/errors.md lists it."""
+"""The error tree: every class declares its code, and both the drawing in snapctl/errors.py and
+the table in docs/errors.md list it, under its base; phases are enums, not free strings."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import re
@@ -9,11 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import snapctl
+import snapctl.errors
 from snapctl.cli import exit_status_for
 from snapctl.criu import CriuError
 from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
+from snapctl.phases import HostPhase
+from snapctl.protocol.models import Phase
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "errors.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "errors.md"
 
 
 def _all_error_classes() -> Iterator[type[SnapctlError]]:
@@ -23,16 +29,54 @@ def _all_error_classes() -> Iterator[type[SnapctlError]]:
     pending = [SnapctlError]
     while pending:
         cls = pending.pop()
-        if not cls.__name__.startswith("_"):
+        # snapctl's own: tests derive stand-ins of their own.
+        if not cls.__name__.startswith("_") and cls.__module__.startswith("snapctl."):
             yield cls
         pending += cls.__subclasses__()
 
 
+def _documented_base(cls: type[SnapctlError]) -> str:
+    """The nearest public error class ``cls`` derives from (private ones are not drawn)."""
+    for base in cls.__mro__[1:]:
+        if issubclass(base, SnapctlError) and not base.__name__.startswith("_"):
+            return base.__name__
+    return ""
+
+
+def _drawn_tree() -> dict[str, tuple[str, str]]:
+    """The drawing in snapctl.errors' docstring: class -> (its base in the drawing, its code)."""
+    drawn: dict[str, tuple[str, str]] = {}
+    parents: list[str] = []
+    for line in (snapctl.errors.__doc__ or "").splitlines():
+        found = re.match(r"^    ((?:[│ ]   )*)(?:[├└]── )?(\w+)\s+(\d+|relayed|by action)  ", line)
+        if found is None:
+            continue
+        depth = len(found[1]) // 4 + (1 if "──" in line else 0)
+        del parents[depth:]
+        drawn[found[2]] = (parents[-1] if parents else "", found[3])
+        parents.append(found[2])
+    return drawn
+
+
+def test_every_error_class_is_drawn_in_the_tree_under_its_base_with_its_code() -> None:
+    drawn = _drawn_tree()
+    classes = list(_all_error_classes())
+    for cls in classes:
+        assert cls.__name__ in drawn, f"{cls.__name__} is missing from snapctl/errors.py's tree"
+        base, code = drawn[cls.__name__]
+        assert base == _documented_base(cls), f"{cls.__name__} is drawn under {base!r}"
+        if code not in ("relayed", "by action"):
+            assert int(code) == cls.exit_status, cls.__name__
+    assert sorted(drawn) == sorted(cls.__name__ for cls in classes), "a drawn class is gone"
+
+
 def test_every_error_class_is_in_the_documented_table_with_its_code() -> None:
-    rows = dict(re.findall(r"^\| `(\w+)` \| `?([\w ]+?)`? \|", DOC.read_text(), re.MULTILINE))
+    pattern = r"^\| `(\w+)` \| `?([\w ]+?)`? \|\s*`?(\w*)`?\s*\|"
+    rows = {name: (code, base) for name, code, base in re.findall(pattern, DOC.read_text(), re.M)}
     for cls in _all_error_classes():
         assert cls.__name__ in rows, f"{cls.__name__} is missing from docs/errors.md"
-        documented = rows[cls.__name__]
+        documented, base = rows[cls.__name__]
+        assert base == _documented_base(cls), f"{cls.__name__} is listed under {base!r}"
         if documented not in ("relayed", "by action"):
             assert documented == ExitStatus(cls.exit_status).name, cls.__name__
 
@@ -65,3 +109,48 @@ def test_no_space_is_found_in_a_chain_and_in_a_criu_log(tmp_path: Path) -> None:
     assert "ENOSPC" in error.message and str(tmp_path / "image") in error.message
     assert re.search(r"\d+ MiB free", error.message)
     assert error.exit_status is ExitStatus.UNAVAILABLE
+
+
+def test_host_phases_are_distinct_from_the_servers_and_documented() -> None:
+    assert not {p.value for p in HostPhase} & {p.value for p in Phase}
+    doc = DOC.read_text()
+    for phase in HostPhase:
+        assert f"| `{phase.value}` |" in doc, f"phase {phase.value!r} is missing from the doc"
+
+
+def _string_phases(path: Path) -> Iterator[tuple[str, str]]:
+    """(callee, value) of every call in ``path`` that passes ``phase="..."`` (not to Status,
+    whose phase is the wire's own ``recovering``/``validated``)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        callee = ast.unparse(node.func)
+        for keyword in node.keywords:
+            value = keyword.value
+            if keyword.arg == "phase" and isinstance(value, ast.Constant) and callee != "Status":
+                yield callee, str(value.value)
+
+
+def test_no_phase_is_a_free_string() -> None:
+    """Every error's ``phase=`` names an enum member, never a string."""
+    found = [
+        f"{path.relative_to(ROOT).as_posix()}: {callee}(phase={value!r})"
+        for path in sorted((ROOT / "snapctl").rglob("*.py"))
+        for callee, value in _string_phases(path)
+    ]
+    assert found == [], "use HostPhase or Phase"
+
+
+def test_no_getattr_on_an_error() -> None:
+    for path in sorted((ROOT / "snapctl").rglob("*.py")):
+        found = re.search(r"getattr\((e|err|error|exc|exception)\b", path.read_text())
+        assert found is None, f"{path.relative_to(ROOT)}: {found and found[0]}"
+
+
+def test_the_criu_log_tail_is_the_error_s_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "restore.log"
+    log.write_text("(0.1) Error (cr-restore.c:1): no luck\n(0.2) last line\n")
+    error = CriuError("restore", 1, log)
+    assert error.log_tail is not None and "no luck" in error.log_tail
+    assert error.log_tail.endswith("(0.2) last line") and not hasattr(error, "tail")
+    assert CriuError("restore", 1, log, "").log_tail is None

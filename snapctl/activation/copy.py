@@ -23,7 +23,7 @@ from snapctl.activation.core import (
     new_session,
     reserve_session_name,
 )
-from snapctl.activation.launch import LaunchOptions, log_tail
+from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NativeStep, NoNativeStep, timed, tree_pids_when_read
 from snapctl.activation.restore import (
     RestoreError,
@@ -39,6 +39,8 @@ from snapctl.criu import CriuBinary
 from snapctl.errors import SnapctlError
 from snapctl.images import ImageError, Manifest
 from snapctl.images.lock import hold_image
+from snapctl.logtail import log_tail
+from snapctl.phases import HostPhase
 from snapctl.supervision.names import NameReservation, numbered_names
 from snapctl.supervision.process import ProcessGoneError
 from snapctl.supervision.state import StateDir
@@ -238,17 +240,12 @@ def _check_image(
     if noted:
         progress("differs, does not refuse: " + "; ".join(f"{d.field}: {d.detail}"
                                                           for d in noted))  # fmt: skip
-    if manifest.criu_version != criu.version and "criu_version" not in options.allow_mismatch:
-        raise RestoreError(
-            f"image needs CRIU {manifest.criu_version}, this host runs {criu.version}",
-            phase="verify",
-        )
     return manifest
 
 
 def _fail_if_pages_failed(session: Session) -> None:
     if session.failure is not None:  # the lazy transfer failed: the memory is incomplete
-        raise RestoreError(session.failure, phase="lazy-pages")
+        raise RestoreError(session.failure, phase=HostPhase.LAZY_PAGES)
 
 
 def start_copies(

@@ -39,6 +39,7 @@ from snapctl.criu.ops import write_action_script
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
+from snapctl.phases import HostPhase
 from snapctl.protocol.models import CaptureReady
 from snapctl.supervision.state import StateDir
 
@@ -208,16 +209,16 @@ def _capture_error(error: BaseException, staging: ImageStaging) -> CaptureError 
         # Still the capture's error (and exit status), saying ENOSPC, where, and how much.
         where = staging.dir.parent
         message = no_space_message(where, "capture failed, no image published")
-        return CaptureError(message, phase="capture", path=where)
+        return CaptureError(message, phase=HostPhase.CAPTURE, path=where)
     if isinstance(error, SnapctlError):
         return CaptureError(
-            f"capture failed, no image published: {error}",
-            phase="capture",
+            f"capture failed, no image published: {error.message}",
+            phase=HostPhase.CAPTURE,
             path=error.path,
-            log_tail=error.excerpt,
+            log_tail=error.log_tail,
         )
     if isinstance(error, OSError):
-        return CaptureError(f"capture failed, no image published: {error}", phase="capture")
+        return CaptureError(f"capture failed, no image published: {error}", phase=HostPhase.CAPTURE)
     return None
 
 

@@ -11,6 +11,7 @@ from snapctl.activation.launch import LaunchOptions, redact_argv, snapshot_confi
 from snapctl.images.identity import (
     Difference,
     Identity,
+    IdentityMismatchError,
     current_identity,
     require_match,
     tree_files,
@@ -59,8 +60,9 @@ def check_identity(
     state: StateDir,
     env: Mapping[str, str] | None = None,
 ) -> list[Difference]:
-    """Compare this host with the image's identity; raise listing what differs and is not
-    waived by ``options.allow_mismatch``; return the waived differences.
+    """Compare this host with the image's identity; raise :class:`IdentityMismatchError`
+    listing what differs and is not waived by ``options.allow_mismatch``; return the
+    differences waived or only noted.
 
     Without a server command the copy does not claim to stand for one, so argv is taken as
     recorded; with one it must match the captured argv (secrets redacted on both sides).
@@ -76,4 +78,16 @@ def check_identity(
             cache_dir=file_hash_cache(state),
             env_salt=recorded.env_salt,
         )
-    return require_match(recorded, current, allow=options.allow_mismatch, path=image)
+    shown = require_match(recorded, current, allow=options.allow_mismatch, path=image)
+    if recorded is None and manifest.criu_version != criu_version:
+        # Without an identity (schema 1, waived) the manifest still names the CRIU that
+        # dumped it; a recorded identity compares it with the other fields.
+        differs = Difference(
+            field="criu_version",
+            detail=f"image {manifest.criu_version}, here {criu_version}",
+            waivable=True,
+        )
+        if differs.field not in options.allow_mismatch:
+            raise IdentityMismatchError([differs], path=image)
+        shown.append(differs)
+    return shown

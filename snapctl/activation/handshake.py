@@ -13,7 +13,15 @@ from snapctl.activation.timeouts import server_timeout_hint
 from snapctl.errors import ExitStatus, SnapctlError, WaitTimeoutError
 from snapctl.namespaces.netns import NetnsConnector
 from snapctl.protocol.controldir import ControlDir
-from snapctl.protocol.models import Activation, Challenge, ControlFile, ErrorReport, Release, Status
+from snapctl.protocol.models import (
+    Activation,
+    Challenge,
+    ControlFile,
+    ErrorReport,
+    Phase,
+    Release,
+    Status,
+)
 from snapctl.protocol.waiter import ControlDirWatcher
 
 # Without inotify, how often a "recovering" status.json is re-read.
@@ -39,10 +47,19 @@ class ActivationError(SnapctlError):
     exit_status = ExitStatus.ACTIVATION_FAILED
 
     def __init__(
-        self, message: str, *, phase: str | None = None, report: ErrorReport | None = None
+        self, message: str, *, phase: Phase | None = None, report: ErrorReport | None = None
     ) -> None:
         super().__init__(message, phase=phase)
         self.report = report
+
+
+def reported_phase(report: ErrorReport) -> Phase | None:
+    """The protocol phase ``error.json`` names; None for a name outside the protocol (the
+    message still quotes it, and ``report`` keeps it)."""
+    try:
+        return Phase(report.phase)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -61,7 +78,7 @@ def _fail_on_error(arrival_name: ControlFile, model: object) -> None:
         raise ActivationError(
             f"server reported {model.error_type} in phase {model.phase!r}: {model.error}"
             + server_timeout_hint(model.error_type, model.error),
-            phase=model.phase,
+            phase=reported_phase(model),
             report=model,
         )
 
@@ -101,10 +118,10 @@ def activate(
         _fail_on_error(name, challenge)
         timings.challenge_ms = (time.monotonic() - started) * 1000
         if not isinstance(challenge, Challenge):
-            raise ActivationError("challenge.json is not a challenge", phase="capture barrier")
+            raise ActivationError("challenge.json is not a challenge", phase=Phase.CAPTURE_BARRIER)
         if (challenge.capture_id, challenge.activation_id) != (capture_id, activation_id):
             raise ActivationError(
-                "challenge.json names another capture or activation", phase="capture barrier"
+                "challenge.json names another capture or activation", phase=Phase.CAPTURE_BARRIER
             )
         control.write(Release.answering(challenge))
         while True:
@@ -114,7 +131,7 @@ def activate(
             _fail_on_error(name, model)
             assert isinstance(model, Status)
             if model.activation_id != activation_id:
-                raise ActivationError("status.json names another activation", phase="recover")
+                raise ActivationError("status.json names another activation", phase=Phase.RECOVER)
             if not timings.phases or timings.phases[-1] != model.phase:
                 timings.phases.append(model.phase)
             if model.phase == "validated":
@@ -127,7 +144,7 @@ def activate(
                     f"the server was still recovering after {timeout_s:g} s "
                     f"(status.json in {control.path})",
                     awaited=("status.json validated",),
-                    phase="recover",
+                    phase=Phase.RECOVER,
                     path=control.path,
                 )
             watcher.wait_for_change(min(STATUS_REPOLL_S, left()))
@@ -184,7 +201,9 @@ def probe_http_ready(
     wait_s = PROBE_FIRST_WAIT_S
     while time.monotonic() < deadline:
         if alive is not None and not alive():
-            raise ActivationError("server exited before its public port answered", phase="serve")
+            raise ActivationError(
+                "server exited before its public port answered", phase=Phase.SERVE
+            )
         path = checks[0]
         try:
             # Each try ends by the deadline: the probe's timeout is the whole probe's.
@@ -201,7 +220,7 @@ def probe_http_ready(
                 raise ActivationError(
                     f"public port {host}:{port} answers {path} with HTTP {status}: the API key "
                     f"{given}",
-                    phase="serve",
+                    phase=Phase.SERVE,
                 )
             last = f"{path}: HTTP {status}: {body[:200]!r}"
         except (TimeoutError, OSError, http.client.HTTPException) as error:
@@ -211,5 +230,5 @@ def probe_http_ready(
     raise ActivationError(
         f"public port {host}:{port} never answered {checks[0]} with 200 within {timeout_s:g} s"
         f"{timeout_hint} (last: {last})",
-        phase="serve",
+        phase=Phase.SERVE,
     )

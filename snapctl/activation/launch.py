@@ -24,6 +24,7 @@ from snapctl.activation.timeouts import (
     server_timeout_hint,
 )
 from snapctl.errors import ExitStatus, ProcessExitedError, SnapctlError, WaitTimeoutError
+from snapctl.logtail import log_tail, text_tail
 from snapctl.namespaces.hostview import PrivatePathError, host_binds
 from snapctl.namespaces.layout import (
     SANDBOX_CONTROL_DIR,
@@ -31,13 +32,13 @@ from snapctl.namespaces.layout import (
     BindMount,
     SandboxSpec,
 )
+from snapctl.phases import HostPhase
 from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
 from snapctl.protocol.waiter import wait_for
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
 from snapctl.supervision.state import StateDir
 
 SECRET_FLAGS = ("--api-key", "--token", "--hf-token", "--password")
-LOG_TAIL_CHARS = 4000
 
 
 class LaunchError(SnapctlError):
@@ -110,9 +111,9 @@ def fixture_command(options: LaunchOptions, state: StateDir) -> tuple[list[str],
             shutil.rmtree(tmp, ignore_errors=True)
             raise LaunchError(
                 f"building the fixture model failed (status {built.returncode})",
-                phase="launch",
+                phase=HostPhase.LAUNCH,
                 path=model,
-                log_tail=built.stderr.decode(errors="replace")[-LOG_TAIL_CHARS:],
+                log_tail=text_tail(built.stderr.decode(errors="replace")),
             )
         try:
             os.rename(tmp, model)
@@ -125,15 +126,6 @@ def fixture_command(options: LaunchOptions, state: StateDir) -> tuple[list[str],
         "--retained-mb", str(options.fixture_retained_mb), "--kv-mb", str(options.fixture_kv_mb),
     ]  # fmt: skip
     return argv, root
-
-
-def log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
-    try:
-        with path.open("rb") as handle:
-            handle.seek(max(0, path.stat().st_size - chars))
-            return handle.read().decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def _find_namespace_root(unshare: subprocess.Popen[bytes], timeout_s: float) -> int:
@@ -163,12 +155,12 @@ def launch_in_sandbox(
     """
     program = argv[0] if "/" in argv[0] else shutil.which(argv[0], path=env.get("PATH"))
     if program is None:
-        raise LaunchError(f"{argv[0]}: no such program on PATH", phase="launch")
+        raise LaunchError(f"{argv[0]}: no such program on PATH", phase=HostPhase.LAUNCH)
     argv = [program, *argv[1:]]
     try:
         host_paths = host_binds(argv, str(cwd))
     except PrivatePathError as error:
-        raise LaunchError(str(error), phase="launch", path=cwd) from error
+        raise LaunchError(str(error), phase=HostPhase.LAUNCH, path=cwd) from error
     spec = SandboxSpec(
         argv=argv,
         cwd=str(cwd),
@@ -227,7 +219,10 @@ def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: flo
 
     def failed(message: str) -> LaunchError:
         return LaunchError(
-            message, phase="launch", path=dirs.server_log, log_tail=log_tail(dirs.server_log)
+            message,
+            phase=HostPhase.LAUNCH,
+            path=dirs.server_log,
+            log_tail=log_tail(dirs.server_log),
         )
 
     try:

@@ -27,6 +27,7 @@ from snapctl.criu.lazy.pagemap import lazy_view
 from snapctl.criu.lazy.transfer import LazyTransfer
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import Manifest
+from snapctl.phases import HostPhase
 from snapctl.supervision.process import PinnedProcess
 
 Progress = Callable[[str], None]
@@ -94,7 +95,9 @@ class LazyRestore(RestoreStrategy):
             summary = lazy_view(image / "criu", view, cache_dir=session.state_dir.views, omit=omit)
         except (SnapctlError, OSError) as error:
             raise RestoreError(
-                f"cannot build the lazy restore's image view: {error}", phase="restore", path=view
+                f"cannot build the lazy restore's image view: {error}",
+                phase=HostPhase.RESTORE,
+                path=view,
             ) from error
         timings["lazy_view"] = clock() - view_started
         # Monotonic, whatever the tools' clock: the transfer reports when its last page came.
@@ -177,10 +180,10 @@ def restore_tree(
 def criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> RestoreError:
     """The restore's error for a CRIU step that failed, pointing at that step's log."""
     return RestoreError(
-        f"{what}: {error}",
-        phase="restore",
+        f"{what}: {error.message}",
+        phase=HostPhase.RESTORE,
         path=session.dirs.logs / f"{log}.log",
-        log_tail=error.excerpt,
+        log_tail=error.log_tail,
     )
 
 

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
+from snapctl.phases import HostPhase
+from snapctl.protocol.models import Phase
 from snapctl.supervision.leftovers import TMP_GRACE_S, sweep_claims, sweep_records
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
 from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
@@ -145,10 +147,10 @@ def detach(
                 "status": int(error.exit_status),
                 "phase": error.phase,
                 "path": None if error.path is None else str(error.path),
-                "log_tail": error.excerpt,
+                "log_tail": error.log_tail,
             }
         )
-        os._exit(1)
+        os._exit(error.exit_status)
     except Exception as error:  # a bug: say so in the parent instead of "exited early"
         traceback.print_exc()
         send(
@@ -180,13 +182,23 @@ def _relay(read_fd: int, on_progress: Callable[[str, str], None]) -> dict[str, A
                 raise DetachedStartError(
                     message["error"],
                     exit_status=message["status"],
-                    phase=message["phase"],
+                    phase=_phase_named(message["phase"]),
                     path=message["path"],
                     log_tail=message["log_tail"],
                 )
             report: dict[str, Any] = message["report"]
             return report
     raise DetachedStartError("the detached supervisor exited before reporting")
+
+
+def _phase_named(name: str | None) -> HostPhase | Phase | None:
+    """The phase a relayed error named (its value in the supervisor)."""
+    if name is None:
+        return None
+    for kind in (HostPhase, Phase):
+        with contextlib.suppress(ValueError):
+            return kind(name)
+    return None
 
 
 def end_lazy_pages_daemon(record: ActivationRecord, timeout_s: float) -> list[int]:

@@ -78,7 +78,7 @@ def error_body(error: SnapctlError) -> ErrorBody:
         status=int(error.exit_status),
         phase=error.phase,
         path=None if error.path is None else str(error.path),
-        log_tail=error.excerpt,
+        log_tail=error.log_tail,
         usage=error.usage if isinstance(error, BadRequestError) else None,
     )
 

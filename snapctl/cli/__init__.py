@@ -176,7 +176,7 @@ def _error_line(error: SnapctlError) -> str:
 
 
 def _error_tail(error: SnapctlError) -> str:
-    tail = error.excerpt
+    tail = error.log_tail
     return tail.rstrip() if tail else ""
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from snapctl.cli._activation_options import CommonOptions, capture_options, shared_options
+from snapctl.phases import HostPhase
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -63,5 +64,5 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     if not report.clean:
         raise SnapctlError(
             f"image published, but the original tree's cleanup left: {report.cleanup}",
-            phase="cleanup",
+            phase=HostPhase.CLEANUP,
         )

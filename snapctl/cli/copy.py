@@ -83,11 +83,15 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.criu import find_criu
     from snapctl.criu.lazy.transfer import lazy_by_default
     from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
+    from snapctl.errors import SnapctlError
     from snapctl.images import load_manifest
     from snapctl.images.identity import check_waivers, needless_waivers
     from snapctl.supervision.state import StateDir
 
-    check_waivers(allow_mismatch)  # a bad name fails before anything starts
+    try:
+        check_waivers(allow_mismatch)  # a bad name fails before anything starts
+    except SnapctlError as error:
+        raise click.BadParameter(error.message, param_hint="'--allow-mismatch'") from error
     if common.name and count > 1:
         from snapctl.supervision.names import InvalidNameError, numbered_names
 

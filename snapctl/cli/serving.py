@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from snapctl.phases import HostPhase
+
 # snapctl.cli.output (rich, pydantic) is imported where it is used: `copy --help` and
 # `donor --help` import this module and must stay fast.
 Progress = Callable[[str], None]
@@ -170,4 +172,4 @@ def raise_if_failed(sessions: list[Any]) -> None:
 
     for session in sessions:
         if session.failure is not None:
-            raise SnapctlError(f"{session.name}: {session.failure}", phase="lazy-pages")
+            raise SnapctlError(f"{session.name}: {session.failure}", phase=HostPhase.LAZY_PAGES)

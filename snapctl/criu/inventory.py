@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Protocol
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 
 ANON_PREFIX = "anon_inode:"
 # The anonymous inodes CRIU 4.2 dumps (its is_*_link checks), by the name /proc links show.
@@ -77,7 +78,7 @@ class UndumpableError(SnapctlError):
         super().__init__(
             f"the tree holds {len(findings)} thing(s) CRIU cannot dump; it was not frozen:\n"
             f"{lines}",
-            phase="inventory",
+            phase=HostPhase.INVENTORY,
             pid=findings[0].pid if findings else None,
         )
         self.findings = tuple(findings)

@@ -12,11 +12,13 @@ from pathlib import Path
 
 from snapctl.criu.locate import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.logtail import log_tail
 
 # Every invocation logs at debug level unless its caller has a reason to log less (dumps and
 # restores, on the paths users wait for: snapctl.criu.ops).
 DEFAULT_LOG_LEVEL = 4
-LOG_TAIL_LINES = 25
+# CRIU logs the line that explains a failure well before its last lines: keep that many first.
+ERROR_LINES_KEPT = 10
 
 
 # CRIU actions whose failure means "the capture failed" or "the activation failed".
@@ -25,25 +27,30 @@ ACTIVATION_ACTIONS = frozenset({"restore", "lazy-pages"})
 
 
 class CriuError(SnapctlError):
-    """CRIU exited non-zero or timed out; carries the action, exit code and log tail."""
+    """CRIU exited non-zero or timed out; carries the action, exit code and, as ``log_tail``,
+    the lines that explain it (without ``tail``: those of its log, error lines first)."""
 
     def __init__(
-        self, action: str, returncode: int | None, log_path: Path, tail: str, reason: str = ""
+        self,
+        action: str,
+        returncode: int | None,
+        log_path: Path,
+        tail: str | None = None,
+        reason: str = "",
     ) -> None:
         what = reason or ("timed out" if returncode is None else f"exited with status {returncode}")
-        super().__init__(f"criu {action} {what} (log: {log_path})", path=str(log_path))
+        if tail is None:
+            tail = log_tail(log_path, keep_errors=ERROR_LINES_KEPT)
+        super().__init__(
+            f"criu {action} {what} (log: {log_path})", path=log_path, log_tail=tail or None
+        )
         self.action = action
         self.returncode = returncode
         self.log_path = log_path
-        self.tail = tail
         if action in CAPTURE_ACTIONS:
             self.exit_status = ExitStatus.CAPTURE_FAILED
         elif action in ACTIVATION_ACTIONS:
             self.exit_status = ExitStatus.ACTIVATION_FAILED
-
-    @property
-    def excerpt(self) -> str | None:
-        return self.tail or self.log_tail
 
 
 @dataclass(frozen=True)
@@ -54,17 +61,6 @@ class CriuResult:
     argv: tuple[str, ...]
     log_path: Path
     seconds: float
-
-
-def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    """The last lines of a CRIU log, errors first-class: lines with "Error" are always kept."""
-    try:
-        text = log_path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    errors = [line for line in text if "Error" in line or "error" in line][-10:]
-    tail = text[-lines:]
-    return "\n".join([*(e for e in errors if e not in tail), *tail])
 
 
 def criu_argv(
@@ -157,7 +153,7 @@ class CriuProcess:
             except subprocess.TimeoutExpired as error:
                 proc.kill()
                 proc.communicate()
-                raise CriuError(action, None, log_path, log_tail(log_path)) from error
+                raise CriuError(action, None, log_path) from error
             except KeyboardInterrupt as error:
                 interrupted = error
         if interrupted is not None:
@@ -165,7 +161,7 @@ class CriuProcess:
         seconds = time.monotonic() - self.started
         if proc.returncode != 0:
             printed = output.decode(errors="replace").strip()
-            tail = log_tail(log_path)
+            tail = log_tail(log_path, keep_errors=ERROR_LINES_KEPT)
             raise CriuError(action, proc.returncode, log_path, f"{printed}\n{tail}".strip())
         return CriuResult(action=action, argv=self.argv, log_path=log_path, seconds=seconds)
 

@@ -41,6 +41,7 @@ from snapctl.images.store import (
     manifest_problem,
     record_verified,
 )
+from snapctl.phases import HostPhase
 
 ARCHIVE_SUFFIX = ".tar.zst"
 DEFAULT_LEVEL = 3
@@ -501,7 +502,7 @@ def import_image(
                 if is_no_space(error):
                     raise NoSpaceError.at(
                         staging.dir, f"cannot unpack {archive.name}, nothing was published",
-                        phase="image",
+                        phase=HostPhase.IMAGE,
                     ) from error  # fmt: skip
                 raise unpacker.refuse(
                     f"cannot unpack member {unpacker.current}: {error.strerror or error}"

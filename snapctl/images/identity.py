@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 from snapctl.protocol.atomic import replace_file
 
 CHUNK = 4 << 20
@@ -106,7 +107,7 @@ class IdentityMismatchError(SnapctlError):
             hint = " (waive with " + " ".join(f"--allow-mismatch {f}" for f in waivable) + ")"
         super().__init__(
             f"this host does not match the image's identity{hint}:\n" + "\n".join(lines),
-            phase="identity",
+            phase=HostPhase.IDENTITY,
             path=path,
         )
         self.differences = differences
@@ -447,12 +448,12 @@ def check_waivers(allow: Iterable[str]) -> list[str]:
         if name == FILES_FIELD:
             raise SnapctlError(
                 "file content mismatches cannot be waived: restore the recorded files",
-                phase="identity",
+                phase=HostPhase.IDENTITY,
             )
         if name not in WAIVABLE_FIELDS:
             raise SnapctlError(
                 f"unknown identity field {name!r} (waivable: {', '.join(WAIVABLE_FIELDS)})",
-                phase="identity",
+                phase=HostPhase.IDENTITY,
             )
     return names
 

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 
 
 class ImageBusyError(SnapctlError):
@@ -61,6 +62,8 @@ def hold_image(image: Path, *, exclusive: bool = False, wait: bool = False) -> I
         os.close(fd)
         if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             what = "in use (a running copy may still read it)" if exclusive else "being changed"
-            raise ImageBusyError(f"image {image} is {what}", phase="image", path=image) from error
+            raise ImageBusyError(
+                f"image {image} is {what}", phase=HostPhase.IMAGE, path=image
+            ) from error
         raise
     return ImageHold(image, fd, exclusive)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
+from snapctl.phases import HostPhase
 from snapctl.protocol.atomic import (
     describe_mode,
     fsync_directory,
@@ -40,7 +41,7 @@ class ImageError(SnapctlError):
     exit_status = ExitStatus.VERIFY_FAILED
 
     def __init__(
-        self, message: str, *, phase: str = "image", path: str | Path | None = None
+        self, message: str, *, phase: HostPhase = HostPhase.IMAGE, path: str | Path | None = None
     ) -> None:
         super().__init__(message, phase=phase, path=path)
 
@@ -410,7 +411,7 @@ class ImageStaging:
             self.abort()
             what = f"cannot create a staging directory beside {self.final}"
             if is_no_space(error):
-                raise NoSpaceError.at(self.final.parent, what, phase="image") from error
+                raise NoSpaceError.at(self.final.parent, what, phase=HostPhase.IMAGE) from error
             raise ImageWriteError(f"{what}: {error.strerror}", path=self.final.parent) from error
 
     def publish(self, manifest: Manifest) -> Path:
@@ -431,7 +432,7 @@ class ImageStaging:
         except (OSError, SnapctlError) as error:
             what = f"cannot write {self.final} to disk"
             if is_no_space(error):
-                raise NoSpaceError.at(self.dir, what, phase="image") from error
+                raise NoSpaceError.at(self.dir, what, phase=HostPhase.IMAGE) from error
             detail = error.strerror if isinstance(error, OSError) else error.message
             raise ImageWriteError(f"{what}: {detail}", path=self.dir) from error
         try:

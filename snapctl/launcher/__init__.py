@@ -61,9 +61,9 @@ class BindTarget:
 class StartupCaptureError(SnapctlError, RuntimeError):
     """The startup capture failed; ``error.json`` was written (when possible)."""
 
-    phase: str  # always set here, unlike on SnapctlError
+    phase: Phase  # always set here, unlike on SnapctlError
 
-    def __init__(self, phase: str, message: str) -> None:
+    def __init__(self, phase: Phase, message: str) -> None:
         super().__init__(f"{phase}: {message}", phase=phase)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import psutil
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 
 LOOPBACK = "127.0.0.1"
 
@@ -41,7 +42,7 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     except ValueError as error:
         raise PublishError(
             f"--publish address {text!r} is not an IP address (give one, e.g. {LOOPBACK})",
-            phase="publish",
+            phase=HostPhase.PUBLISH,
         ) from error
 
 
@@ -62,13 +63,13 @@ def check_publish_address(address: str, *, exposed: bool) -> str:
         raise PublishError(
             f"--publish {address} would make the copy reachable from other machines; "
             "publish on a loopback address, or add --expose to mean it",
-            phase="publish",
+            phase=HostPhase.PUBLISH,
         )
     if not (ip.is_loopback or ip.is_unspecified) and str(ip) not in host_addresses():
         raise PublishAddressMissing(
             f"--publish address {address} is not an address of this host "
             "(ip -brief address lists them)",
-            phase="publish",
+            phase=HostPhase.PUBLISH,
         )
     return str(ip)
 
@@ -83,14 +84,15 @@ def bind_listener(address: str, port: int) -> socket.socket:
             raise PortInUseError(
                 f"host port {address}:{port} is in use (choose another --publish port, or 0 "
                 "for any free one)",
-                phase="publish",
+                phase=HostPhase.PUBLISH,
             ) from error
         if error.errno == errno.EADDRNOTAVAIL:
             raise PublishAddressMissing(
-                f"--publish address {address} is not an address of this host", phase="publish"
+                f"--publish address {address} is not an address of this host",
+                phase=HostPhase.PUBLISH,
             ) from error
         raise SnapctlError(
-            f"cannot listen on {address}:{port}: {error.strerror}", phase="publish"
+            f"cannot listen on {address}:{port}: {error.strerror}", phase=HostPhase.PUBLISH
         ) from error
 
 

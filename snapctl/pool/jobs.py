@@ -73,7 +73,7 @@ def error_message(error: SnapctlError) -> dict[str, Any]:
         "status": int(error.exit_status),
         "phase": error.phase,
         "path": None if error.path is None else str(error.path),
-        "log_tail": error.excerpt,
+        "log_tail": error.log_tail,
     }
 
 

@@ -24,6 +24,7 @@ import psutil
 
 from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
 from snapctl.images.manifest import MANIFEST_NAME
+from snapctl.phases import HostPhase
 from snapctl.pool.identity import manifest_digest, published_identity
 from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
 from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
@@ -117,7 +118,9 @@ class _Parked:
             self.copy.manifest.image_id,
             manifest_digest(self.copy.manifest),
         ):
-            raise ParkedCopyUnusableError("the image changed during the restore", phase="pool")
+            raise ParkedCopyUnusableError(
+                "the image changed during the restore", phase=HostPhase.POOL
+            )
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         previous = os.umask(0o177)  # 0600 from its creation on
         try:
@@ -213,16 +216,20 @@ class _Parked:
                     break
                 data += chunk
         except OSError as error:
-            raise ParkedCopyUnusableError(f"no order read: {error}", phase="pool") from error
+            raise ParkedCopyUnusableError(
+                f"no order read: {error}", phase=HostPhase.POOL
+            ) from error
         line = data.split(b"\n", 1)[0]
         try:
             order = ActivationOrder.model_validate_json(line)
         except ValueError as error:
             raise ParkedCopyUnusableError(
-                f"not an activation order: {error}", phase="pool"
+                f"not an activation order: {error}", phase=HostPhase.POOL
             ) from error
         if order.action == "activate" and order.request is None:
-            raise ParkedCopyUnusableError("an activate order needs its request", phase="pool")
+            raise ParkedCopyUnusableError(
+                "an activate order needs its request", phase=HostPhase.POOL
+            )
         return order
 
     def activate(self, request: CopyRequest, reporter: Reporter) -> Any:
@@ -238,7 +245,7 @@ class _Parked:
             why = f"{self.request.image} was replaced since this copy was parked"
         if why is not None:
             raise ParkedCopyUnusableError(f"parked copy {self.id} cannot serve: {why}",
-                                          phase="pool")  # fmt: skip
+                                          phase=HostPhase.POOL)  # fmt: skip
         check_request(request)
         options = launch_options(request)
         publish = None if request.publish is None else (request.publish.address,

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 from snapctl.pool.models import CopyRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
+from snapctl.protocol.models import Phase
 from snapctl.supervision.state import StateDir
 
 # on_progress(lane, step): lane "" for a single copy, "copy N" for one of --count N.
@@ -63,6 +65,15 @@ class ParkedHandle:
     port: int
 
 
+def wire_phase(value: object) -> HostPhase | Phase | None:
+    """An error's phase as it came over the wire (its value), as the enum it was."""
+    if isinstance(value, str):
+        for kind in (HostPhase, Phase):
+            with contextlib.suppress(ValueError):
+                return kind(value)
+    return None
+
+
 def relay(lines: Iterable[bytes], on_progress: LaneProgress) -> dict[str, Any]:
     """Read a supervisor's report wire up to its outcome: the report, or its error raised."""
     for line in lines:
@@ -74,13 +85,15 @@ def relay(lines: Iterable[bytes], on_progress: LaneProgress) -> dict[str, Any]:
             raise SupervisorError(
                 message["error"],
                 exit_status=message.get("status", 1),
-                phase=message.get("phase"),
+                phase=wire_phase(message.get("phase")),
                 path=message.get("path"),
                 log_tail=message.get("log_tail"),
             )
         report: dict[str, Any] = message["report"]
         return report
-    raise SupervisorError("the copy's supervisor exited before reporting", phase="supervise")
+    raise SupervisorError(
+        "the copy's supervisor exited before reporting", phase=HostPhase.SUPERVISE
+    )
 
 
 def request_payload(request: CopyRequest) -> dict[str, Any]:
@@ -105,7 +118,7 @@ def copy_via_supervisor(
     try:
         read_fd = spawner.spawn(job)
     except SpawnerGoneError as error:
-        raise SupervisorError(str(error), phase="supervise") from error
+        raise SupervisorError(str(error), phase=HostPhase.SUPERVISE) from error
     with os.fdopen(read_fd, "rb") as reader:
         return relay(reader, progress)
 
@@ -128,15 +141,25 @@ def activate_taken(
         except OSError as error:
             raise ParkedCopyUnusableError(
                 f"parked copy {handle.id} does not answer ({error.strerror}); restore instead",
-                phase="pool", path=handle.socket,
+                phase=HostPhase.POOL, path=handle.socket,
             ) from error  # fmt: skip
+        heard: list[str] = []
+
+        def relayed(lane: str, step: str) -> None:
+            heard.append(step)
+            progress(lane, step)
+
         with conn.makefile("rb") as reader:
             try:
-                return relay(reader, progress)
+                return relay(reader, relayed)
             except SupervisorError as error:
-                if error.phase == "pool":  # refused before anything was activated
+                # Refused before anything was activated, or gone before it began (discarded
+                # as its agent took it, say): a fresh restore can still serve the request.
+                if error.phase == HostPhase.POOL or (
+                    error.phase == HostPhase.SUPERVISE and not heard
+                ):
                     raise ParkedCopyUnusableError(
-                        error.message, phase="pool", path=handle.socket
+                        error.message, phase=HostPhase.POOL, path=handle.socket
                     ) from error
                 raise
     finally:

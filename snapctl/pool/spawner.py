@@ -127,6 +127,10 @@ def _serve(channel: socket.socket, runner: JobRunner) -> None:
             for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
                 signal.signal(signum, signal.SIG_DFL)
             os.setsid()
+            # Not the agent's stdin: a supervisor reads nothing, and outlives whatever that is.
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
             code = 1
             try:
                 runner(job, pipe_fd)

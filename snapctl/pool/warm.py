@@ -26,6 +26,7 @@ import psutil
 
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError
+from snapctl.phases import HostPhase
 from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import (
@@ -39,7 +40,13 @@ from snapctl.pool.models import (
     PoolListing,
     PoolTarget,
 )
-from snapctl.pool.records import discard_recorded, load_parked_records, pool_dir
+from snapctl.pool.records import (
+    SOCKET_NAME,
+    discard_recorded,
+    load_parked_records,
+    parked_home,
+    pool_dir,
+)
 from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import write_json_atomic
@@ -55,6 +62,8 @@ BACKOFF_MAX_S = 30.0
 # The memory of parked copies is read (PSS, a walk of each tree's smaps) this often.
 MEMORY_EVERY_S = 2.0
 VERIFY_EVERY_S = 5.0
+# sun_path holds 108 bytes, the last one a NUL.
+MAX_SOCKET_PATH = 107
 
 
 class PoolError(SnapctlError):
@@ -74,6 +83,7 @@ class _Slot:
     parked_at: float | None = None
     memory_bytes: int | None = None
     discarding: bool = False
+    taken: bool = False  # handed out by take(): the taker's now, never discarded here
 
     @property
     def ready(self) -> bool:
@@ -187,24 +197,32 @@ class WarmPool:
         """Keep ``size`` parked copies of ``image`` (0 keeps the target, parks nothing);
         refused unless ``image`` is a published image."""
         key = image_key(image)
+        sample = parked_home(self.state, "pool-" + "0" * 12) / SOCKET_NAME
+        if len(os.fsencode(sample)) > MAX_SOCKET_PATH:
+            raise PoolError(f"{self.state.root} is too long a path for the parked copies' "
+                            f"sockets ({len(os.fsencode(sample))} bytes, at most "
+                            f"{MAX_SOCKET_PATH}): use a shorter SNAPCTL_STATE_DIR",
+                            phase=HostPhase.POOL, path=self.state.root)  # fmt: skip
         if published_identity(Path(key)) is None:
             raise PoolError(f"{key} is not a published image (bake one, or give its directory)",
-                            phase="pool", path=Path(key))  # fmt: skip
+                            phase=HostPhase.POOL, path=Path(key))  # fmt: skip
         try:
             target = PoolTarget(image=key, size=size, lazy=lazy, max_memory=max_memory)
         except ValueError as error:
-            raise PoolError(f"invalid pool target: {error}", phase="pool") from error
+            raise PoolError(f"invalid pool target: {error}", phase=HostPhase.POOL) from error
+        stale: list[_Slot] = []
         with self._lock:
             entry = self._images.get(key)
             if entry is None:
                 self._images[key] = _Image(target)
             else:
                 if entry.target.lazy != target.lazy:
-                    for slot in entry.slots:  # parked the other way: not what is asked now
-                        self._discard_later(slot, "target")
+                    stale = list(entry.slots)  # parked the other way: not what is asked now
                 entry.target = target
                 entry.failures, entry.retry_at = 0, 0.0
             self._save_targets()
+        for slot in stale:
+            self._discard_later(slot, "target")
         self._start_thread()
         self._wake.set()
         return target
@@ -216,7 +234,7 @@ class WarmPool:
             entry = self._images.pop(key, None)
             if entry is None:
                 raise PoolError(f"no pool target for {key} (see snapctl pool ls)",
-                                phase="pool", path=Path(key))  # fmt: skip
+                                phase=HostPhase.POOL, path=Path(key))  # fmt: skip
             self._save_targets()
             slots = list(entry.slots)
         for slot in slots:
@@ -277,6 +295,7 @@ class WarmPool:
                                        slot.record.supervisor_start_time):  # fmt: skip
                     continue  # died: the next tick drops it
                 entry.slots.remove(slot)
+                slot.taken = True
                 record = slot.record
                 break
             else:
@@ -368,7 +387,8 @@ class WarmPool:
                     self._drop(entry, slot, "died")
                     continue
                 if measure or slot.memory_bytes is None:
-                    slot.memory_bytes = record_memory(record)
+                    # A read that failed (a process between states) keeps the last one.
+                    slot.memory_bytes = record_memory(record) or slot.memory_bytes
             self._enforce(key, entry)
             self._refill(key, entry, now)
 
@@ -484,7 +504,7 @@ class WarmPool:
             with os.fdopen(read_fd, "rb") as reader:
                 record = _wait_parked(reader)
         except (SnapctlError, SpawnerGoneError, OSError, ValueError) as error:
-            phase = getattr(error, "phase", None) or "restore"
+            phase = (error.phase if isinstance(error, SnapctlError) else None) or HostPhase.RESTORE
             with self._lock:
                 if slot in entry.slots:
                     entry.slots.remove(slot)
@@ -500,7 +520,13 @@ class WarmPool:
             slot.parked_at = time.monotonic()
             entry.failures = 0
             entry.last_failure = None
-            wanted = slot in entry.slots and not self._closing.is_set()
+            # Not if its target was removed or changed, or the pool closes, meanwhile.
+            wanted = (
+                not slot.discarding
+                and self._images.get(slot.image) is entry
+                and slot in entry.slots
+                and not self._closing.is_set()
+            )
         if not wanted:
             self._discard_now(slot, "closing")
             return
@@ -513,6 +539,8 @@ class WarmPool:
     def _drop(self, entry: _Image, slot: _Slot, reason: DiscardReason) -> None:
         """A copy gone by itself: forget it, clean up what it left."""
         with self._lock:
+            if slot.taken:
+                return
             if slot in entry.slots:
                 entry.slots.remove(slot)
         if slot.record is not None:
@@ -522,15 +550,17 @@ class WarmPool:
     def _discard_later(self, slot: _Slot, reason: DiscardReason) -> None:
         """Discard in a thread of its own: a copy's stop must not hold up the others."""
         with self._lock:
-            if slot.discarding:
+            if slot.discarding or slot.taken:
                 return
             slot.discarding = True
         threading.Thread(target=self._discard_now, args=(slot, reason), daemon=True,
                          name=f"discard-{slot.id}").start()  # fmt: skip
 
     def _discard_now(self, slot: _Slot, reason: DiscardReason) -> None:
-        slot.discarding = True
         with self._lock:
+            if slot.taken:
+                return
+            slot.discarding = True
             for entry in self._images.values():
                 if slot in entry.slots:
                     entry.slots.remove(slot)
@@ -553,7 +583,9 @@ def _wait_parked(reader: Any) -> ParkedRecord:
         if "progress" in message:
             continue
         relay([line], ignore)  # raises its error
-    raise SupervisorError("the parked copy's supervisor exited before parking", phase="restore")
+    raise SupervisorError(
+        "the parked copy's supervisor exited before parking", phase=HostPhase.RESTORE
+    )
 
 
 def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:

@@ -21,7 +21,6 @@ from snapctl.activation.launch import (
     LaunchOptions,
     fixture_command,
     launch_in_sandbox,
-    log_tail,
     repo_root,
 )
 from snapctl.activation.session import Session
@@ -29,7 +28,9 @@ from snapctl.activation.states import SessionState
 from snapctl.activation.timeouts import ready_timeout_hint
 from snapctl.errors import SnapctlError
 from snapctl.images.manifest import Manifest
+from snapctl.logtail import log_tail
 from snapctl.namespaces.netns import NetnsConnector, Publisher
+from snapctl.phases import HostPhase
 from snapctl.supervision.state import StateDir
 
 Progress = Callable[[str], None]
@@ -175,7 +176,7 @@ def start_reference(
         except SnapctlError as error:
             raise LaunchError(
                 f"the reference server never served: {error.message}",
-                phase="reference",
+                phase=HostPhase.REFERENCE,
                 path=session.dirs.server_log,
                 log_tail=log_tail(session.dirs.server_log),
             ) from error

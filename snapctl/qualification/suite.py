@@ -24,6 +24,7 @@ from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import load_manifest
 from snapctl.images.manifest import MANIFEST_NAME
+from snapctl.phases import HostPhase
 from snapctl.qualification import checks
 from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
 from snapctl.qualification.faults import FaultMode, run_fault, run_stale
@@ -115,7 +116,7 @@ def parse_runs(text: str | None, *, lazy: bool = False) -> tuple[str, ...]:
     if unknown or not names:
         raise QualificationError(
             f"unknown run {unknown[0]!r}" if unknown else "no run named",
-            phase="plan",
+            phase=HostPhase.PLAN,
         )
     return tuple(name for name in RUN_ORDER if name in names)
 
@@ -141,7 +142,7 @@ def _image_for(plan: Plan, work: Path) -> Path:
         return (plan.image or work / "image").absolute()
     if plan.image is None:
         raise QualificationError(
-            "without the donor run, --image must name an existing image", phase="plan"
+            "without the donor run, --image must name an existing image", phase=HostPhase.PLAN
         )
     load_manifest(plan.image)  # refuse early a path that is no published image
     return plan.image.absolute()
@@ -260,7 +261,7 @@ def _perform(name: str, plan: Plan, ctx: RunContext) -> list[RunResult]:
         return [run_criu_restore_fault(ctx)]
     if name == "criu-dump-fault":
         return [run_criu_dump_fault(ctx)]
-    raise QualificationError(f"unknown run {name!r}", phase="plan")
+    raise QualificationError(f"unknown run {name!r}", phase=HostPhase.PLAN)
 
 
 def require_passed(report: Report) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import requests
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 
 # Credentials when there is no docker config (CI jobs): both or neither.
 USERNAME_ENV = "SNAPCTL_REGISTRY_USERNAME"
@@ -33,8 +34,14 @@ class RegistryError(SnapctlError):
     """A registry refused, could not be reached, or answered outside the distribution API."""
 
     def __init__(self, message: str, *, reference: str | None = None) -> None:
-        super().__init__(message, phase="registry")
+        super().__init__(message, phase=HostPhase.REGISTRY)
         self.reference = reference
+
+
+class RegistryUnreachableError(RegistryError):
+    """The registry could not be reached, or a transfer from it broke off (the network)."""
+
+    exit_status = ExitStatus.UNAVAILABLE
 
 
 class BlobMismatchError(RegistryError):
@@ -195,7 +202,7 @@ class RegistryClient:
                 reference=str(self.reference),
             ) from error
         except requests.RequestException as error:
-            raise RegistryError(
+            raise RegistryUnreachableError(
                 f"cannot reach {self.reference.registry}: {error.__class__.__name__}: {error}",
                 reference=str(self.reference),
             ) from error
@@ -312,7 +319,7 @@ class RegistryClient:
                     if piece:
                         yield piece
             except requests.RequestException as error:
-                raise RegistryError(
+                raise RegistryUnreachableError(
                     f"blob {digest}: the transfer broke off ({error.__class__.__name__}); "
                     "pull again to resume it", reference=str(self.reference),
                 ) from error  # fmt: skip
@@ -323,8 +330,13 @@ class RegistryClient:
 
 def _read_bounded(response: requests.Response, max_bytes: int, what: str) -> bytes:
     data = bytearray()
-    for piece in response.iter_content(STREAM_PIECE):
-        data += piece
-        if len(data) > max_bytes:
-            raise BlobMismatchError(f"{what} exceeds {max_bytes} bytes")
+    try:
+        for piece in response.iter_content(STREAM_PIECE):
+            data += piece
+            if len(data) > max_bytes:
+                raise BlobMismatchError(f"{what} exceeds {max_bytes} bytes")
+    except requests.RequestException as error:
+        raise RegistryUnreachableError(
+            f"{what}: the transfer broke off ({error.__class__.__name__})"
+        ) from error
     return bytes(data)

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -41,7 +42,7 @@ def check_name(name: str) -> str:
     """``name`` if it is a valid activation name, else :class:`InvalidNameError`."""
     if not NAME_PATTERN.fullmatch(name):
         shown = name if len(name) <= 70 else name[:67] + "..."
-        raise InvalidNameError(f"invalid name {shown!r}: use {NAME_RULE}", phase="name")
+        raise InvalidNameError(f"invalid name {shown!r}: use {NAME_RULE}", phase=HostPhase.NAME)
     return name
 
 
@@ -111,17 +112,20 @@ def reserve_name(records: Path, name: str) -> NameReservation:
         reservation = lock_name(records, name)
     except OSError as error:
         raise SnapctlError(
-            f"cannot reserve the name {name!r}: {error.strerror}", phase="name", path=records
+            f"cannot reserve the name {name!r}: {error.strerror}",
+            phase=HostPhase.NAME,
+            path=records,
         ) from error
     if reservation is None:
         raise NameInUseError(
-            f"the name {name!r} is in use by another activation (see snapctl ps)", phase="name"
+            f"the name {name!r} is in use by another activation (see snapctl ps)",
+            phase=HostPhase.NAME,
         )
     if (records / f"{name}.json").exists():
         reservation.release()
         raise NameInUseError(
             f"the name {name!r} is in use by an activation whose supervisor is gone "
             "(snapctl gc cleans it up; snapctl ps lists it)",
-            phase="name",
+            phase=HostPhase.NAME,
         )
     return reservation

@@ -112,7 +112,8 @@ def test_copy_refuses_a_bad_waiver_before_starting(
 
     code = main(["copy", "--image", str(tmp_path / "image"), "--allow-mismatch", field])
 
-    assert code == ExitStatus.ERROR and message in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert code == ExitStatus.USAGE and message in error and "'--allow-mismatch'" in error
     assert not (tmp_path / "state" / "activations").exists()
 
 

@@ -115,7 +115,7 @@ def test_a_daemon_that_fails_fails_the_restore_with_its_own_error_and_leaves_not
     handed: list[LazyPagesDaemon] = []
     with pytest.raises(CriuError) as info:
         restore(fake, tmp_path, handed)
-    assert info.value.action == "lazy-pages" and "no socket" in info.value.tail
+    assert info.value.action == "lazy-pages" and "no socket" in (info.value.log_tail or "")
     assert handed == []
     # The restore got an empty inventory, failed on it, and was waited for.
     assert (tmp_path / "inventory.read").read_bytes() == b""
@@ -129,7 +129,7 @@ def test_a_failed_restore_leaves_its_daemon_to_whoever_took_it_over(
     handed: list[LazyPagesDaemon] = []
     with pytest.raises(CriuError) as info:
         restore(fake, tmp_path, handed)
-    assert info.value.action == "restore" and "no luck" in info.value.tail
+    assert info.value.action == "restore" and "no luck" in (info.value.log_tail or "")
     assert gone(tmp_path / "restore.pid")
     [daemon] = handed
     assert daemon.poll() is None

@@ -277,3 +277,29 @@ def test_image_replaced_after_the_take_is_refused_before_activation(
     assert report["from_pool"] is True and report["image_id"] != record.image_id
     assert complete(report["published"]) == expected
     host(op="close")
+
+
+def test_gc_without_an_agent_ends_what_a_killed_parked_supervisor_left(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+) -> None:
+    from snapctl.activation.supervise import collect_garbage
+
+    image, _expected = donor_image
+    host = Host(state)
+    hosts.append(host)
+    host(op="adopt")
+    host(op="set", image=str(image), size=1, lazy=False)
+    host.wait_parked(1)
+    ((home, record),) = load_parked_records(state)
+    assert record is not None and record.root_pid is not None
+    os.kill(record.supervisor_pid, signal.SIGSTOP)  # it cannot discard itself
+    host.kill()  # first: no agent to notice the supervisor die
+    os.kill(record.supervisor_pid, signal.SIGKILL)  # its tree is left without a supervisor
+    until(lambda: gone(record.supervisor_pid, record.supervisor_start_time), timeout_s=10)
+    assert not gone(record.root_pid, record.root_start_time)
+
+    report = collect_garbage(state)
+
+    assert str(home) in report.removed and report.clean
+    assert gone(record.root_pid, record.root_start_time)
+    assert not home.exists() and leftovers(state) == []

@@ -95,3 +95,13 @@ def test_restore_fits() -> None:
     assert restore_fits(parked, CopyRequest(image="/img", host="127.0.0.2")) is not None
     assert restore_fits(parked, CopyRequest(image="/img", allow_mismatch=("kernel",))) is not None
     assert restore_fits(parked, CopyRequest(image="/img", count=2)) is not None
+
+
+def test_a_state_dir_too_long_for_the_sockets_is_refused(tmp_path: Path) -> None:
+    from snapctl.pool import WarmPool
+    from snapctl.pool.warm import PoolError
+
+    state = StateDir(tmp_path / ("s" * 80))
+    warm = WarmPool(state, spawner=None)  # type: ignore[arg-type]
+    with pytest.raises(PoolError, match="too long a path"):
+        warm.set(tmp_path, 1)

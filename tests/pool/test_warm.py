@@ -9,6 +9,7 @@ import datetime
 import json
 import os
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,9 +54,12 @@ class FakeSpawner:
         self.jobs: list[dict[str, Any]] = []
         self.children: list[subprocess.Popen[bytes]] = []
         self.fail_with: str | None = None
+        self.gate: threading.Event | None = None  # when set: each restore waits for it
 
     def spawn(self, job: dict[str, Any]) -> int:
         self.jobs.append(job)
+        if self.gate is not None:
+            assert self.gate.wait(30)
         read_fd, write_fd = os.pipe()
         with os.fdopen(write_fd, "w") as writer:
             if self.fail_with is not None:
@@ -310,3 +314,52 @@ def test_close_discards_every_parked_copy(
     warm.close(5.0)
     assert spawner.alive() == []
     assert [p.name for p in (state.root / "pool").iterdir()] == ["targets.json"]
+
+
+def test_a_taken_copy_is_the_takers_even_if_a_tick_saw_it_before(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    """A tick that listed the copy just before the take must not discard it under the taker
+    (the parked copy checks its image itself when the taker's order comes)."""
+    warm, events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    (seen,) = warm._images[str(image)].slots
+    handle = warm.take(image)
+    assert handle is not None and handle.id == seen.id
+    warm._discard_now(seen, "replaced")  # what that tick does next
+    warm._discard_later(seen, "replaced")
+    warm._drop(warm._images[str(image)], seen, "died")
+    time.sleep(0.5)
+    taken = [c for c in spawner.children if c.pid == handle.supervisor_pid]
+    assert taken and taken[0].poll() is None
+    assert parked_home(warm.state, handle.id).exists()
+    assert not any(event[0] == "discarded" for event in events.seen)
+
+
+def test_changing_lazy_discards_what_was_parked_the_other_way(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1, lazy=False)
+    until(lambda: len(parked(warm)) == 1)
+    (old,) = parked(warm)
+    warm.set(image, 1, lazy=True)
+    until(lambda: ("discarded", "target") in events.seen)
+    until(lambda: len(parked(warm)) == 1 and parked(warm) != [old])
+    assert [job["request"]["lazy"] for job in spawner.jobs] == [False, True]
+
+
+def test_a_target_removed_while_its_copy_restores_leaves_nothing(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, _events = pool
+    spawner.gate = threading.Event()
+    warm.set(image, 1)
+    until(lambda: len(spawner.jobs) == 1)
+    warm.remove(image)
+    spawner.gate.set()  # the restore ends after its target went
+    until(lambda: len(spawner.children) == 1)
+    home = parked_home(warm.state, spawner.jobs[0]["id"])
+    until(lambda: spawner.alive() == [] and not home.exists())
+    assert warm.listing().entries == ()

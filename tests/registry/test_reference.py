@@ -3,10 +3,13 @@ OCI layout's own checks (no registry needed)."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
+from snapctl.cli import main
+from snapctl.errors import ExitStatus
 from snapctl.registry import layout
 from snapctl.registry.client import Reference, RegistryClient, RegistryError, docker_configs
 from snapctl.registry.source import is_reference
@@ -85,3 +88,19 @@ def test_credentials_never_follow_a_location_to_another_origin(location: str) ->
     client.check_same_origin("http://127.0.0.1:5000/v2/x/blobs/uploads/1?state=a", "Location")
     with pytest.raises(RegistryError, match="only to the registry"):
         client.check_same_origin(location, "the upload Location")
+
+
+def test_an_unreachable_registry_exits_unavailable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("NO_PROXY", "*")  # loopback only, whatever proxy the machine has
+    with socket.socket() as never_listens:  # bound, not listening: connections are refused
+        never_listens.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{never_listens.getsockname()[1]}"
+        code = main(["image", "pull", f"{address}/x/y:v1", "--to", str(tmp_path / "out"),
+                     "--plain-http"])  # fmt: skip
+
+    assert code == ExitStatus.UNAVAILABLE
+    assert f"cannot reach {address}" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

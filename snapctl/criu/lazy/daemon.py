@@ -23,7 +23,7 @@ from snapctl.criu.lazy.pagemap import link_relative
 from snapctl.criu.lazy.relay import TransferHold
 from snapctl.criu.locate import CriuBinary
 from snapctl.criu.ops import INVENTORY, RESTORE_LOG_LEVEL, restore_args
-from snapctl.criu.run import CriuError, CriuProcess, CriuResult, log_tail, spawn_criu, start_criu
+from snapctl.criu.run import CriuError, CriuProcess, CriuResult, spawn_criu, start_criu
 
 
 class LazyPagesDaemon:
@@ -58,13 +58,13 @@ class LazyPagesDaemon:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CriuError("lazy-pages", None, self.log_path, log_tail(self.log_path))
+                    raise CriuError("lazy-pages", None, self.log_path)
                 if select.select([read_fd], [], [], left)[0]:
                     break
             if os.read(read_fd, 1) != b"\0":
                 # The pipe closed without the ready byte: the daemon failed to start.
                 status = self.wait(timeout_s)
-                raise CriuError("lazy-pages", status, self.log_path, log_tail(self.log_path))
+                raise CriuError("lazy-pages", status, self.log_path)
         except BaseException:
             self.kill()
             raise
