@@ -37,7 +37,7 @@ from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import repo_root
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import find_criu
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 SNAPCTL = [sys.executable, "-m", "snapctl"]
 MODES = ("in-process", "agent plain", "agent lazy", "agent pool")

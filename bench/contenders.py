@@ -26,7 +26,7 @@ from bench.workload import (
 from snapctl.activation.copy import start_copy
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary, read_restore_stats
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from snapctl.registry.client import Reference, RegistryClient
 from snapctl.registry.pull import pull_image
 from snapctl.registry.push import PushReport, push_image
 from snapctl.registry.source import pull_for_copy
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.registry.server import start_registry
 
 

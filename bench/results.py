@@ -7,16 +7,14 @@ from __future__ import annotations
 import statistics
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from snapctl.models import StrictModel
 
 Unit = Literal["s", "ms", "MB/s", "x"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class Machine(_Strict):
+class Machine(StrictModel):
     """Where the figures were measured (they mean little without it)."""
 
     cpu: str
@@ -29,7 +27,7 @@ class Machine(_Strict):
     date: str
 
 
-class Settings(_Strict):
+class Settings(StrictModel):
     """What was measured and how often."""
 
     quick: bool
@@ -46,7 +44,7 @@ class Settings(_Strict):
     at_once_reps: int = 0
 
 
-class Figure(_Strict):
+class Figure(StrictModel):
     """One quantity for one contender (and size), with every sample kept."""
 
     metric: str
@@ -68,7 +66,7 @@ class Figure(_Strict):
         return max(self.samples)
 
 
-class Target(_Strict):
+class Target(StrictModel):
     """A goal stated as a ratio (or a bound) and whether this run met it."""
 
     name: str
@@ -80,7 +78,7 @@ class Target(_Strict):
     note: str = ""
 
 
-class Results(_Strict):
+class Results(StrictModel):
     """Everything one ``python -m bench`` run measured."""
 
     schema_version: Literal[1] = 1

@@ -38,8 +38,8 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.criu import find_criu, read_dump_stats
 from snapctl.images import verify_image
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import become_subreaper
-from snapctl.supervision.state import StateDir
 
 T = TypeVar("T")
 Say = Callable[[str], None]

@@ -35,7 +35,7 @@ from snapctl.activation.launch import (
 )
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary, read_dump_stats
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 TIMEOUT_S = 900.0
 KV_CACHE_BYTES = 64 * 2**20

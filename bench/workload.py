@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from snapctl.activation.launch import LaunchOptions, fixture_command, repo_root
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 PROMPT = "The capital of"
 MAX_TOKENS = 8

@@ -18,12 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from snapctl import __version__
 from snapctl.criu.external import undumpable
 from snapctl.criu.locate import INSTALL_HINT, CriuBinary, find_criu
 from snapctl.errors import SnapctlError
+from snapctl.models import StrictModel
 from snapctl.namespaces.hostview import HostMount, hidden_mounts, hides
 from snapctl.namespaces.mounts import mount_lines, mount_type
 
@@ -54,10 +53,8 @@ SEARCH_ORDER = "SNAPCTL_CRIU, the prefix, PATH"
 MAX_HIDDEN_SHOWN = 8
 
 
-class Check(BaseModel):
+class Check(StrictModel):
     """One line of the report."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str
     status: CheckStatus
@@ -65,10 +62,8 @@ class Check(BaseModel):
     fix: str | None = None
 
 
-class DoctorReport(BaseModel):
+class DoctorReport(StrictModel):
     """All checks; ``ready`` is false when any check failed (capture cannot work here)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: Literal[1] = 1
     snapctl_version: str

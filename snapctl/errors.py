@@ -14,8 +14,8 @@ drawing lists every class, under its base, with its code)::
     ├── CanaryMismatchError            5  errors: a canary result differs from its oracle
     ├── NoSpaceError                   7  errors: a disk filled up (ENOSPC): where, how much free
     ├── ProcessGoneError               1  supervision.process: a recorded PID is gone or reused
-    ├── InvalidNameError               2  supervision.names: a --name outside the pattern
-    ├── NameInUseError                 6  supervision.names: another activation has the name
+    ├── InvalidNameError               2  statedir.names: a --name outside the pattern
+    ├── NameInUseError                 6  statedir.names: another activation has the name
     ├── PublishError                   2  namespaces.publish: a --publish address refused
     ├── PublishAddressMissing          7  namespaces.publish: the address is not on this host
     ├── PortInUseError                 6  namespaces.publish: the port is taken
@@ -46,14 +46,14 @@ drawing lists every class, under its base, with its code)::
     │   ├── ImageWriteError            1  images.store: staging or publishing failed on disk
     │   └── ArchiveError               5  images.archive: an archive is malformed or hostile
     ├── ImageBusyError                 6  images.lock: a copy holds the image, or it changes
-    ├── IdentityMismatchError          5  images.identity: this host differs, not waived
+    ├── IdentityMismatchError          5  images.identity.compare: this host differs, not waived
     ├── RegistryError                  1  registry.client: refused, or outside the API
     │   ├── RegistryUnreachableError   7  registry.client: the registry cannot be reached
     │   └── BlobMismatchError          5  registry.client: a blob does not match its digest
     ├── QualificationError             1  qualification.suite: cannot be set up
     ├── QualificationFailed            5  qualification.suite: a qualification check failed
     ├── StartupCaptureError            1  launcher: in the server, error.json written
-    ├── UsageError                     2  launcher.vllm.cli: in the server, a bad command line
+    ├── UsageError                     2  launcher.vllm.usage: in the server, a bad command line
     └── CanaryError                    1  launcher.vllm.hooks: in the server, a bad canary
 
 The last three are raised inside the server (by :mod:`snapctl.launcher`, which the server

@@ -3,7 +3,6 @@ original tree and audit the cleanup. The image is the same as a donor capture's.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
@@ -15,9 +14,8 @@ from snapctl.activation.tools import REAL_TOOLS, Tools
 from snapctl.criu import CriuBinary
 from snapctl.criu.stats import DumpStats
 from snapctl.images import load_manifest
-from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
+from snapctl.progress import Progress
+from snapctl.statedir import StateDir
 
 
 class BakeReport(BaseModel):

@@ -41,11 +41,10 @@ from snapctl.images import ImageError, Manifest
 from snapctl.images.lock import hold_image
 from snapctl.logtail import log_tail
 from snapctl.phases import HostPhase
-from snapctl.supervision.names import NameReservation, numbered_names
+from snapctl.progress import Progress
+from snapctl.statedir import StateDir
+from snapctl.statedir.names import NameReservation, numbered_names
 from snapctl.supervision.process import ProcessGoneError
-from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
 
 __all__ = ["ParkedCopy", "RestoreError", "activate_copy", "restore_copy", "start_copy"]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,8 @@ from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest
 from snapctl.images.lock import ImageHold
 from snapctl.namespaces.layout import ActivationDirs
-from snapctl.supervision.names import NameReservation
-from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
+from snapctl.statedir import StateDir
+from snapctl.statedir.names import NameReservation
 
 
 class ActivationReport(BaseModel):
@@ -64,7 +61,7 @@ def new_activation_id(kind: str) -> str:
 
 def reserve_session_name(state: StateDir, kind: str, name: str | None) -> NameReservation:
     """Reserve the activation's name (``name``, else a fresh activation id) before anything
-    starts; a name in use is refused here (see ``snapctl.supervision.names``)."""
+    starts; a name in use is refused here (see ``snapctl.statedir.names``)."""
     return state.reserve_name(name or new_activation_id(kind))
 
 

@@ -10,7 +10,7 @@ import platform
 import shutil
 import socket
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +40,9 @@ from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
 from snapctl.phases import HostPhase
+from snapctl.progress import Progress
 from snapctl.protocol.models import CaptureReady
-from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
+from snapctl.statedir import StateDir
 
 
 class CaptureError(SnapctlError):

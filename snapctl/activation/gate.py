@@ -8,16 +8,12 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from snapctl.activation.launch import LaunchOptions, redact_argv, snapshot_config_arg
-from snapctl.images.identity import (
-    Difference,
-    Identity,
-    IdentityMismatchError,
-    current_identity,
-    require_match,
-    tree_files,
-)
+from snapctl.images.identity.compare import IdentityMismatchError, require_match
+from snapctl.images.identity.host import current_identity
+from snapctl.images.identity.models import Difference, Identity
+from snapctl.images.identity.tree import tree_files
 from snapctl.images.manifest import Manifest
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 def file_hash_cache(state: StateDir) -> Path:

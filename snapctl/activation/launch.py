@@ -35,8 +35,8 @@ from snapctl.namespaces.layout import (
 from snapctl.phases import HostPhase
 from snapctl.protocol.models import CaptureReady, ControlFile, ErrorReport, SnapshotConfig
 from snapctl.protocol.waiter import wait_for
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
-from snapctl.supervision.state import StateDir
 
 SECRET_FLAGS = ("--api-key", "--token", "--hf-token", "--password")
 
@@ -64,7 +64,7 @@ class LaunchOptions:
     fixture_params_mb: int = 4
     fixture_retained_mb: int = 16
     fixture_kv_mb: int = 8
-    # Identity fields a copy may differ in (``--allow-mismatch``); see images.identity.
+    # Identity fields a copy may differ in (``--allow-mismatch``); see images.identity.compare.
     allow_mismatch: tuple[str, ...] = ()
 
     @property

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from pathlib import Path
 
 from snapctl.activation.memory import LazyPages
@@ -28,9 +27,8 @@ from snapctl.criu.lazy.transfer import LazyTransfer
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import Manifest
 from snapctl.phases import HostPhase
+from snapctl.progress import Progress
 from snapctl.supervision.process import PinnedProcess
-
-Progress = Callable[[str], None]
 
 
 class RestoreError(SnapctlError):

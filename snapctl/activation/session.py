@@ -26,10 +26,10 @@ from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
-from snapctl.supervision.names import NameReservation
+from snapctl.statedir import ActivationRecord, StateDir
+from snapctl.statedir.names import NameReservation
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
 from snapctl.supervision.signals import track, untrack
-from snapctl.supervision.state import ActivationRecord, StateDir
 
 
 class CleanupAudit(BaseModel):
@@ -156,7 +156,7 @@ class Session:
     memory: Memory = field(default_factory=InPlace)
     # Why the activation was stopped behind the user's back (a lazy-pages daemon that died).
     failure: str | None = None
-    # The name, held until the record is dropped (see snapctl.supervision.names).
+    # The name, held until the record is dropped (see snapctl.statedir.names).
     reservation: NameReservation | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)

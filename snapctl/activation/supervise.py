@@ -21,13 +21,12 @@ from snapctl.activation.session import CleanupAudit, Session, remove_activation
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
 from snapctl.phases import HostPhase
+from snapctl.progress import Progress
 from snapctl.protocol.models import Phase
+from snapctl.statedir import ActivationRecord, StateDir
 from snapctl.supervision.leftovers import TMP_GRACE_S, sweep_claims, sweep_records
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
 from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
-from snapctl.supervision.state import ActivationRecord, StateDir
-
-Progress = Callable[[str], None]
 
 
 def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:

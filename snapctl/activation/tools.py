@@ -27,13 +27,13 @@ from snapctl.criu.lazy.daemon import LazyPagesDaemon, restore_tree_lazily
 from snapctl.criu.ops import dump_tree, restore_tree
 from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest, stage_shm_copy, verify_image
-from snapctl.images.identity import Difference, Identity
+from snapctl.images.identity.models import Difference, Identity
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess, become_subreaper
-from snapctl.supervision.state import StateDir
 
 
 class CriuOps(Protocol):

@@ -27,7 +27,7 @@ SOCKET_ENV = "SNAPCTL_AGENT_SOCKET"
 
 def default_socket_path() -> Path:
     """``$SNAPCTL_AGENT_SOCKET``, else ``STATE/agent.sock``, STATE as
-    :func:`snapctl.supervision.state.state_dir` finds it (read here without importing it:
+    :func:`snapctl.statedir.state_dir` finds it (read here without importing it:
     that module imports pydantic)."""
     if os.environ.get(SOCKET_ENV):
         return Path(os.environ[SOCKET_ENV]).absolute()

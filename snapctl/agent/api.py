@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from snapctl.supervision.state import ActivationRecord
+from snapctl.statedir import ActivationRecord
 
 
 class _Request(BaseModel):

@@ -30,7 +30,7 @@ from snapctl.agent.server import (
 from snapctl.agent.service import AgentService
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import Spawner, WarmPool
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 # How long a stopping agent lets the requests it is answering finish (a copy's restore).
 IN_FLIGHT_WAIT_S = 60.0

@@ -20,7 +20,7 @@ from snapctl.agent.metrics import AgentMetrics
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
 from snapctl.pool.serve import ParkedCopyUnusableError, activate_taken, copy_via_supervisor
-from snapctl.supervision.state import ActivationRecord, StateDir
+from snapctl.statedir import ActivationRecord, StateDir
 
 # One message of a streamed answer: {"lane", "progress"}, {"note"}, then the outcome.
 Emit = Callable[[dict[str, Any]], None]
@@ -181,7 +181,7 @@ class AgentService:
 
         check_waivers(request.allow_mismatch)
         if request.name and request.count > 1:
-            from snapctl.supervision.names import InvalidNameError, numbered_names
+            from snapctl.statedir.names import InvalidNameError, numbered_names
 
             try:
                 numbered_names(request.name, request.count)

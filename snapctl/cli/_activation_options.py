@@ -100,7 +100,7 @@ def check_name_option(ctx: click.Context, param: click.Parameter, value: str | N
     """``--name``/``NAME``: refused as a usage error before anything starts."""
     if value is None:
         return None
-    from snapctl.supervision.names import InvalidNameError, check_name
+    from snapctl.statedir.names import InvalidNameError, check_name
 
     try:
         return check_name(value)

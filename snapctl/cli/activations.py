@@ -18,7 +18,7 @@ from snapctl.plain import PS_COLUMNS, audit_clean, describe_audit, emit_json, pr
 from snapctl.plain import ps_rows as _ps_rows
 
 if TYPE_CHECKING:
-    from snapctl.supervision.state import ActivationRecord
+    from snapctl.statedir import ActivationRecord
 
 
 def json_option(function: Any) -> Any:
@@ -34,8 +34,8 @@ def json_option(function: Any) -> Any:
 
 def activation_rows() -> list[dict[str, Any]]:
     """``ps --json``'s rows, read here: each record, and whether its tree and supervisor run."""
+    from snapctl.statedir import StateDir
     from snapctl.supervision.process import is_same_process
-    from snapctl.supervision.state import StateDir
 
     rows = []
     for record in StateDir().load_records():
@@ -59,7 +59,7 @@ def ps(as_json: bool) -> None:
 
 def _find(name: str) -> ActivationRecord:
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     for record in StateDir().load_records():
         if name in (record.name, record.activation_id):
@@ -79,7 +79,7 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
     client = agent_client()
     if client is None:
         from snapctl.activation.supervise import stop_recorded
-        from snapctl.supervision.state import StateDir
+        from snapctl.statedir import StateDir
 
         record = _find(name)
         how, audit = stop_recorded(record, StateDir(), timeout_s)
@@ -121,7 +121,7 @@ def logs(name: str, follow: bool) -> None:
         return
 
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import ActivationRecord, StateDir
+    from snapctl.statedir import ActivationRecord, StateDir
 
     state = StateDir()
     log = None
@@ -166,7 +166,7 @@ def gc(timeout_s: float, as_json: bool) -> None:
     client = agent_client()
     if client is None:
         from snapctl.activation.supervise import collect_garbage
-        from snapctl.supervision.state import StateDir
+        from snapctl.statedir import StateDir
 
         report = collect_garbage(StateDir(), timeout_s).model_dump(mode="json")
     else:

@@ -54,7 +54,7 @@ def agent(socket_path: Path | None, listen: tuple[str, int] | None, token_file: 
     """
     from snapctl.agent import default_socket_path
     from snapctl.agent.daemon import AgentOptions, run_agent
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     options = AgentOptions(
         socket=socket_path or default_socket_path(), listen=listen, token_file=token_file,

@@ -29,7 +29,7 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     from snapctl.cli.output import Steps, emit_json, stdout
     from snapctl.criu import find_criu
     from snapctl.errors import SnapctlError
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     options = LaunchOptions(
         server_argv=list(server_cmd) or None,

@@ -12,7 +12,8 @@ from snapctl.cli._activation_options import (
     activation_options,
     check_publish_option,
 )
-from snapctl.cli.serving import Progress, serve
+from snapctl.cli.serving import serve
+from snapctl.progress import Progress
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -85,15 +86,15 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
     from snapctl.errors import SnapctlError
     from snapctl.images import load_manifest
-    from snapctl.images.identity import check_waivers, needless_waivers
-    from snapctl.supervision.state import StateDir
+    from snapctl.images.identity.compare import check_waivers, needless_waivers
+    from snapctl.statedir import StateDir
 
     try:
         check_waivers(allow_mismatch)  # a bad name fails before anything starts
     except SnapctlError as error:
         raise click.BadParameter(error.message, param_hint="'--allow-mismatch'") from error
     if common.name and count > 1:
-        from snapctl.supervision.names import InvalidNameError, numbered_names
+        from snapctl.statedir.names import InvalidNameError, numbered_names
 
         try:
             numbered_names(common.name, count)
@@ -199,7 +200,7 @@ def start_many(
     import time
 
     from snapctl.activation.copy import require_all, start_copies
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     started = time.monotonic()
     results = start_copies(
@@ -214,7 +215,7 @@ def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:
     from snapctl.cli.image import transfer_progress
     from snapctl.cli.output import note
     from snapctl.registry.source import is_reference, pull_for_copy, require_image
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     if not is_reference(source):
         return require_image(source)

@@ -13,7 +13,8 @@ from snapctl.cli._activation_options import (
     capture_options,
     check_publish_option,
 )
-from snapctl.cli.serving import Progress, serve
+from snapctl.cli.serving import serve
+from snapctl.progress import Progress
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -28,7 +29,7 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
     from snapctl.criu import find_criu
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     check_publish_option(common)
     options = LaunchOptions(

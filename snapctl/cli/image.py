@@ -143,7 +143,7 @@ def import_(archive: Path, to: Path, force: bool, as_json: bool) -> None:
     """Unpack and verify an image archive, then publish it atomically."""
     from snapctl.cli.output import emit_json
     from snapctl.images.archive import import_image
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     state = StateDir()
     state.ensure()
@@ -264,7 +264,7 @@ def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
     from snapctl.registry.cache import blob_cache
     from snapctl.registry.client import Reference, RegistryClient
     from snapctl.registry.pull import pull_image
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     state = StateDir()
     state.ensure()

@@ -42,7 +42,7 @@ def image_records(root: Path | None) -> list[dict[str, object]]:
     """``images --json``'s rows: the images in ``root`` (default: the image root), and without
     ``root`` the pulled ones (the agent answers ``GET /v1/images`` with the same)."""
     from snapctl.images.catalog import default_image_root, list_images
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     state = StateDir()
     rows = list_images(root.absolute() if root else default_image_root(), state.verified)

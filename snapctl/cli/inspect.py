@@ -31,7 +31,7 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     included) and CRIU's dump statistics.
     """
     from snapctl.registry.source import describe_remote, is_reference, require_image
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     if is_reference(source):
         if verify:
@@ -68,7 +68,7 @@ def inspect_record(image: Path, verify: bool) -> dict[str, Any]:
     /v1/images/inspect`` with the same); ``verify`` hashes every file and records it."""
     from snapctl.images import load_manifest, verify_image
     from snapctl.images.store import record_verified
-    from snapctl.supervision.state import StateDir
+    from snapctl.statedir import StateDir
 
     if verify:
         manifest = verify_image(image)  # always a full hash when asked, cache or not

@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from snapctl.phases import HostPhase
+from snapctl.progress import Progress
 
 # snapctl.cli.output (rich, pydantic) is imported where it is used: `copy --help` and
 # `donor --help` import this module and must stay fast.
-Progress = Callable[[str], None]
 
 
 def render_report(report: Any) -> None:

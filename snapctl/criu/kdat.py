@@ -1,8 +1,8 @@
 """CRIU's kernel probe cache on hosts whose /run is not a tmpfs.
 
 Every CRIU process starts by probing the kernel (``kerndat``: it creates network namespaces,
-forks ptrace tests, reads /proc): 20-40 ms on a 2-core VM, more when two CRIU processes probe
-at once, which is what a lazy copy's daemon and restore do. CRIU keeps the result in
+forks ptrace tests, reads /proc), which takes longer when two CRIU processes probe at once,
+as a lazy copy's daemon and restore do (figures in docs/criu.md). CRIU keeps the result in
 ``/run/criu.kdat``, but only when /run is a tmpfs: a file that outlived a reboot could describe
 another kernel. Where /run is not a tmpfs (some VMs and containers) every restore pays again.
 
@@ -17,7 +17,7 @@ There snapctl keeps the cache itself and gives CRIU a /run of its own:
   on /run, copy the cache into it, exec criu ...'``: CRIU finds its cache, sees every mount the
   host has or makes (slave propagation), and the host sees nothing of its /run. The restored
   tree is unaffected: its root is a plain bind of / and its /run its own tmpfs from the image.
-  The wrapper costs about 4 ms (three small programs); the cache saves 20-30 ms per CRIU process.
+  The wrapper (three small programs) costs far less than the probe it saves (docs/criu.md).
   If the tmpfs cannot be mounted, CRIU runs as before, probing.
 
 Only restores and lazy-pages daemons, where a copy waits, run this way; dumps probe before they
@@ -34,9 +34,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from snapctl.criu.locate import CriuBinary
+from snapctl.models import StrictModel
 from snapctl.namespaces import mounts
 
 KDAT = "criu.kdat"
@@ -54,10 +55,8 @@ MAKE_SCRIPT = (
 MAKE_TIMEOUT_S = 60.0
 
 
-class KdatKey(BaseModel):
+class KdatKey(StrictModel):
     """What a kdat cache describes: this boot, this kernel, this CRIU binary."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     boot_id: str
     kernel: str
@@ -67,10 +66,8 @@ class KdatKey(BaseModel):
     criu_mtime_ns: int
 
 
-class KdatRecord(BaseModel):
+class KdatRecord(StrictModel):
     """``criu.kdat.json``: the key a cache was made for, and its content's sha256."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     key: KdatKey
     sha256: str
@@ -95,8 +92,8 @@ def current_key(criu: CriuBinary) -> KdatKey:
 
 
 def cached_kdat(criu: CriuBinary, cache_dir: Path) -> Path | None:
-    """The kdat cache for this boot, kernel and CRIU, made now if there is none (about 50 ms);
-    None if it cannot be made."""
+    """The kdat cache for this boot, kernel and CRIU, made now if there is none (one ``criu
+    check``); None if it cannot be made."""
     try:
         key = current_key(criu)
     except OSError:

@@ -3,7 +3,7 @@
 A CRIU unpacked by ``scripts/install-criu`` is a shell wrapper that runs the real binary through
 its own unpacked loader. The installer also writes :data:`LAUNCH_FILE` beside ``bin/``, the
 same command as data, so snapctl runs the loader directly: the wrapper's shell, ``readlink`` and
-two ``dirname`` cost about 5 ms per CRIU process, and a lazy copy waits for two of them.
+two ``dirname`` cost time per CRIU process (docs/criu.md), and a lazy copy waits for two of them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.models import StrictModel
 
 MINIMUM_VERSION = (4, 2)
 DEFAULT_PREFIX = Path("/opt/snapctl/criu")
@@ -31,11 +32,9 @@ class CriuNotFound(SnapctlError):
     exit_status = ExitStatus.UNAVAILABLE
 
 
-class PrefixLaunch(BaseModel):
+class PrefixLaunch(StrictModel):
     """``snapctl-launch.json`` of an unpacked CRIU prefix: how its wrapper runs CRIU, with
     paths relative to the prefix."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     loader: str
     library_path: list[str]

@@ -12,13 +12,13 @@ from snapctl.criu.run import (
     run_criu,
 )
 
-# CRIU writes its dump log while the tree is frozen, and its debug lines cost frozen time: 8% at
-# 64 MB and 14% at 512 MB retained, against 4% at info level (python -m bench, donor pause).
-# Info level still logs every step, warning and error; rerun the recorded argv with -v4 to debug.
+# CRIU writes its dump log while the tree is frozen, and its debug lines cost frozen time, more
+# the more memory is retained (docs/criu.md, docs/benchmarks.md: the donor pause). Info level
+# still logs every step, warning and error; rerun the recorded argv with -v4 to debug.
 DUMP_LOG_LEVEL = 3
 # Restores and lazy-pages daemons log at info level too: at debug level (a line per VMA, page
-# read and transferred chunk) a lazy copy's restore took 10 ms longer at 2 GiB and its daemon
-# finished the background transfer 0.1 s later (interleaved, 10 copies each).
+# read and transferred chunk) a lazy copy's restore and its background transfer took longer
+# (docs/criu.md).
 RESTORE_LOG_LEVEL = 3
 INVENTORY = "inventory.img"
 

@@ -19,7 +19,7 @@ import struct
 import tarfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Literal
 
@@ -42,6 +42,7 @@ from snapctl.images.store import (
     record_verified,
 )
 from snapctl.phases import HostPhase
+from snapctl.progress import ByteProgress
 
 ARCHIVE_SUFFIX = ".tar.zst"
 DEFAULT_LEVEL = 3
@@ -51,8 +52,6 @@ DEFAULT_LEVEL = 3
 SEAL_MAGIC = 0x184D2A5E
 SEAL_LABEL = b"SNAPCTL-SHA256\0\0"
 SEAL_BYTES = 8 + len(SEAL_LABEL) + 32
-
-ByteProgress = Callable[[int], None]  # called with the bytes done since its last call
 
 
 class ArchiveError(ImageError):

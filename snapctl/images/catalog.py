@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.images.lock import hold_image
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.images.store import ImageError, is_verified, load_manifest
-from snapctl.supervision.state import state_dir
+from snapctl.statedir import state_dir
 
 IMAGE_ROOT_ENV = "SNAPCTL_IMAGE_ROOT"
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import posixpath
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 
 from snapctl.criu.stats import DumpStats
-from snapctl.images.identity import Identity
+from snapctl.images.identity.models import Identity
+from snapctl.models import StrictModel
 from snapctl.protocol.models import Oracle
 
 MANIFEST_NAME = "manifest.json"
@@ -31,11 +32,7 @@ def is_safe_relative(name: str) -> bool:
     )
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class FileEntry(_Strict):
+class FileEntry(StrictModel):
     """One file of the image: size, sha256 and inode group (hard links share a group)."""
 
     size: int
@@ -43,7 +40,7 @@ class FileEntry(_Strict):
     link_group: int | None = None
 
 
-class ProcessEntry(_Strict):
+class ProcessEntry(StrictModel):
     """One process of the captured tree (PIDs as seen on the host at capture time)."""
 
     pid: int
@@ -53,7 +50,7 @@ class ProcessEntry(_Strict):
     cmdline: list[str]
 
 
-class Manifest(_Strict):
+class Manifest(StrictModel):
     """``manifest.json``: its presence in a published image directory means complete."""
 
     schema_version: Literal[1, 2] = SCHEMA_VERSION

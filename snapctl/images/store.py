@@ -3,7 +3,6 @@ of the saved ``/dev/shm`` for a restore (hard links kept)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -17,13 +16,13 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
+from snapctl.images.filecache import FileCache, StatKey, path_key
 from snapctl.images.lock import ImageHold, hold_image
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapctl.phases import HostPhase
 from snapctl.protocol.atomic import (
     describe_mode,
     fsync_directory,
-    replace_file,
     write_json_atomic,
 )
 from snapctl.supervision.leftovers import ClaimHandle, claim
@@ -126,44 +125,50 @@ def load_manifest(image: Path) -> Manifest:
         ) from error
 
 
-def _stat_key(path: Path) -> list[int]:
-    st = path.lstat()
-    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
-
-
-def _cache_file(cache_dir: Path, manifest: Manifest, image: Path) -> Path:
+def _verification_name(image: Path, manifest: Manifest) -> str:
     # Per image id and directory: an exported image imported elsewhere keeps its id.
-    where = hashlib.sha256(str(image.absolute()).encode()).hexdigest()[:12]
-    return cache_dir / f"{manifest.image_id}-{where}.json"
+    return f"image {manifest.image_id} at {image.absolute()}"
 
 
-def _cache_record(image: Path, manifest: Manifest) -> dict[str, object]:
+def _expected_files(manifest: Manifest) -> str:
     # The expected hashes are part of the key: a cache entry vouches for these files against
     # this manifest, not against one edited since (same id, other sha256 or link groups).
-    expected = hashlib.sha256(
+    return hashlib.sha256(
         json.dumps(
             {name: entry.model_dump() for name, entry in manifest.files.items()}, sort_keys=True
         ).encode()
     ).hexdigest()
-    stats = {name: _stat_key(image / name) for name in sorted(manifest.files)}
-    return {"manifest_files_sha256": expected, "stats": stats}
+
+
+def _listed_keys(image: Path, manifest: Manifest) -> dict[str, StatKey] | None:
+    """The stat key of every file ``manifest`` lists, as ``image`` holds them now (None: one
+    cannot be stat'ed)."""
+    try:
+        return {name: path_key(image / name) for name in sorted(manifest.files)}
+    except OSError:
+        return None
+
+
+def _remember_verified(
+    image: Path, manifest: Manifest, cache_dir: Path, keys: dict[str, StatKey] | None
+) -> None:
+    if keys is not None:
+        cache = FileCache(cache_dir)
+        cache.remember(_verification_name(image, manifest), keys, _expected_files(manifest))
 
 
 def record_verified(image: Path, manifest: Manifest, cache_dir: Path) -> None:
     """Remember that every file of ``image`` matched ``manifest`` as it is now; best effort:
     a cache that cannot be written only costs a full verification next time."""
-    cache = _cache_file(cache_dir, manifest, image)
-    with contextlib.suppress(OSError):
-        cache.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        replace_file(cache, json.dumps(_cache_record(image, manifest)).encode())
+    _remember_verified(image, manifest, cache_dir, _listed_keys(image, manifest))
 
 
 def _cache_hit(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
-    try:
-        cached = json.loads(_cache_file(cache_dir, manifest, image).read_text())
-        return bool(cached == _cache_record(image, manifest))
-    except (OSError, ValueError):
+    keys = _listed_keys(image, manifest)
+    if keys is None:
         return False
+    remembered = FileCache(cache_dir).lookup(_verification_name(image, manifest), keys)
+    return remembered == _expected_files(manifest)
 
 
 def is_verified(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
@@ -263,14 +268,16 @@ def verify_image(image: Path, cache_dir: Path | None = None) -> Manifest:
     """Check every file against the manifest; raise naming the first file that differs.
 
     A full verification is cached in ``cache_dir`` (per image id and directory, keyed by the
-    manifest's file entries and the size, mtime, ctime and inode of every file): any write to
-    a file changes its ctime, which no unprivileged tool can set back, so a hit is as strong
-    as a re-hash. A damaged or unwritable cache only costs a full verification.
+    manifest's file entries and the stat key of every file, see
+    :mod:`snapctl.images.filecache`): a hit is as strong as a re-hash. A damaged or
+    unwritable cache only costs a full verification.
     """
     manifest = load_manifest(image)
     check_image_tree(image, manifest)  # every time: the cache vouches only for listed files
     if cache_dir is not None and _cache_hit(image, manifest, cache_dir):
         return manifest
+    # Keyed as they were before hashing: a file written while it was read is not vouched for.
+    before = _listed_keys(image, manifest) if cache_dir is not None else None
     actual = hash_tree(image)
     for name, expected in sorted(manifest.files.items()):
         got = actual[name]
@@ -284,8 +291,8 @@ def verify_image(image: Path, cache_dir: Path | None = None) -> Manifest:
                 "(hard links lost or added)",
                 path=image / name,
             )
-    if cache_dir is not None:
-        record_verified(image, manifest, cache_dir)
+    if cache_dir is not None and before is not None and _listed_keys(image, manifest) == before:
+        _remember_verified(image, manifest, cache_dir, before)
     return manifest
 
 

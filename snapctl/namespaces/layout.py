@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.models import StrictModel
 from snapctl.namespaces import mounts
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.supervision.process import is_same_process
@@ -37,7 +38,7 @@ EXTERNAL_MOUNT_KEYS = {
 }
 
 
-class BindMount(BaseModel):
+class BindMount(StrictModel):
     """A host directory bind-mounted at a fixed path inside the sandbox."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -62,8 +63,6 @@ class SandboxSpec(BaseModel):
 
 class ActivationOwner(BaseModel):
     """The snapctl process that created (and cleans up) an activation: ``owner.json``."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     pid: int
     start_time: float

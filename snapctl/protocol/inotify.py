@@ -1,8 +1,9 @@
 """One inotify watch on a control directory, on a descriptor that is pooled, never closed.
 
-Closing an inotify descriptor waits for a kernel grace period (5-25 ms measured on this kind of
-host, whether or not its watch was removed first); removing a watch does not. So a watch gives
-its descriptor back to a per-process pool when it ends, and the next watch reuses it.
+Closing an inotify descriptor waits for a kernel grace period (long next to a handshake,
+docs/protocol.md), whether or not its watch was removed first; removing a watch does not. So a
+watch gives its descriptor back to a per-process pool when it ends, and the next watch reuses
+it.
 (watchdog's observer opens and closes one per watch, plus a thread: fine for following a log
 (:mod:`snapctl.supervision.logs`), too slow for a handshake measured in milliseconds.)
 

@@ -10,7 +10,9 @@ import math
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from snapctl.models import StrictModel
 
 UUID4_HEX = r"^[0-9a-f]{32}$"
 ACTIVATION_ID = r"^[\w.-]+$"
@@ -53,8 +55,8 @@ class Phase(StrEnum):
     SERVE = "serve"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+class _ControlModel(StrictModel):
+    """A control file's model: strict, and its ``version`` only the JSON integer 1."""
 
     @field_validator("version", mode="before", check_fields=False)
     @classmethod
@@ -66,7 +68,7 @@ class _Strict(BaseModel):
         return value
 
 
-class SnapshotConfig(_Strict):
+class SnapshotConfig(_ControlModel):
     """The ``--snapshot-config`` JSON object given to the server."""
 
     mode: Literal["startup"]
@@ -93,7 +95,7 @@ class SnapshotConfig(_Strict):
         return value
 
 
-class Oracle(_Strict):
+class Oracle(_ControlModel):
     """The reference canary result: one greedy token with its log probability."""
 
     token_ids: list[int]
@@ -119,7 +121,7 @@ class Oracle(_Strict):
         return None
 
 
-class CaptureReady(_Strict):
+class CaptureReady(_ControlModel):
     """``capture-ready.json``: the server is initialized and waits to be captured."""
 
     version: Literal[1] = 1
@@ -128,7 +130,7 @@ class CaptureReady(_Strict):
     oracle: Oracle
 
 
-class Activation(_Strict):
+class Activation(_ControlModel):
     """``activation.json``: the capturer asks the donor or a copy to recover and serve."""
 
     version: Literal[1] = 1
@@ -140,7 +142,7 @@ class Activation(_Strict):
     port: Port
 
 
-class Challenge(_Strict):
+class Challenge(_ControlModel):
     """``challenge.json``: a fresh nonce drawn after the activation was accepted."""
 
     version: Literal[1] = 1
@@ -157,7 +159,7 @@ class Release(Challenge):
         return cls.model_validate(challenge.model_dump())
 
 
-class Status(_Strict):
+class Status(_ControlModel):
     """``status.json``: recovery progress of the activation."""
 
     capture_id: CaptureId
@@ -165,7 +167,7 @@ class Status(_Strict):
     phase: Literal["recovering", "validated"]
 
 
-class ErrorReport(_Strict):
+class ErrorReport(_ControlModel):
     """``error.json``: the phase that failed, the exception type and its message."""
 
     capture_id: CaptureId
@@ -175,7 +177,7 @@ class ErrorReport(_Strict):
     error: str
 
 
-CONTROL_MODELS: dict[ControlFile, type[_Strict]] = {
+CONTROL_MODELS: dict[ControlFile, type[_ControlModel]] = {
     ControlFile.CAPTURE_READY: CaptureReady,
     ControlFile.ACTIVATION: Activation,
     ControlFile.CHALLENGE: Challenge,

@@ -12,11 +12,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
-
 from snapctl.activation.session import CleanupAudit
 from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.images.manifest import FileEntry
+from snapctl.models import StrictModel
 from snapctl.protocol.models import ErrorReport
 from snapctl.qualification.watch import Residue
 from snapctl.qualification.workload import (
@@ -32,10 +31,8 @@ LOGPROB_TOLERANCE = 1e-3
 Status = Literal["passed", "failed", "skipped"]
 
 
-class Check(BaseModel):
+class Check(StrictModel):
     """One check's outcome and the evidence for it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str
     status: Status

@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from snapctl.activation.core import new_session
@@ -31,9 +30,9 @@ from snapctl.images.manifest import Manifest
 from snapctl.logtail import log_tail
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.phases import HostPhase
-from snapctl.supervision.state import StateDir
+from snapctl.progress import Progress
+from snapctl.statedir import StateDir
 
-Progress = Callable[[str], None]
 SNAPSHOT_FLAG = "--snapshot-config"
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 

@@ -9,12 +9,12 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
 from rich.table import Table
 from rich.text import Text
 
 import snapctl
 from snapctl.criu import CriuBinary
+from snapctl.models import StrictModel
 from snapctl.protocol.atomic import replace_file
 from snapctl.qualification.runs import RunResult, Timings
 
@@ -39,10 +39,8 @@ _TIMING_LABELS: dict[str, str] = {
 _PAGES_LABEL = "restore → pages complete"
 
 
-class Environment(BaseModel):
+class Environment(StrictModel):
     """Where and with what the qualification ran, so two reports can be compared."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     snapctl_version: str
     criu_version: str
@@ -58,10 +56,8 @@ class Environment(BaseModel):
     fixture: bool
 
 
-class Report(BaseModel):
+class Report(StrictModel):
     """``report.json``: every run, check and figure of one qualification."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: Literal[1] = 1
     created: str

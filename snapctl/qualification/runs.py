@@ -14,12 +14,9 @@ import contextlib
 import json
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-
-from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.copy import start_copy
 from snapctl.activation.core import ActivationReport
@@ -31,6 +28,8 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import FileEntry, hash_tree, load_manifest
+from snapctl.models import StrictModel
+from snapctl.progress import Progress
 from snapctl.protocol.models import ControlFile
 from snapctl.qualification import checks
 from snapctl.qualification.checks import Check
@@ -48,9 +47,8 @@ from snapctl.qualification.workload import (
     observe_serving,
     read_retained,
 )
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
-Progress = Callable[[str], None]
 RunKind = Literal[
     "reference",
     "donor",
@@ -64,10 +62,8 @@ RunKind = Literal[
 PUBLISH_HOST = "127.0.0.1"
 
 
-class Timings(BaseModel):
+class Timings(StrictModel):
     """Seconds spent in each step of a run (None: the step is not part of this run)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     launch_to_first_200_s: float | None = None  # the ordinary reference start
     launch_to_capture_ready_s: float | None = None
@@ -85,10 +81,8 @@ class Timings(BaseModel):
     shutdown_s: float | None = None
 
 
-class LazyPages(BaseModel):
+class LazyPages(StrictModel):
     """A lazy copy's page transfer as its run saw it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     lazy_pages_pid: int
     complete_when_ready: bool  # the transfer had already ended when the copy was ready
@@ -98,10 +92,8 @@ class LazyPages(BaseModel):
     failure: str | None = None  # how the transfer ended otherwise (the daemon died)
 
 
-class RunResult(BaseModel):
+class RunResult(StrictModel):
     """One run: its checks, figures, cleanup audit and what it observed."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     name: str
     kind: RunKind

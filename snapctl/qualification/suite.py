@@ -14,7 +14,7 @@ import secrets
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import load_manifest
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.phases import HostPhase
+from snapctl.progress import Progress
 from snapctl.qualification import checks
 from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
 from snapctl.qualification.faults import FaultMode, run_fault, run_stale
@@ -44,10 +45,8 @@ from snapctl.qualification.runs import (
     run_donor,
     run_reference,
 )
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import become_subreaper
-from snapctl.supervision.state import StateDir
-
-Progress = Callable[[str], None]
 
 RUN_ORDER = (
     "donor",
@@ -67,9 +66,9 @@ SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
 IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "lazy-fault", "stale"})
 DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
 # The bundled fixture's retained memory when a lazy run is planned: enough that its lazy-pages
-# daemon is still transferring when the lazy-fault run pauses it (about 0.1 s of transfer here,
-# against a few ms from the restore's end to the pause), and that a lazy copy's memory is worth
-# comparing. Plain runs keep the launch default (16 MiB), which keeps the image small.
+# daemon is still transferring when the lazy-fault run pauses it (its transfer lasts far longer
+# than the restore's end to the pause, docs/qualification.md), and that a lazy copy's memory is
+# worth comparing. Plain runs keep the launch default (16 MiB), which keeps the image small.
 LAZY_RETAINED_MB = 256
 
 

@@ -17,20 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from pydantic import BaseModel, ConfigDict
 
+from snapctl.models import StrictModel
 from snapctl.namespaces import mounts
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 HOST_SHM = Path("/dev/shm")
 TCP_LISTEN = "0A"
 LINK_REMAP_PREFIX = "link_remap."
 
 
-class Residue(BaseModel):
+class Residue(StrictModel):
     """What a host scan found of a run after it ended (all empty means nothing)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     processes: list[str] = []
     activation_dirs: list[str] = []

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from snapctl.models import StrictModel
 
 Group = Literal["prompts", "concurrency"]
 
@@ -35,11 +35,7 @@ DIGESTS_PATH = "/v1/debug/param-digests"
 RETAINED_PATH = "/v1/debug/retained-digest"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class Completion(_Model):
+class Completion(StrictModel):
     """One completion as the server returned it (``error`` set when the request failed)."""
 
     label: str
@@ -53,7 +49,7 @@ class Completion(_Model):
     error: str | None = None
 
 
-class DigestRead(_Model):
+class DigestRead(StrictModel):
     """One read of the named-parameter digests endpoint."""
 
     status: int  # HTTP status; 0 when the request itself failed
@@ -61,7 +57,7 @@ class DigestRead(_Model):
     error: str | None = None
 
 
-class RetainedRead(_Model):
+class RetainedRead(StrictModel):
     """One read of the retained-memory digest (the fixture's engine memory kept across capture)."""
 
     status: int  # HTTP status; 0 when the request itself failed
@@ -71,7 +67,7 @@ class RetainedRead(_Model):
     error: str | None = None
 
 
-class ServingObservation(_Model):
+class ServingObservation(StrictModel):
     """Everything one serving run saw: auth statuses, digests and every completion."""
 
     model: str

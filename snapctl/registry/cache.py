@@ -20,18 +20,17 @@ import hashlib
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from snapctl.models import StrictModel
 from snapctl.protocol.atomic import fsync_directory, replace_file
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 PIECE = 4 << 20
 
 
-class PullRecord(BaseModel):
+class PullRecord(StrictModel):
     """``NAME.pull.json`` beside a pulled image."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: int = 1
     manifest_digest: str

@@ -22,6 +22,7 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from snapctl.images.manifest import is_safe_relative
+from snapctl.models import StrictModel
 
 OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
 ARTIFACT_TYPE: Final = "application/vnd.snapctl.image.v1"
@@ -41,11 +42,7 @@ MAX_CONFIG_BYTES = 64 << 20
 DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class Descriptor(_Strict):
+class Descriptor(StrictModel):
     """An OCI content descriptor."""
 
     mediaType: str
@@ -77,14 +74,14 @@ class OciManifest(BaseModel):
         return self
 
 
-class Chunk(_Strict):
+class Chunk(StrictModel):
     """One content-defined piece of a large file."""
 
     digest: str = Field(pattern=DIGEST_PATTERN)
     size: int = Field(gt=0)
 
 
-class StoredFile(_Strict):
+class StoredFile(StrictModel):
     """Where one image file's bytes are: a range of the small-files blob, a list of chunks,
     or (a hard link) another file of the image."""
 
@@ -110,12 +107,12 @@ class StoredFile(_Strict):
         return self
 
 
-class StoredDirectory(_Strict):
+class StoredDirectory(StrictModel):
     name: str
     mode: int = Field(ge=0, le=0o7777)
 
 
-class ImageConfig(_Strict):
+class ImageConfig(StrictModel):
     """The config blob: the image's id, its manifest.json blob, and where every file is."""
 
     version: Literal[1] = 1

@@ -35,12 +35,12 @@ from snapctl.images.store import (
     manifest_problem,
     record_verified,
 )
+from snapctl.progress import ByteProgress
 from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache, pulled_image, write_record
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
-ByteProgress = Callable[[int], None]
 M = TypeVar("M", bound=BaseModel)
 DEFAULT_JOBS = 8
 PIECE = 4 << 20

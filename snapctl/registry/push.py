@@ -14,19 +14,18 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TypedDict
 
 from snapctl.images.archive import ArchiveError, held_for_reading
 from snapctl.images.manifest import MANIFEST_NAME, Manifest
+from snapctl.progress import ByteProgress
 from snapctl.registry import layout
 from snapctl.registry.chunks import cut
 from snapctl.registry.client import Reference, RegistryClient, RegistryError
 from snapctl.registry.pull import TransferReport
 
-ByteProgress = Callable[[int], None]
 DEFAULT_JOBS = 8
 
 

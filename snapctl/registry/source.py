@@ -11,7 +11,7 @@ from snapctl.images.store import ImageError
 from snapctl.registry.cache import blob_cache, pulled_root, read_record
 from snapctl.registry.client import Reference, RegistryClient
 from snapctl.registry.pull import DEFAULT_JOBS, PullReport, Remote, describe, pull_cached
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 def is_reference(text: str) -> bool:

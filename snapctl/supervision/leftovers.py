@@ -19,10 +19,11 @@ import uuid
 from pathlib import Path
 
 import psutil
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
+from snapctl.models import StrictModel
 from snapctl.protocol.atomic import TMP_SUFFIX, write_json_atomic
-from snapctl.supervision.names import LOCK_SUFFIX, NAME_PATTERN, lock_name
+from snapctl.statedir.names import LOCK_SUFFIX, NAME_PATTERN, lock_name
 from snapctl.supervision.process import is_same_process
 
 # Only what these name patterns match is ever removed on a claim's word.
@@ -31,10 +32,8 @@ LEFTOVER_NAME = re.compile(r"\..+\.(staging|replaced)-[0-9a-f]{8}", re.DOTALL)
 TMP_GRACE_S = 60.0
 
 
-class Claim(BaseModel):
+class Claim(StrictModel):
     """``claims/ID.json``: directories that only ``owner_pid`` (started then) may use."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     schema_version: int = 1
     paths: list[str]

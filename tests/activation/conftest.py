@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.activation.session import Session
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV
 
 

@@ -15,7 +15,7 @@ from snapctl.activation.native import NativeStep, NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary
 from snapctl.namespaces import mounts
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 API_KEY = "test-key-123"
 API_KEY_ENV = "SNAPCTL_TEST_API_KEY"

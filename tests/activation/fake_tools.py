@@ -19,12 +19,12 @@ from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import SnapctlError
 from snapctl.images import Manifest, stage_shm_copy
-from snapctl.images.identity import Difference, Identity
+from snapctl.images.identity.models import Difference, Identity
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady, Oracle
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
-from snapctl.supervision.state import StateDir
 
 CRIU = CriuBinary(path=Path("/bin/false"), version="4.2.1", source="option")
 CAPTURE_ID = "c" * 32

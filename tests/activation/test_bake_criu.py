@@ -28,10 +28,10 @@ from snapctl.cli import snapctl
 from snapctl.criu import CriuBinary, find_criu
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest, verify_image
-from snapctl.images.identity import IdentityMismatchError
+from snapctl.images.identity.compare import IdentityMismatchError
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.test_donor_copy_criu import API_KEY, complete, get, stop_clean
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]

@@ -12,7 +12,7 @@ from snapctl.activation import copy
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.tools import RealImageChecks, Tools
 from snapctl.criu import CriuBinary
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 class NoVerify(RealImageChecks):

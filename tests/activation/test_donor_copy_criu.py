@@ -23,7 +23,7 @@ from snapctl.criu import CriuBinary
 from snapctl.images import ImageError, verify_image
 from snapctl.images.store import hash_tree
 from snapctl.namespaces.layout import SANDBOX_CONTROL_DIR
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import (
     API_KEY,
     PUBLISH,

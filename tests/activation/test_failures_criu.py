@@ -20,7 +20,7 @@ from snapctl.activation.session import Session
 from snapctl.criu import CriuBinary
 from snapctl.images import ImageError, verify_image
 from snapctl.namespaces import mounts
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import (
     API_KEY,
     API_KEY_ENV,

@@ -11,8 +11,8 @@ from snapctl.activation.gate import check_identity
 from snapctl.activation.launch import LaunchOptions
 from snapctl.cli import exit_status_for
 from snapctl.errors import ExitStatus
-from snapctl.images.identity import IdentityMismatchError
-from snapctl.supervision.state import StateDir
+from snapctl.images.identity.compare import IdentityMismatchError
+from snapctl.statedir import StateDir
 from tests.images.factories import make_manifest
 
 SCHEMA_1 = make_manifest({}, schema_version=1, identity=None, criu_version="4.1")

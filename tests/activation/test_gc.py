@@ -11,8 +11,8 @@ from snapctl.activation.core import new_session
 from snapctl.activation.supervise import collect_orphans
 from snapctl.namespaces.layout import ActivationOwner
 from snapctl.protocol.atomic import write_json_atomic
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess, start_time
-from snapctl.supervision.state import StateDir
 from tests.supervision.test_process import zombie
 
 pytestmark = pytest.mark.criu  # root: an activation's directories are tmpfs mounts

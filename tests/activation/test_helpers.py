@@ -24,8 +24,8 @@ from snapctl.activation.native import (
 )
 from snapctl.cli._activation_options import parse_publish
 from snapctl.namespaces.layout import ActivationDirs, SandboxSpec
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import wait_gone
-from snapctl.supervision.state import StateDir
 
 
 def test_redact_argv_hides_secret_values() -> None:

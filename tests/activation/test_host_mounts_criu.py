@@ -13,7 +13,7 @@ import pytest
 from snapctl.criu import CriuBinary
 from snapctl.criu.external import HostMountMissing, host_key
 from snapctl.namespaces import mounts
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import (
     PUBLISH,
     get,

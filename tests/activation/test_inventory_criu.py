@@ -15,7 +15,7 @@ from snapctl.activation.donor import CaptureError
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary
 from snapctl.criu.inventory import FIX_IO_URING, UndumpableError
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import launch_donor, leftovers
 
 HOLDER = Path(__file__).parent.parent / "criu" / "undumpable_holder.py"

@@ -35,7 +35,7 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.kdat import run_is_tmpfs
 from snapctl.criu.lazy import tuning
 from snapctl.images.lock import ImageBusyError, hold_image
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import complete, get, leftovers
 from tests.conftest import _real_criu
 

@@ -22,7 +22,7 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.external import is_host_key
 from snapctl.namespaces import mounts
 from snapctl.namespaces.hostview import PRIVATE_ROOTS, is_within
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import (
     PUBLISH,
     complete,

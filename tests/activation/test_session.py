@@ -12,8 +12,8 @@ import pytest
 from snapctl.activation.core import new_session
 from snapctl.activation.session import criu_processes
 from snapctl.errors import SnapctlError
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
-from snapctl.supervision.state import StateDir
 
 
 @pytest.mark.criu  # root: the activation's directories are tmpfs mounts

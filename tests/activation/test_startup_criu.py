@@ -11,7 +11,7 @@ import pytest
 
 from snapctl.criu import CriuBinary
 from snapctl.images import load_manifest
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import (
     API_KEY,
     PUBLISH,

@@ -15,7 +15,7 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.activation.states import SessionState, TransitionError, check_transition
 from snapctl.images import load_manifest
 from snapctl.images.lock import hold_image
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.fake_tools import CAPTURE_ID, CRIU, InjectedFailure, Steps, fake_tools
 
 DONOR_STEPS = [

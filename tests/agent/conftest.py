@@ -24,7 +24,7 @@ from snapctl.pool import (
     PoolListing,
     PoolTarget,
 )
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 def make_report(**changes: Any) -> dict[str, Any]:

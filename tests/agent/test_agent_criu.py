@@ -22,7 +22,7 @@ from snapctl.activation.supervise import collect_orphans, stop_recorded
 from snapctl.agent.client import connect
 from snapctl.criu import CriuBinary
 from snapctl.errors import SnapctlError
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor, leftovers
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]

@@ -27,7 +27,7 @@ from snapctl.agent.daemon import (
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle
-from snapctl.supervision.state import ActivationRecord, StateDir
+from snapctl.statedir import ActivationRecord, StateDir
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
 from tests.images.factories import publish_sample
 

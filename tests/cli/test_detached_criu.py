@@ -18,7 +18,7 @@ from snapctl.activation.supervise import collect_orphans, stop_recorded
 from snapctl.images import load_manifest
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, get
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]

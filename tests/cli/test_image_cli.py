@@ -15,7 +15,7 @@ from snapctl.cli import main, snapctl
 from snapctl.errors import ExitStatus
 from snapctl.images.lock import hold_image
 from snapctl.images.store import verify_image
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.images.factories import publish_sample
 
 

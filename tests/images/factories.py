@@ -8,7 +8,8 @@ from typing import Any
 
 from snapctl.criu.stats import DumpStats
 from snapctl.images import ImageStaging, Manifest, hash_tree
-from snapctl.images.identity import FileRecord, Identity, hashed_env
+from snapctl.images.identity.host import hashed_env
+from snapctl.images.identity.models import FileRecord, Identity
 from snapctl.protocol.models import Oracle
 
 SALT = "5a17" * 8

@@ -11,17 +11,15 @@ from pathlib import Path
 import pytest
 
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.images.identity import (
-    FileRecord,
+from snapctl.images.identity.compare import (
     IdentityMismatchError,
     compare,
-    current_identity,
-    hash_files,
-    hashed_env,
     needless_waivers,
     require_match,
-    tree_files,
 )
+from snapctl.images.identity.host import current_identity, hashed_env
+from snapctl.images.identity.models import FileRecord
+from snapctl.images.identity.tree import hash_files, tree_files
 from tests.images.factories import SALT, make_identity
 
 HOLDER = """

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from snapctl.launcher.vllm.cli import (
-    EXTENSION_FLAG,
-    UsageError,
-    split_snapshot_config,
-    with_worker_extension,
-)
+from snapctl.launcher.vllm.cli import EXTENSION_FLAG, split_snapshot_config, with_worker_extension
 from snapctl.launcher.vllm.hooks import digest_difference
+from snapctl.launcher.vllm.usage import UsageError
 from snapctl.launcher.vllm.worker import EXTENSION
 
 

@@ -15,7 +15,7 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.activation.session import Session
 from snapctl.criu import find_criu
 from snapctl.qualification.watch import HOST_SHM
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from snapctl.qualification import faults
 from snapctl.qualification.report import Report
 from snapctl.qualification.suite import DEFAULT_RUNS
 from snapctl.qualification.watch import HOST_SHM
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.qualification.criu_helpers import assert_nothing_left, captured_image
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]

@@ -23,8 +23,8 @@ from snapctl.qualification import lazy_fault
 from snapctl.qualification.report import Report
 from snapctl.qualification.suite import LAZY_RETAINED_MB
 from snapctl.qualification.watch import HOST_SHM
+from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
-from snapctl.supervision.state import StateDir
 from tests.qualification.criu_helpers import assert_nothing_left, captured_image
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]

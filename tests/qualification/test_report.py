@@ -37,7 +37,7 @@ from snapctl.qualification.suite import (
     require_passed,
     retained_mb_for,
 )
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.qualification.factories import make_audit, make_observation
 
 CRIU = CriuBinary(path=Path("/opt/snapctl/criu/bin/criu"), version="4.2.1", source="prefix")

@@ -11,7 +11,7 @@ from snapctl.criu import CriuBinary
 from snapctl.qualification.checks import Check
 from snapctl.qualification.runs import LazyPages, RunContext, _Served, _serving_checks
 from snapctl.qualification.watch import Residue
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.qualification.factories import make_audit, make_observation, make_pages
 
 CRIU = CriuBinary(path=Path("/opt/snapctl/criu/bin/criu"), version="4.2.1", source="prefix")

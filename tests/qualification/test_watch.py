@@ -21,7 +21,7 @@ from snapctl.qualification.watch import (
     residue,
     take_baseline,
 )
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 TCP_TABLE = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid
    0: 0100007F:1F40 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0

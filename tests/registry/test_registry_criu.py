@@ -20,7 +20,7 @@ from snapctl.activation.supervise import collect_orphans, stop_recorded
 from snapctl.criu import CriuBinary
 from snapctl.registry.client import Reference, RegistryClient
 from snapctl.registry.push import push_image
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete
 from tests.registry.server import RegistryServer
 

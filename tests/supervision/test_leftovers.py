@@ -13,8 +13,8 @@ import pytest
 
 from snapctl.cli import main
 from snapctl.images import ImageStaging, hash_tree
+from snapctl.statedir import StateDir
 from snapctl.supervision.leftovers import claim, sweep_claims, sweep_records
-from snapctl.supervision.state import StateDir
 from tests.images.factories import make_manifest, publish_sample
 
 

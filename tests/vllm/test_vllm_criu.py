@@ -21,7 +21,7 @@ import pytest
 
 from snapctl.qualification.report import Report
 from snapctl.qualification.watch import HOST_SHM
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import ROOT, VLLM_ENV, RealVllm
 

@@ -149,16 +149,16 @@ class InventoryGate:
 
     ``criu restore --lazy-pages`` connects to its lazy-pages daemon early and fails if the
     daemon does not listen yet, so the daemon must be up first; but each CRIU process spends
-    its first 25-40 ms here starting and probing the kernel (``kerndat``: no cache without a
-    tmpfs /run), which a lazy copy would pay twice in a row. The gate lets both start at once:
-    the restore reads its images through a view whose ``inventory.img`` is a FIFO, and
-    ``inventory.img`` is the first image CRIU 4.2 reads (``cr_restore_tasks`` checks it before
-    it reads the process tree or connects to the daemon). We hold the FIFO open, so the
-    restore's ``open`` returns and its ``read`` waits; :meth:`release` writes the real
-    inventory once the daemon listens (and keeps the FIFO open until it was read).
-    :meth:`close` without release hands the restore an empty inventory, on which it fails.
-    The restore never waits on a gate that nobody holds: if snapctl dies, the FIFO's last
-    writer is gone and the read returns.
+    its first tens of milliseconds starting and probing the kernel (``kerndat``: no cache
+    without a tmpfs /run; docs/lazy.md, step 3), which a lazy copy would pay twice in a row.
+    The gate lets both start at once: the restore reads its images through a view whose
+    ``inventory.img`` is a FIFO, and ``inventory.img`` is the first image CRIU 4.2 reads
+    (``cr_restore_tasks`` checks it before it reads the process tree or connects to the
+    daemon). We hold the FIFO open, so the restore's ``open`` returns and its ``read`` waits;
+    :meth:`release` writes the real inventory once the daemon listens (and keeps the FIFO open
+    until it was read). :meth:`close` without release hands the restore an empty inventory, on
+    which it fails. The restore never waits on a gate that nobody holds: if snapctl dies, the
+    FIFO's last writer is gone and the read returns.
     """
 
     def __init__(self, fifo: Path, inventory: Path) -> None:

@@ -3,8 +3,8 @@ network namespace with its loopback up has anyway.
 
 CRIU restores a namespace's addresses, routes and rules by feeding the dumps it took with
 ``ip addr|route|rule save`` (``ifaddr-N.img``, ``route-N.img``, ``route6-N.img``,
-``rule-N.img``) to ``ip ... restore``: six ``ip`` runs (the rules take three), about 1.5 ms
-each here, so ~9 ms of a lazy copy's ~0.1 s restore. In a server's namespace as snapctl lays it
+``rule-N.img``) to ``ip ... restore``: six ``ip`` runs (the rules take three), a noticeable
+part of a lazy copy's restore (docs/lazy.md, step 2). In a server's namespace as snapctl lays it
 out (only ``lo``, up) they say nothing new: no route of the main tables, the kernel's three
 default IPv4 rules (which CRIU flushes and restores as they were), and the addresses the kernel
 puts on ``lo`` itself when it comes up (restoring them fails with "address already assigned").
@@ -13,8 +13,9 @@ CRIU treats a missing dump as empty and runs no ``ip`` for it, so a restore view
 a route, another rule, a format this module does not know) keeps its dump, restored as usual.
 
 The dumps are iproute2's: a 32-bit magic, then netlink messages (``nlmsghdr``, the family's
-fixed header, ``rtattr`` attributes). pyroute2 decodes these too, but importing it costs about
-125 ms, far more than the ``ip`` runs it would save; the few fixed fields needed are read here.
+fixed header, ``rtattr`` attributes). pyroute2 decodes these too, but importing it costs far
+more than the ``ip`` runs it would save (docs/lazy.md, step 2); the few fixed fields needed are
+read here.
 ``netdev-N.img`` (CRIU's own format, a proto2 ``net_device_entry`` per link) tells whether
 ``lo`` comes back up, without which the kernel adds no address to it.
 """

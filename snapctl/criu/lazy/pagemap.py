@@ -3,10 +3,10 @@ which only big runs of memory stay lazy and everything else is restored eagerly.
 
 Why: CRIU 4.2.1's lazy-pages daemon is one loop that serves page faults between the chunks of
 its background transfer (up to 1 MiB each), and a chunk shrinks only after a fault of the process
-being streamed. So every page fault of a restored server waits for a chunk: measured at 2 GiB
-retained, the ~1,170 faults of the handshake and the first request (interpreter heap, arenas,
-stacks: ~5 MB) cost 40-60 ms, and up to 0.6 s when the frontend's faults queued behind the
-engine's stream. What a restored server touches first is its small memory: the heap, the
+being streamed. So every page fault of a restored server waits for a chunk: the faults of the
+handshake and the first request (interpreter heap, arenas, stacks: a few MB) add tens of
+milliseconds, and far more when the frontend's faults queue behind the engine's stream
+(docs/lazy.md, step 2). What a restored server touches first is its small memory: the heap, the
 interpreter's arenas, thread stacks. What makes a restore slow is its big memory: model weights,
 KV or pinned buffers, device memory saved by cuda-checkpoint, each one long contiguous run. So:
 
@@ -35,10 +35,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
 from snapctl.errors import SnapctlError
+from snapctl.models import StrictModel
 from snapctl.protocol.atomic import replace_file
 
 PAGE_SIZE = 4096
@@ -118,7 +119,7 @@ def read_pagemap(path: Path, data: bytes | None = None) -> Pagemap:
 
 def _entries(data: bytes) -> list[Entry]:
     # Hand-inlined varints: a big process has one entry per MiB, and this runs on the path to a
-    # lazy copy's first response (about 1.4 us per entry; the generic decoder took twice that).
+    # lazy copy's first response (the generic decoder took twice as long; docs/lazy.md, step 2).
     if len(data) < 8 or struct.unpack_from("<II", data) != _MAGICS:
         raise ValueError("not a CRIU pagemap image")
     entries: list[Entry] = []
@@ -177,10 +178,8 @@ def eager_entries(
     return [entry for run in short for entry in run]
 
 
-class ViewSummary(BaseModel):
+class ViewSummary(StrictModel):
     """What a view left lazy and what it made eager, in bytes (of one process or of all)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     eager_bytes: int = 0
     lazy_bytes: int = 0
@@ -206,8 +205,8 @@ def lazy_view(
 
     With ``cache_dir``, a pagemap is parsed only the first time its content is seen: the
     outcome is kept there under the sha256 of that content (and the thresholds), so later
-    views of the same image cost a hash per pagemap (a big process has one entry per MiB,
-    about 1.4 us each to parse).
+    views of the same image cost a hash per pagemap (a big process has one entry per MiB to
+    parse).
     """
     target.mkdir(mode=0o700)
     summary = ViewSummary()

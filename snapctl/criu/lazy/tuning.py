@@ -11,7 +11,7 @@ LAZY_DEFAULT_MIN_BYTES = 256 * 1024 * 1024
 # copy is ready and TRANSFER_AFTER_READY_S more (the request that asked for the copy usually
 # follows at once): activation and first answer have both cores. Below it the transfer takes
 # about as long as the activation, and holding it back would bring the last page later than a
-# plain restore does (at 512 MiB: 0.34 s against 0.28 s unheld; a plain restore 0.35-0.39 s).
+# plain restore does (figures in docs/lazy.md, step 5).
 HOLD_TRANSFER_MIN_BYTES = 1024 * 1024 * 1024
 TRANSFER_AFTER_READY_S = 0.05
 # A held background transfer starts this long after the restore finished at the latest, even
@@ -20,7 +20,8 @@ TRANSFER_AFTER_READY_S = 0.05
 TRANSFER_HOLD_MAX_S = 0.5
 # How often the inventory gate looks whether the restore has read the inventory image.
 GATE_POLL_S = 0.0005
-# Below this much lazy memory a whole process is restored eagerly (about 40 ms of restore here).
+# Below this much lazy memory a whole process is restored eagerly: its faults would each wait
+# for a chunk of the background transfer, and restoring it costs little (docs/lazy.md, step 2).
 EAGER_PROCESS_BELOW = 64 * 1024 * 1024
 # In bigger processes, runs of contiguous lazy memory shorter than this are restored eagerly.
 EAGER_RUN_BELOW = 16 * 1024 * 1024

@@ -11,17 +11,11 @@ from __future__ import annotations
 import sys
 from argparse import Namespace
 
-from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.launcher.vllm.usage import UsageError
 from snapctl.launcher.vllm.worker import EXTENSION
 
 SNAPSHOT_FLAG = "--snapshot-config"
 EXTENSION_FLAG = "--worker-extension-cls"
-
-
-class UsageError(SnapctlError, ValueError):
-    """The command line cannot be run (the message names the fix)."""
-
-    exit_status = ExitStatus.USAGE
 
 
 def split_snapshot_config(argv: list[str]) -> tuple[list[str], str | None]:
@@ -67,17 +61,6 @@ def parse(argv: list[str]) -> tuple[Namespace, str | None]:
         args.model = args.model_tag  # as `vllm serve MODEL` does
     validate_parsed_serve_args(args)
     return args, snapshot_config
-
-
-def require_single_frontend(args: Namespace) -> None:
-    """Startup capture needs one Python HTTP frontend on one local rank (as #59851 checks)."""
-    if args.headless or getattr(args, "grpc", False) or args.uds:
-        raise UsageError("startup capture requires one HTTP frontend (no --headless/--grpc/--uds)")
-    if getattr(args, "api_server_count", None) not in (None, 1):
-        raise UsageError("startup capture requires --api-server-count 1")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-        if getattr(args, name, 1) != 1:
-            raise UsageError(f"startup capture requires {name}=1")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,8 +20,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from snapctl.launcher.vllm import app as vllm_app
-from snapctl.launcher.vllm.cli import UsageError, require_single_frontend
 from snapctl.launcher.vllm.hooks import VllmHooks
+from snapctl.launcher.vllm.usage import UsageError, require_single_frontend
 
 if TYPE_CHECKING:
     from snapctl.launcher import BindTarget

@@ -14,14 +14,14 @@ from snapctl.cli import main
 from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus
 from snapctl.images import ImageError
-from snapctl.supervision.names import (
+from snapctl.statedir import StateDir
+from snapctl.statedir.names import (
     InvalidNameError,
     NameInUseError,
     check_name,
     lock_name,
     numbered_names,
 )
-from snapctl.supervision.state import StateDir
 
 BAD_NAMES = ["../../x", "a/b", "x" * 260, ".hidden", "-dash", "", "sp ace", "a\nb", "é"]
 

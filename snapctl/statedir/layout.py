@@ -1,14 +1,14 @@
-"""snapctl's state directory: activations, kept logs, records for ps/stop, caches, models."""
+"""Where snapctl keeps its host state: the state directory's layout (activations, kept logs,
+records for ps/stop, caches, models, claims) and the record files in it."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
-
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.supervision.names import NameReservation, check_name, reserve_name
+from snapctl.statedir.names import NameReservation, check_name, reserve_name
+from snapctl.statedir.records import ActivationRecord
 
 DEFAULT_STATE_DIR = Path("/var/lib/snapctl")
 
@@ -17,38 +17,10 @@ def state_dir() -> Path:
     return Path(os.environ.get("SNAPCTL_STATE_DIR", DEFAULT_STATE_DIR)).absolute()
 
 
-class ActivationRecord(BaseModel):
-    """What ``snapctl ps``/``stop``/``logs`` know of a running activation."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    schema_version: int = 1
-    name: str
-    activation_id: str
-    kind: str
-    image: str | None
-    root_pid: int
-    root_start_time: float
-    supervisor_pid: int
-    supervisor_start_time: float
-    activation_dir: str
-    logs_dir: str
-    host: str | None
-    port: int
-    published: str | None
-    created: str
-    # A lazy copy: its lazy-pages daemon (stopped with the copy), and whether every page has
-    # arrived (None: not lazy; False: still transferring; True since pages_complete_at, which
-    # was pages_complete_s after the restore started).
-    lazy: bool = False
-    lazy_pages_pid: int | None = None
-    lazy_pages_start_time: float | None = None
-    pages_complete: bool | None = None
-    pages_complete_s: float | None = None
-    pages_complete_at: str | None = None
-
-
 class StateDir:
+    """The paths under one state directory (``SNAPCTL_STATE_DIR``, else /var/lib/snapctl) and
+    the activation records in it."""
+
     def __init__(self, root: Path | None = None) -> None:
         self.root = root or state_dir()
 
@@ -97,7 +69,7 @@ class StateDir:
         return self.records / f"{check_name(name)}.json"
 
     def reserve_name(self, name: str) -> NameReservation:
-        """Reserve ``name`` until the activation stops (see ``snapctl.supervision.names``)."""
+        """Reserve ``name`` until the activation stops (see ``snapctl.statedir.names``)."""
         return reserve_name(self.records, name)
 
     def save_record(self, record: ActivationRecord) -> None:

@@ -1,0 +1,123 @@
+"""Reading a process tree's files: every regular file its processes have mapped or open (as host
+paths), and their sizes and content digests, cached by stat (:mod:`snapctl.images.filecache`)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import stat
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from snapctl.images.filecache import FileCache, path_key, stat_key
+from snapctl.images.identity.models import FileRecord
+
+CHUNK = 4 << 20
+
+# Paths whose contents are the activation's own (bind-mounted per activation, a private tmpfs
+# in the sandbox) or not files at all.
+EXCLUDED_PREFIXES = ("/run/", "/dev/", "/proc/", "/sys/", "/memfd:")
+
+
+def _candidate(path: str) -> bool:
+    return (
+        path.startswith("/")
+        and not path.endswith(" (deleted)")
+        and not path.startswith(EXCLUDED_PREFIXES)
+        and posixpath.normpath(path) == path
+    )
+
+
+def _same_file_on_host(pid: int, path: str) -> bool:
+    """True when ``path`` names the same regular file inside the tree's mount namespace as on
+    the host: the sandbox shares the host's root, except for its own mounts."""
+    try:
+        inside = os.stat(f"/proc/{pid}/root{path}")
+        outside = os.stat(path)
+    except OSError:
+        return False
+    same = (inside.st_dev, inside.st_ino) == (outside.st_dev, outside.st_ino)
+    return same and stat.S_ISREG(outside.st_mode)
+
+
+def tree_files(pids: Iterable[int]) -> list[str]:
+    """Host paths of every regular file the processes have mapped or open (sorted, unique).
+
+    Read from ``/proc/PID/maps`` and ``/proc/PID/fd``; sockets, pipes, anonymous and deleted
+    files, the activation's own directories and anything private to the sandbox are left out.
+    """
+    found: set[str] = set()
+    for pid in pids:
+        candidates: set[str] = set()
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and fields[4] != "0":
+                    candidates.add(fields[5])
+        except OSError:
+            continue  # exited: its files went with it
+        try:
+            descriptors = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            descriptors = []
+        for fd in descriptors:
+            try:
+                candidates.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                continue
+        found.update(p for p in candidates if _candidate(p) and _same_file_on_host(pid, p))
+    return sorted(found)
+
+
+def _cached(path: str, cache: FileCache | None) -> FileRecord | None:
+    """The cached record of ``path`` if the file is unchanged since it was hashed, else None."""
+    if cache is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # missing: hashing leaves it out
+    sha256 = cache.lookup(path, {path: stat_key(st)})
+    if sha256 is None:
+        return None
+    try:
+        return FileRecord(path=path, size=st.st_size, sha256=sha256)
+    except ValueError:
+        return None  # a damaged entry only costs a re-hash
+
+
+def _hash_one(path: str, cache: FileCache | None) -> FileRecord | None:
+    try:
+        key = path_key(path)
+    except OSError:
+        return None
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+            after = os.fstat(handle.fileno())
+    except OSError:
+        return None
+    record = FileRecord(path=path, size=after.st_size, sha256=digest.hexdigest())
+    if cache is not None and stat_key(after) == key:  # not written to while we read it
+        cache.remember(path, {path: key}, record.sha256)
+    return record
+
+
+def hash_files(paths: list[str], cache_dir: Path | None) -> list[FileRecord]:
+    """Size and sha256 of each path that exists (missing ones are left out), in parallel;
+    cached in ``cache_dir`` by path and stat key (see :mod:`snapctl.images.filecache`)."""
+    cache = FileCache(cache_dir) if cache_dir is not None else None
+    # Cache hits first, one by one: a stat and a small read each, cheaper than handing them to
+    # threads on a busy host, and every copy's identity check pays it (docs/images.md).
+    found = {path: _cached(path, cache) for path in paths}
+    misses = [path for path, record in found.items() if record is None]
+    if misses:
+        # hashlib releases the GIL: a few threads keep every core and the disk busy.
+        with ThreadPoolExecutor(max_workers=min(8, len(misses))) as pool:
+            hashed = pool.map(lambda p: _hash_one(p, cache), misses)
+            found.update(zip(misses, hashed, strict=True))
+    return [record for path in paths if (record := found[path]) is not None]

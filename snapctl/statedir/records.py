@@ -1,0 +1,36 @@
+"""The record ``snapctl ps``/``stop``/``logs`` keep of each activation (``records/NAME.json``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class ActivationRecord(BaseModel):
+    """What ``snapctl ps``/``stop``/``logs`` know of a running activation."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = 1
+    name: str
+    activation_id: str
+    kind: str
+    image: str | None
+    root_pid: int
+    root_start_time: float
+    supervisor_pid: int
+    supervisor_start_time: float
+    activation_dir: str
+    logs_dir: str
+    host: str | None
+    port: int
+    published: str | None
+    created: str
+    # A lazy copy: its lazy-pages daemon (stopped with the copy), and whether every page has
+    # arrived (None: not lazy; False: still transferring; True since pages_complete_at, which
+    # was pages_complete_s after the restore started).
+    lazy: bool = False
+    lazy_pages_pid: int | None = None
+    lazy_pages_start_time: float | None = None
+    pages_complete: bool | None = None
+    pages_complete_s: float | None = None
+    pages_complete_at: str | None = None
