@@ -177,9 +177,12 @@ class AgentService:
     def check_copy(self, request: CopyRequest, emit: Emit) -> None:
         """What ``snapctl copy`` refuses in-process before anything starts, in the same order
         and with the same messages (usage errors name their option)."""
-        from snapctl.images.identity import check_waivers, needless_waivers
+        from snapctl.images.identity.compare import check_waivers, needless_waivers
 
-        check_waivers(request.allow_mismatch)
+        try:
+            check_waivers(request.allow_mismatch)
+        except SnapctlError as error:
+            raise BadRequestError(error.message, usage="'--allow-mismatch'") from error
         if request.name and request.count > 1:
             from snapctl.statedir.names import InvalidNameError, numbered_names
 
