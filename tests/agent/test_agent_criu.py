@@ -75,9 +75,11 @@ def env_for(state: StateDir, **extra: str) -> dict[str, str]:
     return env
 
 
-def cli(state: StateDir, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def cli(
+    state: StateDir, *args: str, check: bool = True, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
     done = subprocess.run([sys.executable, "-m", "snapctl", *args], env=env_for(state),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
     if check:
         assert done.returncode == 0, done.stderr
     return done
