@@ -19,7 +19,7 @@ import snapctl.activation.supervise
 from snapctl.activation.launch import LaunchOptions
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool.models import CopyRequest
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 
 assert snapctl.activation.copy and snapctl.activation.supervise
 
@@ -97,7 +97,7 @@ def launch_options(request: CopyRequest) -> LaunchOptions:
 
 def check_request(request: CopyRequest) -> None:
     """What the CLI checks before anything starts: the waivers, and --publish."""
-    from snapctl.images.identity.compare import check_waivers
+    from snapctl.images.identity import check_waivers
     from snapctl.namespaces.publish import check_publish
 
     check_waivers(request.allow_mismatch)

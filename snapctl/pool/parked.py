@@ -32,7 +32,7 @@ from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
 from snapctl.pool.serve import ParkedCopyUnusableError
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.supervision.process import is_same_process
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 
 # How often a parked copy looks whether its agent and its tree are still there.
 WATCH_INTERVAL_S = 0.5

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from snapctl.pool.models import PARKED_ID_PATTERN, ParkedRecord
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 
 RECORD_NAME = "parked.json"
 SOCKET_NAME = "order.sock"

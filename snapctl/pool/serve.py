@@ -23,7 +23,7 @@ from snapctl.phases import HostPhase
 from snapctl.pool.models import CopyRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.models import Phase
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 
 # on_progress(lane, step): lane "" for a single copy, "copy N" for one of --count N.
 LaneProgress = Callable[[str, str], None]

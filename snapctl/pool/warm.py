@@ -51,7 +51,7 @@ from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.supervision.process import is_same_process
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 
 TARGETS_NAME = "targets.json"
 TICK_S = 0.5

@@ -19,7 +19,7 @@ from typing import Any
 
 from snapctl.pool import CopyRequest, Spawner, WarmPool, activate_taken, copy_via_supervisor
 from snapctl.pool.serve import ParkedCopyUnusableError, ParkedHandle
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 
 
 class Events:

@@ -21,7 +21,7 @@ import pytest
 from snapctl.activation.supervise import collect_orphans, stop_recorded
 from snapctl.criu import CriuBinary
 from snapctl.pool.records import load_parked_records, pool_dir
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor, leftovers
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]

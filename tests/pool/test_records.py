@@ -16,7 +16,7 @@ from snapctl.pool.models import ActivationOrder
 from snapctl.pool.parked import restore_fits
 from snapctl.pool.records import RECORD_NAME, parked_home, pool_dir, sweep_parked
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 from tests.pool.test_warm import make_record
 
 pytestmark = pytest.mark.timeout(30)

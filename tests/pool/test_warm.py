@@ -23,7 +23,7 @@ from snapctl.pool.identity import published_identity
 from snapctl.pool.models import ParkedRecord
 from snapctl.pool.records import RECORD_NAME, parked_home
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.statedir import StateDir
+from snapctl.supervision.state import StateDir
 from tests.images.factories import publish_sample
 
 pytestmark = pytest.mark.timeout(60)
