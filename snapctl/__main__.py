@@ -1,5 +1,5 @@
 """``python -m snapctl``: the same entry point as the ``snapctl`` script."""
 
-from snapctl.cli import main
+from snapctl.entry import main
 
 raise SystemExit(main())

@@ -28,6 +28,13 @@ drawing lists every class, under its base, with its code)::
     ├── SupervisorError          relayed  pool.serve: an agent's copy supervisor failed the start
     ├── ParkedCopyUnusableError        4  pool.serve: a parked copy refused before activating
     ├── PoolError                      2  pool.warm: a pool request that cannot be done
+    ├── AgentError               relayed  agent.client: the agent refused or failed a request
+    ├── AgentUnavailableError          7  agent.client: no agent answers, or it stopped
+    ├── AgentRunningError              6  agent.daemon: another agent owns the state directory
+    ├── ListenError                    7  agent.daemon: cannot listen where asked
+    ├── TokenFileError                 2  agent.daemon: the --token-file is unusable
+    ├── BadRequestError                2  agent.service: a request refused before it started
+    ├── NotFoundError                  1  agent.service: the activation named is unknown
     ├── CriuError              by action  criu.run: dump/pre-dump 3, restore/lazy-pages 4, else 1
     ├── CriuNotFound                   7  criu.locate: no usable CRIU binary
     ├── UndumpableError                3  criu.inventory: the tree holds what CRIU cannot dump

@@ -71,6 +71,12 @@ COMMANDS: dict[str, LazyCommand] = {
         "snapctl.cli.qualify:stale",
         "Check that copies given stale control fail closed.",
     ),
+    "agent": LazyCommand(
+        "snapctl.cli.agent:agent", "Run the node agent: the CLI's API, a warm pool, metrics."
+    ),
+    "pool": LazyCommand(
+        "snapctl.cli.pool:pool", "Keep copies of an image parked, ready to activate (agent)."
+    ),
 }
 
 
@@ -79,6 +85,8 @@ class CliState:
     """Global options, shared by :func:`main` (error reporting) and the commands (``ctx.obj``)."""
 
     traceback: bool = False
+    # Run in this process even when an agent answers on its socket (see snapctl.cli.remote).
+    no_agent: bool = False
 
 
 class LazyGroup(click.Group):
@@ -132,10 +140,23 @@ def load_command(name: str, target: str) -> click.Command:
 )
 @click.version_option(__version__, "--version", prog_name="snapctl", message="%(prog)s %(version)s")
 @click.option("--traceback", is_flag=True, help="Show the full traceback when a command fails.")
+@click.option(
+    "--no-agent",
+    is_flag=True,
+    envvar="SNAPCTL_NO_AGENT",
+    help="Run the command in this process even when an agent (snapctl agent) answers on its "
+    "socket.",
+)
 @click.pass_context
-def snapctl(ctx: click.Context, traceback: bool) -> None:
-    """Capture an initialized inference server once with CRIU, then start copies of it fast."""
-    ctx.ensure_object(CliState).traceback = traceback
+def snapctl(ctx: click.Context, traceback: bool, no_agent: bool) -> None:
+    """Capture an initialized inference server once with CRIU, then start copies of it fast.
+
+    When an agent runs (snapctl agent), ps, stop, logs, gc, images, inspect, copy and pool
+    go through it (same output and exit codes); --no-agent keeps them in this process.
+    """
+    state = ctx.ensure_object(CliState)
+    state.traceback = traceback
+    state.no_agent = no_agent
 
 
 def exit_status_for(error: SnapctlError) -> ExitStatus:

@@ -1,22 +1,39 @@
-"""``snapctl ps``, ``snapctl stop`` and ``snapctl logs``: activations from their records."""
+"""``snapctl ps``, ``stop``, ``logs`` and ``gc``: activations from their records, in this
+process or through the agent (:mod:`snapctl.cli.remote`), with the same output either way.
+
+Light at import (click and :mod:`snapctl.plain`): ``snapctl ps`` through the agent imports
+neither rich nor pydantic nor psutil.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import click
 
 from snapctl.cli._activation_options import check_name_option
-from snapctl.cli.output import emit_json, json_option, stdout
+from snapctl.cli.remote import agent_client, call
+from snapctl.plain import PS_COLUMNS, audit_clean, describe_audit, emit_json, print_table
+from snapctl.plain import ps_rows as _ps_rows
 
 if TYPE_CHECKING:
     from snapctl.statedir import ActivationRecord
 
 
-@click.command()
-@json_option
-def ps(as_json: bool) -> None:
-    """List running activations."""
+def json_option(function: Any) -> Any:
+    """The shared ``--json`` flag (as :func:`snapctl.cli.output.json_option`, without its
+    imports)."""
+    return click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print one JSON object on stdout instead of a table; no progress output.",
+    )(function)
+
+
+def activation_rows() -> list[dict[str, Any]]:
+    """``ps --json``'s rows, read here: each record, and whether its tree and supervisor run."""
     from snapctl.statedir import StateDir
     from snapctl.supervision.process import is_same_process
 
@@ -25,30 +42,19 @@ def ps(as_json: bool) -> None:
         alive = is_same_process(record.root_pid, record.root_start_time)
         supervised = is_same_process(record.supervisor_pid, record.supervisor_start_time)
         rows.append({**record.model_dump(mode="json"), "running": alive, "supervised": supervised})
+    return rows
+
+
+@click.command()
+@json_option
+def ps(as_json: bool) -> None:
+    """List running activations."""
+    client = agent_client()
+    rows = activation_rows() if client is None else call(client, "GET", "/activations")
     if as_json:
         emit_json(rows)
         return
-    from rich.table import Table
-
-    table = Table("name", "kind", "root pid", "port", "published", "running", "pages", "image")
-    for row in rows:
-        running = "yes" if row["running"] else "no"
-        if row["running"] and not row["supervised"]:
-            running = "yes, unsupervised (snapctl gc)"
-        table.add_row(
-            row["name"], row["kind"], str(row["root_pid"]), str(row["port"]),
-            row["published"] or "-", running, _pages(row), row["image"] or "-",
-        )  # fmt: skip
-    stdout().print(table)
-
-
-def _pages(row: dict[str, object]) -> str:
-    """A lazy copy's memory: "transferring", or complete and how long after its restore."""
-    if row["pages_complete"] is None:
-        return "-"
-    if not row["pages_complete"]:
-        return "transferring"
-    return f"complete ({row['pages_complete_s']:.2f} s)"
+    print_table(PS_COLUMNS, _ps_rows(rows))
 
 
 def _find(name: str) -> ActivationRecord:
@@ -68,18 +74,29 @@ def _find(name: str) -> ActivationRecord:
 @json_option
 def stop(name: str, timeout_s: float, as_json: bool) -> None:
     """Stop an activation and clean up after it."""
-    from snapctl.activation.supervise import stop_recorded
     from snapctl.errors import SnapctlError
-    from snapctl.statedir import StateDir
 
-    record = _find(name)
-    how, audit = stop_recorded(record, StateDir(), timeout_s)
-    if as_json:
-        emit_json({"name": record.name, "stopped": how, "audit": audit.model_dump()})
+    client = agent_client()
+    if client is None:
+        from snapctl.activation.supervise import stop_recorded
+        from snapctl.statedir import StateDir
+
+        record = _find(name)
+        how, audit = stop_recorded(record, StateDir(), timeout_s)
+        answer: dict[str, Any] = {
+            "name": record.name, "stopped": how, "audit": audit.model_dump()
+        }  # fmt: skip
     else:
-        stdout().print(f"{record.name}: {how}; cleanup: {audit.describe()}", markup=False)
-    if not audit.clean:
-        raise SnapctlError(f"cleanup incomplete after stopping {record.name}: {audit.describe()}")
+        answer = call(client, "POST", f"/activations/{quote(name)}/stop", {"timeout_s": timeout_s})
+    stopped, audit_record = answer["name"], answer["audit"]
+    if as_json:
+        emit_json(answer)
+    else:
+        click.echo(f"{stopped}: {answer['stopped']}; cleanup: {describe_audit(audit_record)}")
+    if not audit_clean(audit_record):
+        raise SnapctlError(
+            f"cleanup incomplete after stopping {stopped}: {describe_audit(audit_record)}"
+        )
 
 
 @click.command()
@@ -90,6 +107,18 @@ def logs(name: str, follow: bool) -> None:
     """Print an activation's server log."""
     import sys
     from pathlib import Path
+
+    client = agent_client()
+    if client is not None:
+        target = f"/activations/{quote(name)}/logs" + ("?follow=1" if follow else "")
+        from snapctl.cli.remote import raise_for
+
+        for message in client.stream("GET", target):
+            if "error" in message:  # the follow failed after it began
+                raise_for(message)
+            sys.stdout.write(message["text"])
+            sys.stdout.flush()
+        return
 
     from snapctl.errors import SnapctlError
     from snapctl.statedir import ActivationRecord, StateDir
@@ -132,24 +161,30 @@ def gc(timeout_s: float, as_json: bool) -> None:
     images moved aside) and in the state directory (records' .tmp files), only where no live
     process owns them.
     """
-    from snapctl.activation.supervise import collect_garbage
     from snapctl.errors import SnapctlError
-    from snapctl.statedir import StateDir
 
-    report = collect_garbage(StateDir(), timeout_s)
-    if as_json:
-        emit_json(report)
+    client = agent_client()
+    if client is None:
+        from snapctl.activation.supervise import collect_garbage
+        from snapctl.statedir import StateDir
+
+        report = collect_garbage(StateDir(), timeout_s).model_dump(mode="json")
     else:
-        for entry in report.activations:
-            names = ", ".join(entry.names) or "unnamed"
-            stdout().print(
-                f"{entry.activation_id} ({names}): ended {len(entry.processes_ended)} "
-                f"process(es); cleanup: {entry.audit.describe()}", markup=False,
-            )  # fmt: skip
-        for path in report.removed:
-            stdout().print(f"removed {path}", markup=False)
-        if not report.activations and not report.removed:
-            stdout().print("nothing to clean up")
-    dirty = [entry.activation_id for entry in report.activations if not entry.audit.clean]
+        report = call(client, "POST", "/gc", {"timeout_s": timeout_s})
+    if as_json:
+        emit_json(report, sort_keys=False)
+    else:
+        for entry in report["activations"]:
+            names = ", ".join(entry["names"]) or "unnamed"
+            click.echo(
+                f"{entry['activation_id']} ({names}): ended {len(entry['processes_ended'])} "
+                f"process(es); cleanup: {describe_audit(entry['audit'])}"
+            )
+        for path in report["removed"]:
+            click.echo(f"removed {path}")
+        if not report["activations"] and not report["removed"]:
+            click.echo("nothing to clean up")
+    dirty = [entry["activation_id"] for entry in report["activations"]
+             if not audit_clean(entry["audit"])]  # fmt: skip
     if dirty:
         raise SnapctlError(f"cleanup incomplete for {', '.join(dirty)}")

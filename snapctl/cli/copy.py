@@ -64,7 +64,19 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     features, CRIU, CPU flags, files the server had mapped or open); another machine id,
     hostname or environment is shown, never refused. A SERVER_CMD, if given, must be the
     command the image was captured from.
+
+    When an agent runs (snapctl agent), it serves the copy: from its warm pool if a copy of
+    the image is parked (snapctl pool set), else restored in a fresh supervisor.
     """
+    from snapctl.cli.remote import agent_client
+
+    client = agent_client() if Path(image_source).is_dir() else None
+    if client is not None:
+        from snapctl.cli.remote import copy_through_agent
+
+        request = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common)
+        copy_through_agent(client, request, as_json=common.as_json, detach=common.detach)
+        return
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
@@ -122,6 +134,36 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
         )  # fmt: skip
 
     serve(start, as_json=common.as_json, detach=common.detach)
+
+
+def copy_request(
+    image_source: str, count: int, allow_mismatch: tuple[str, ...], lazy: bool | None,
+    server_cmd: tuple[str, ...], common: CommonOptions,
+) -> dict[str, Any]:  # fmt: skip
+    """The agent's ``CopyRequest`` (see :mod:`snapctl.pool.models`) for these options. The API
+    key travels as its value: the agent's environment is not the caller's."""
+    import os
+
+    api_key = os.environ.get(common.api_key_env) if common.api_key_env else None
+    return {
+        "image": str(Path(image_source).absolute()),
+        "name": common.name,
+        "publish": None if common.publish is None else {
+            "address": common.publish[0], "port": common.publish[1]},
+        "expose": common.expose,
+        "host": common.host,
+        "port": common.port,
+        "api_key_env": common.api_key_env,
+        "api_key": api_key,
+        "lazy": lazy,
+        "allow_mismatch": list(allow_mismatch),
+        "count": count,
+        "timeout_s": common.timeout_s,
+        "native": common.native,
+        "criu_path": None if common.criu_path is None else str(Path(common.criu_path).absolute()),
+        "server_argv": list(server_cmd) or None,
+        "detach": common.detach,
+    }  # fmt: skip
 
 
 def serve_many(

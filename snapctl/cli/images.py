@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -20,7 +21,26 @@ def images(root: Path | None, as_json: bool) -> None:
     Without --root, the images pulled into the local image cache are listed too, by the
     references they were pulled by.
     """
-    from snapctl.cli.output import emit_json, stdout
+    from snapctl.cli.remote import agent_client, call, namespace
+    from snapctl.plain import emit_json
+
+    client = agent_client()
+    if client is None:
+        records = image_records(root)
+    else:
+        from urllib.parse import quote
+
+        query = "" if root is None else f"?root={quote(str(root.absolute()))}"
+        records = call(client, "GET", f"/images{query}")
+    if as_json:
+        emit_json(records)
+        return
+    render(namespace(records))
+
+
+def image_records(root: Path | None) -> list[dict[str, object]]:
+    """``images --json``'s rows: the images in ``root`` (default: the image root), and without
+    ``root`` the pulled ones (the agent answers ``GET /v1/images`` with the same)."""
     from snapctl.images.catalog import default_image_root, list_images
     from snapctl.statedir import StateDir
 
@@ -30,10 +50,13 @@ def images(root: Path | None, as_json: bool) -> None:
         from snapctl.registry.source import list_pulled
 
         rows += list_pulled(state)
-    if as_json:
-        emit_json([row.model_dump(mode="json") for row in rows])
-        return
+    return [row.model_dump(mode="json") for row in rows]
+
+
+def render(rows: list[Any]) -> None:
     from rich.table import Table
+
+    from snapctl.cli.output import stdout
 
     table = Table()
     for column in ("image", "id", "created", "server", "size", "criu", "verified"):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import click
 
@@ -28,8 +30,6 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     files, the identity a copy is checked against (files outside the image it depends on
     included) and CRIU's dump statistics.
     """
-    from snapctl.images import load_manifest, verify_image
-    from snapctl.images.store import record_verified
     from snapctl.registry.source import describe_remote, is_reference, require_image
     from snapctl.statedir import StateDir
 
@@ -46,7 +46,30 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
             return
         _show(source, remote.manifest, False, brief)
         return
-    image = require_image(source)
+    from snapctl.cli.remote import agent_client, call
+
+    client = agent_client() if Path(source).is_dir() else None
+    if client is None:
+        image = require_image(source)
+        record = inspect_record(image, verify)
+    else:
+        query = f"?image={quote(str(Path(source).absolute()))}" + ("&verify=1" if verify else "")
+        record = call(client, "GET", f"/images/inspect{query}")
+    if as_json:
+        emit_json(record)
+        return
+    from snapctl.images import Manifest
+
+    _show(source, Manifest.model_validate(record["manifest"]), verify, brief)
+
+
+def inspect_record(image: Path, verify: bool) -> dict[str, Any]:
+    """``inspect --json``'s record of a local image (the agent answers ``GET
+    /v1/images/inspect`` with the same); ``verify`` hashes every file and records it."""
+    from snapctl.images import load_manifest, verify_image
+    from snapctl.images.store import record_verified
+    from snapctl.statedir import StateDir
+
     if verify:
         manifest = verify_image(image)  # always a full hash when asked, cache or not
         state = StateDir()
@@ -54,13 +77,8 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
         record_verified(image, manifest, state.verified)  # so `snapctl images` shows it
     else:
         manifest = load_manifest(image)
-    if as_json:
-        emit_json(
-            {"path": str(image.absolute()), "manifest": manifest.model_dump(mode="json"),
-             "verified": verify}
-        )  # fmt: skip
-        return
-    _show(str(image), manifest, verify, brief)
+    return {"path": str(image.absolute()), "manifest": manifest.model_dump(mode="json"),
+            "verified": verify}  # fmt: skip
 
 
 def _show(where: str, manifest: Manifest, verify: bool, brief: bool) -> None:

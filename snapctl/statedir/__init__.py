@@ -1,9 +1,31 @@
 """snapctl's host state directory, visible to every package without importing supervision
 (light imports: no psutil): its layout (:class:`StateDir`), the activation records in it, and
 activation names, which become file names there and are reserved by a lock beside the record.
+
+The names below load their module on first use, so that ``snapctl.statedir.names`` (the CLI
+checks ``--name`` with it) imports no pydantic on the agent's thin-client path.
 """
 
-from snapctl.statedir.layout import DEFAULT_STATE_DIR, StateDir, state_dir
-from snapctl.statedir.records import ActivationRecord
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from snapctl.statedir.layout import DEFAULT_STATE_DIR, StateDir, state_dir
+    from snapctl.statedir.records import ActivationRecord
+
+_MODULES = {
+    "DEFAULT_STATE_DIR": "layout",
+    "StateDir": "layout",
+    "state_dir": "layout",
+    "ActivationRecord": "records",
+}
 
 __all__ = ["DEFAULT_STATE_DIR", "ActivationRecord", "StateDir", "state_dir"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return getattr(importlib.import_module(f"snapctl.statedir.{_MODULES[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

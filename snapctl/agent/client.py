@@ -1,0 +1,189 @@
+"""The thin client: the CLI's side of the agent's API, over its unix socket.
+
+Standard library only, and not ``http.client`` either (it imports ``email`` and ``ssl``, tens of
+milliseconds): the CLI's fast path (``snapctl ps`` through the agent) must not pay for imports a
+few socket writes do not need. One request per connection (``Connection: close``); a response is
+JSON (``Content-Length``) or, for long operations, NDJSON in chunks, one message per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from snapctl.agent import API_PREFIX, default_socket_path
+from snapctl.errors import ExitStatus, SnapctlError
+
+# Long operations stream: a copy's restore may take minutes, each step its own --timeout.
+READ_TIMEOUT_S = 3600.0
+_MAX_HEADER_BYTES = 64 * 1024
+
+
+class AgentError(SnapctlError):
+    """The agent refused or failed a request: its error, relayed with its own exit status."""
+
+    def __init__(
+        self, message: str, *, exit_status: int = 1, usage: str | None = None, **fields: Any
+    ) -> None:
+        super().__init__(message, **fields)
+        # A refused option: its name ("" for the command as a whole), as the CLI reports it.
+        self.usage = usage
+        try:
+            self.exit_status = ExitStatus(exit_status)
+        except ValueError:
+            self.exit_status = ExitStatus.ERROR
+
+
+class AgentUnavailableError(SnapctlError):
+    """The agent stopped answering in the middle of a request (it was stopped or killed)."""
+
+    exit_status = ExitStatus.UNAVAILABLE
+
+
+def error_from(body: dict[str, Any]) -> AgentError:
+    """The :class:`AgentError` an error body (see ``snapctl.agent.api.ErrorBody``) describes."""
+    return AgentError(
+        str(body.get("error", "the agent failed the request")),
+        exit_status=int(body.get("status", ExitStatus.ERROR)),
+        phase=body.get("phase"),
+        path=body.get("path"),
+        log_tail=body.get("log_tail"),
+        usage=body.get("usage"),
+    )
+
+
+class AgentClient:
+    """Requests to the agent listening on ``path``. :func:`connect` makes one only when an agent
+    answers there; its first request reuses the connection that found it."""
+
+    def __init__(self, path: Path, sock: socket.socket | None = None) -> None:
+        self.path = path
+        self._sock = sock
+
+    def _open(self) -> socket.socket:
+        sock, self._sock = self._sock, None
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(str(self.path))
+            except OSError as error:
+                sock.close()
+                raise AgentUnavailableError(
+                    f"the agent does not answer on {self.path} ({error.strerror}); start it "
+                    "(snapctl agent) or run in-process (--no-agent)",
+                    path=self.path,
+                ) from error
+        sock.settimeout(READ_TIMEOUT_S)
+        return sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _send(self, method: str, target: str, body: Any) -> tuple[socket.socket, BinaryIO]:
+        payload = b"" if body is None else json.dumps(body).encode()
+        head = (
+            f"{method} {API_PREFIX}{target} HTTP/1.1\r\nHost: snapctl-agent\r\n"
+            f"Connection: close\r\nAccept: application/json, application/x-ndjson\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        )
+        sock = self._open()
+        try:
+            sock.sendall(head.encode() + payload)
+        except OSError as error:
+            sock.close()
+            raise AgentUnavailableError(f"cannot send to the agent: {error}") from error
+        return sock, sock.makefile("rb")
+
+    def call(self, method: str, target: str, body: Any = None) -> Any:
+        """One request; its JSON answer, or the agent's error raised as :class:`AgentError`."""
+        messages = list(self.stream(method, target, body))
+        if len(messages) != 1:
+            raise AgentUnavailableError(f"the agent answered {target} with {len(messages)} records")
+        return messages[0]
+
+    def stream(self, method: str, target: str, body: Any = None) -> Iterator[Any]:
+        """One request; each JSON message of its answer as it arrives (one for a plain JSON
+        answer). An error status raises :class:`AgentError` with the agent's reason."""
+        sock, reader = self._send(method, target, body)
+        try:
+            try:
+                status, headers = _read_head(reader)
+                if headers.get("transfer-encoding", "").lower() == "chunked":
+                    chunks: Iterator[bytes] = _chunks(reader)
+                else:
+                    chunks = iter([reader.read(int(headers.get("content-length", "0")))])
+                ndjson = headers.get("content-type", "").startswith("application/x-ndjson")
+                for chunk in chunks:
+                    lines = chunk.splitlines() if ndjson else [chunk]
+                    for line in lines:
+                        if not line.strip():
+                            continue
+                        message = json.loads(line)
+                        if status >= 400:
+                            raise error_from(message if isinstance(message, dict) else {})
+                        yield message
+            except (OSError, ValueError) as error:
+                raise AgentUnavailableError(
+                    f"the agent stopped answering {method} {target}: {error}"
+                ) from error
+        finally:
+            reader.close()
+            sock.close()
+
+
+def _read_head(reader: BinaryIO) -> tuple[int, dict[str, str]]:
+    status_line = reader.readline(_MAX_HEADER_BYTES)
+    parts = status_line.split(None, 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
+        raise ValueError(f"not an HTTP response: {status_line[:80]!r}")
+    headers: dict[str, str] = {}
+    while True:
+        line = reader.readline(_MAX_HEADER_BYTES)
+        if line in (b"\r\n", b"\n", b""):
+            break
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(parts[1]), headers
+
+
+def _chunks(reader: BinaryIO) -> Iterator[bytes]:
+    while True:
+        size_line = reader.readline(_MAX_HEADER_BYTES)
+        if not size_line:
+            raise ValueError("the chunked answer ended early")
+        size = int(size_line.split(b";")[0], 16)
+        if size == 0:
+            reader.readline(_MAX_HEADER_BYTES)
+            return
+        data = reader.read(size)
+        reader.readline(_MAX_HEADER_BYTES)
+        if len(data) != size:
+            raise ValueError("the chunked answer ended in a chunk")
+        yield data
+
+
+def connect(socket_path: Path | None = None) -> AgentClient | None:
+    """A client of the agent on ``socket_path`` (default ``STATE/agent.sock``), or None when no
+    agent answers there (no socket, or a stale one: the CLI then runs in-process)."""
+    path = socket_path or default_socket_path()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(str(path))
+    except OSError:
+        sock.close()
+        return None
+    return AgentClient(path, sock)
+
+
+__all__ = [
+    "AgentClient",
+    "AgentError",
+    "AgentUnavailableError",
+    "connect",
+    "error_from",
+]

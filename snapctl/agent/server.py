@@ -1,0 +1,410 @@
+"""The agent's HTTP/1.1 listeners and routing: the unix socket (always), an optional TCP
+listener that requires a bearer token, and an optional metrics-only listener.
+
+Every request is validated strictly before anything runs: an unknown path is 404, a wrong method
+405, a body that is not JSON 400, a body its model refuses 422, a missing or wrong token 401;
+each with an :class:`~snapctl.agent.api.ErrorBody` saying why (never a traceback; never a
+request's body in a log). Long operations answer NDJSON in chunks (see ``snapctl.agent.client``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import os
+import re
+import socket
+import socketserver
+import struct
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+from urllib.parse import parse_qs, urlsplit
+
+from pydantic import BaseModel, ValidationError
+
+from snapctl.agent import API_PREFIX
+from snapctl.agent.api import ErrorBody, GcRequest, PoolRemoveRequest, StopRequest
+from snapctl.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundError
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.pool import CopyRequest, PoolTarget
+
+MAX_BODY_BYTES = 1 << 20
+_NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole JSON answer."""
+
+    status: int
+    body: Any
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A streamed NDJSON answer: ``run(emit)`` emits messages; what it returns (or the error
+    it raises) is the last message."""
+
+    run: Callable[[Emit], Any]
+
+
+@dataclass(frozen=True)
+class Text:
+    status: int
+    body: bytes
+    content_type: str
+
+
+Result = Answer | Stream | Text
+
+
+def _json_ready(value: Any) -> Any:
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return value
+
+
+def error_body(error: SnapctlError) -> ErrorBody:
+    return ErrorBody(
+        error=error.message,
+        status=int(error.exit_status),
+        phase=error.phase,
+        path=None if error.path is None else str(error.path),
+        log_tail=error.log_tail,
+        usage=error.usage if isinstance(error, BadRequestError) else None,
+    )
+
+
+def http_status(error: SnapctlError) -> int:
+    if isinstance(error, NotFoundError):
+        return 404
+    return {
+        ExitStatus.USAGE: 400,
+        ExitStatus.CONFLICT: 409,
+        ExitStatus.VERIFY_FAILED: 422,
+        ExitStatus.UNAVAILABLE: 503,
+    }.get(ExitStatus(error.exit_status), 500)
+
+
+def _refusal(status: int, message: str) -> Answer:
+    return Answer(status, ErrorBody(error=message, status=int(ExitStatus.USAGE)))
+
+
+def _parse(model: type[BaseModel], body: bytes | None) -> Any:
+    """``body`` as ``model`` (an empty body: the model's defaults), or a refusal to raise."""
+    try:
+        return model.model_validate_json(body or b"{}")
+    except ValidationError as error:
+        if any(item["type"] == "json_invalid" for item in error.errors()):
+            raise _Refused(_refusal(400, "the request body is not a JSON object")) from error
+        # Never echo the input: a refused body may hold a secret (an API key).
+        reasons = "; ".join(
+            f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}"
+            for item in error.errors(include_input=False, include_url=False)
+        )
+        raise _Refused(_refusal(422, f"invalid {model.__name__}: {reasons}")) from error
+
+
+class _Refused(Exception):
+    def __init__(self, answer: Answer) -> None:
+        super().__init__(answer.body.error)
+        self.answer = answer
+
+
+class InFlight:
+    """The requests being answered, so that a stopping agent lets them finish (a copy's
+    report reaches its client) before it discards the pool."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._idle = threading.Condition()
+
+    def __enter__(self) -> None:
+        with self._idle:
+            self._count += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._idle:
+            self._count -= 1
+            self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        with self._idle:
+            return self._idle.wait_for(lambda: self._count == 0, timeout_s)
+
+
+class Router:
+    """Method and path → the service call, with the body parsed into its model."""
+
+    def __init__(self, service: AgentService) -> None:
+        self.service = service
+        self.in_flight = InFlight()
+        s = service
+        self.routes: list[tuple[str, re.Pattern[str], Callable[..., Result]]] = [
+            ("GET", re.compile(r"/version"), lambda m, q, b: Answer(200, s.version())),
+            ("GET", re.compile(r"/activations"), lambda m, q, b: Answer(200, s.activations())),
+            ("POST", re.compile(rf"/activations/{_NAME}/stop"), self._stop),
+            ("GET", re.compile(rf"/activations/{_NAME}/logs"), self._logs),
+            ("POST", re.compile(r"/copies"), self._copy),
+            ("GET", re.compile(r"/images"), self._images),
+            ("GET", re.compile(r"/images/inspect"), self._inspect),
+            ("GET", re.compile(r"/pool"), lambda m, q, b: Answer(200, s.pool_listing())),
+            ("POST", re.compile(r"/pool/set"), self._pool_set),
+            ("POST", re.compile(r"/pool/rm"), self._pool_rm),
+            ("POST", re.compile(r"/gc"), self._gc),
+        ]
+
+    def route(self, method: str, target: str, body: bytes | None) -> Result:
+        url = urlsplit(target)
+        if url.path in ("/metrics", f"{API_PREFIX}/metrics") and method == "GET":
+            return Text(200, self.service.metrics.render(), METRICS_CONTENT_TYPE)
+        if not url.path.startswith(API_PREFIX + "/"):
+            return _refusal(404, f"no such path {url.path!r}: the API is under {API_PREFIX}/")
+        path = url.path[len(API_PREFIX) :]
+        query = {key: values[-1] for key, values in parse_qs(url.query).items()}
+        allowed = []
+        for route_method, pattern, handler in self.routes:
+            match = pattern.fullmatch(path)
+            if match is None:
+                continue
+            if route_method != method:
+                allowed.append(route_method)
+                continue
+            try:
+                return handler(match, query, body)
+            except _Refused as refused:
+                return refused.answer
+        if allowed:
+            return _refusal(405, f"{method} is not allowed on {url.path} (allowed: "
+                                 f"{', '.join(sorted(set(allowed)))})")  # fmt: skip
+        return _refusal(404, f"no such path {url.path!r} (see docs/agent.md)")
+
+    def _stop(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        request = _parse(StopRequest, body)
+        return Answer(200, self.service.stop(match["name"], request.timeout_s))
+
+    def _logs(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        log, record = self.service.log_path(match["name"])
+        if query.get("follow") not in ("1", "true") or record is None:
+            return Answer(200, {"text": log.read_text(errors="replace")})
+
+        def follow(emit: Emit) -> None:
+            self.service.follow(log, record, lambda chunk: emit({"text": chunk.decode(
+                errors="replace")}))  # fmt: skip
+            return None
+
+        return Stream(follow)
+
+    def _copy(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        request = _parse(CopyRequest, body)
+        return Stream(lambda emit: {"report": self.service.copy(request, emit)})
+
+    def _images(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        return Answer(200, self.service.images(query.get("root")))
+
+    def _inspect(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        if "image" not in query:
+            return _refusal(422, "give the image directory: ?image=/ABSOLUTE/PATH")
+        verify = query.get("verify") in ("1", "true")
+        return Answer(200, self.service.inspect(query["image"], verify))
+
+    def _pool_set(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        return Answer(200, self.service.pool_set(_parse(PoolTarget, body)))
+
+    def _pool_rm(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        return Answer(200, self.service.pool_remove(_parse(PoolRemoveRequest, body).image))
+
+    def _gc(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        return Answer(200, self.service.gc(_parse(GcRequest, body).timeout_s))
+
+
+LOGGER = logging.getLogger("snapctl.agent")
+
+
+def log(message: str) -> None:
+    """One line in the agent's log (``snapctl agent`` sends it to stderr, which journald
+    keeps under the unit). Never a request's body: it may hold an API key."""
+    LOGGER.info(message)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "snapctl-agent"
+    # Set per listener (see Listener): the router, the bearer token (TCP), metrics only.
+    router: ClassVar[Router]
+    token: ClassVar[bytes | None] = None
+    metrics_only: ClassVar[bool] = False
+    allowed_uids: ClassVar[frozenset[int] | None] = None
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # our own line per request, without the client's address or the query
+
+    def do_GET(self) -> None:
+        self._serve("GET")
+
+    def do_POST(self) -> None:
+        self._serve("POST")
+
+    def do_PUT(self) -> None:
+        self._serve("PUT")
+
+    def do_DELETE(self) -> None:
+        self._serve("DELETE")
+
+    def _serve(self, method: str) -> None:
+        started = time.monotonic()
+        status = 500
+        try:
+            with self.router.in_flight:
+                status = self._answer(method, self._result(method))
+        except (BrokenPipeError, ConnectionResetError):
+            status = 499  # the client went away; what it asked for goes on without it
+        finally:
+            path = urlsplit(self.path).path
+            log(f"{method} {path} {status} {time.monotonic() - started:.3f} s")
+
+    def _result(self, method: str) -> Result:
+        refusal = self._refuse_peer()
+        if refusal is not None:
+            return refusal
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return _refusal(400, "Content-Length is not a number")
+        if length < 0 or length > MAX_BODY_BYTES:
+            return _refusal(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+        if self.headers.get("Transfer-Encoding"):
+            return _refusal(411, "send the body with a Content-Length (not chunked)")
+        body = self.rfile.read(length) if length else None
+        if self.metrics_only and urlsplit(self.path).path != "/metrics":
+            return _refusal(404, "this listener serves only GET /metrics")
+        try:
+            return self.router.route(method, self.path, body)
+        except SnapctlError as error:
+            return Answer(http_status(error), error_body(error))
+        except Exception as error:
+            log(f"unexpected error: {traceback.format_exc()}")
+            return Answer(500, ErrorBody(error=f"unexpected {type(error).__name__} in the agent: "
+                                         f"{error}", status=int(ExitStatus.ERROR)))  # fmt: skip
+
+    def _refuse_peer(self) -> Answer | None:
+        if self.token is not None:
+            given = self.headers.get("Authorization", "")
+            scheme, _, value = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                value.strip().encode(), self.token
+            ):
+                return _refusal(401, "this listener needs Authorization: Bearer TOKEN (the "
+                                     "agent's --token-file)")  # fmt: skip
+        if self.allowed_uids is not None:
+            uid = _peer_uid(self.connection)
+            if uid is not None and uid not in self.allowed_uids:
+                return _refusal(403, f"uid {uid} may not use the agent (root only)")
+        return None
+
+    def _answer(self, method: str, result: Result) -> int:
+        if isinstance(result, Text):
+            self._whole(result.status, result.body, result.content_type)
+            return result.status
+        if isinstance(result, Answer):
+            payload = json.dumps(_json_ready(result.body), separators=(",", ":")).encode()
+            self._whole(result.status, payload + b"\n", "application/json")
+            return result.status
+        return self._stream(result)
+
+    def _whole(self, status: int, payload: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", "Bearer")
+        self.end_headers()
+        self.wfile.write(payload)
+        self.wfile.flush()
+
+    def _stream(self, stream: Stream) -> int:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        lock = threading.Lock()
+        gone = threading.Event()
+
+        def emit(message: Any) -> None:
+            data = json.dumps(_json_ready(message), separators=(",", ":")).encode() + b"\n"
+            with lock:
+                if gone.is_set():
+                    return
+                try:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+                except OSError:
+                    gone.set()  # the client left: the operation still finishes
+
+        status = 200
+        try:
+            last = stream.run(emit)
+        except SnapctlError as error:
+            status = http_status(error)
+            last = error_body(error)
+        except Exception as error:
+            log(f"unexpected error: {traceback.format_exc()}")
+            status = 500
+            last = ErrorBody(error=f"unexpected {type(error).__name__} in the agent: {error}",
+                             status=int(ExitStatus.ERROR))  # fmt: skip
+        if last is not None:
+            emit(last)
+        with lock, contextlib.suppress(OSError):
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        self.close_connection = True
+        return status
+
+
+def _peer_uid(connection: socket.socket) -> int | None:
+    if connection.family != socket.AF_UNIX:
+        return None
+    creds = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def server_bind(self) -> None:
+        # 0600 from its creation: no moment at which another user could connect.
+        previous = os.umask(0o177)
+        try:
+            super().server_bind()
+        finally:
+            os.umask(previous)
+        os.chmod(str(self.server_address), 0o600)
+
+
+class TCPHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+
+def handler_for(
+    router: Router, *, token: bytes | None = None, metrics_only: bool = False,
+    allowed_uids: frozenset[int] | None = None,
+) -> type[Handler]:  # fmt: skip
+    """A handler class for one listener."""
+    return type(
+        "ListenerHandler",
+        (Handler,),
+        {"router": router, "token": token, "metrics_only": metrics_only,
+         "allowed_uids": allowed_uids},
+    )  # fmt: skip

@@ -1,0 +1,217 @@
+"""The CLI as a thin client of the agent: whether to use it, and running a copy through it with
+the same progress, output and exit status as in-process.
+
+Light on purpose (click, the standard library and :mod:`snapctl.agent.client`): rich is
+imported only to draw what a terminal shows, pydantic never.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from snapctl.agent import NO_AGENT_ENV
+from snapctl.agent.client import AgentClient
+
+if TYPE_CHECKING:
+    from snapctl.agent.client import AgentError
+
+
+def agent_client() -> AgentClient | None:
+    """The agent's client when one answers and neither ``--no-agent`` nor
+    ``$SNAPCTL_NO_AGENT`` says to stay in-process; else None (run in-process)."""
+    from snapctl.cli import CliState
+
+    ctx = click.get_current_context(silent=True)
+    state = ctx.find_object(CliState) if ctx is not None else None
+    if (state is not None and state.no_agent) or os.environ.get(NO_AGENT_ENV):
+        return None
+    from snapctl.agent.client import connect
+
+    return connect()
+
+
+def _terminal(as_json: bool) -> bool:
+    return not as_json and sys.stderr.isatty()
+
+
+def raise_for(message: dict[str, Any]) -> None:
+    """An error message from the agent, raised as the CLI raises it in-process."""
+    from snapctl.agent.client import error_from
+
+    raise as_cli_error(error_from(message))
+
+
+def as_cli_error(error: AgentError) -> BaseException:
+    """A usage error (the agent names the option) as click's own; anything else as is."""
+    if error.usage is None:
+        return error
+    if error.usage:
+        return click.BadParameter(error.message, param_hint=error.usage)
+    return click.UsageError(error.message)
+
+
+def call(client: AgentClient, method: str, target: str, body: Any = None) -> Any:
+    """One request; the agent's error raised as in-process (see :func:`as_cli_error`)."""
+    from snapctl.agent.client import AgentError
+
+    try:
+        return client.call(method, target, body)
+    except AgentError as error:
+        raise as_cli_error(error) from None
+
+
+def namespace(value: Any) -> Any:
+    """A JSON record as attributes, for the renderers that read reports' fields."""
+    if isinstance(value, dict):
+        return SimpleNamespace(**{key: namespace(item) for key, item in value.items()})
+    if isinstance(value, list):
+        return [namespace(item) for item in value]
+    return value
+
+
+def copy_through_agent(
+    client: AgentClient, request: dict[str, Any], *, as_json: bool, detach: bool
+) -> None:
+    """``snapctl copy`` served by the agent: its progress and notes (on a terminal), then its
+    report as in-process (``--detach``: and return; else serve until Ctrl-C/SIGTERM or the
+    copy exits, then stop it through the agent and report the cleanup)."""
+    from contextlib import ExitStack
+
+    with ExitStack() as stack:
+        lane_step: Any = None
+        if _terminal(as_json):
+            from snapctl.cli.output import Steps
+
+            steps = stack.enter_context(Steps(quiet=as_json))
+            lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
+        outcome = _stream_copy(client, request, lane_step, as_json)
+    if as_json:
+        from snapctl.plain import emit_json
+
+        # As in-process: a detached start prints the supervisor's record as JSON (sorted
+        # keys), a foreground one its report model (field order).
+        emit_json(outcome, sort_keys=detach)
+    else:
+        _show(outcome)
+    if detach:
+        if not as_json:
+            _dim("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it")
+        return
+    names = [copy["name"] for copy in outcome.get("copies", [outcome])]
+    _serve_until_stopped(client, names, as_json=as_json)
+
+
+def _stream_copy(
+    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
+) -> dict[str, Any]:
+    """Relay the copy request's stream up to its report. SIGINT/SIGTERM while it starts do
+    not cut the stream (the copy would be left serving with no one to stop it): they are
+    held, and once the report comes what started is stopped and the command fails as an
+    interrupted in-process start does (exit 130)."""
+    interrupted = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: interrupted.set())
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        report = _relay_copy(client, request, lane_step, as_json)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if interrupted.is_set():
+        from snapctl.agent.client import AgentError
+        from snapctl.errors import ExitStatus
+
+        for copy in report.get("copies", [report]):
+            with contextlib.suppress(Exception):
+                AgentClient(client.path).call("POST", f"/activations/{copy['name']}/stop", {})
+        raise AgentError(
+            "interrupted while starting (SIGINT/SIGTERM); what had started was stopped",
+            exit_status=ExitStatus.INTERRUPTED,
+        )
+    return report
+
+
+def _relay_copy(
+    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
+) -> dict[str, Any]:
+    for message in client.stream("POST", "/copies", request):
+        if "progress" in message:
+            if lane_step is not None:
+                lane_step(message.get("lane", ""), message["progress"])
+        elif "note" in message:
+            if _terminal(as_json):
+                from snapctl.cli.output import note
+
+                note(message["note"])
+        elif "report" in message:
+            report: dict[str, Any] = message["report"]
+            return report
+        elif "error" in message:
+            raise_for(message)
+    from snapctl.agent.client import AgentUnavailableError
+
+    raise AgentUnavailableError("the agent ended the copy request without a report")
+
+
+def _show(outcome: dict[str, Any]) -> None:
+    from snapctl.cli.serving import render_copies, render_report
+
+    if "copies" in outcome:
+        render_copies(namespace(outcome["copies"]), outcome["total_s"])
+    else:
+        render_report(namespace(outcome))
+
+
+def _dim(text: str) -> None:
+    if sys.stderr.isatty():
+        from snapctl.cli.output import stderr
+
+        stderr().print(text, style="dim", markup=False)
+    else:
+        sys.stderr.write(text + "\n")
+
+
+def _serve_until_stopped(client: AgentClient, names: list[str], *, as_json: bool) -> None:
+    """The foreground's wait: until Ctrl-C/SIGTERM or every copy exited, then stop each
+    through the agent, report its cleanup, and fail if one was not clean."""
+    from snapctl.errors import SnapctlError
+    from snapctl.plain import audit_clean, describe_audit
+
+    stop = threading.Event()
+    previous = {
+        signum: signal.signal(signum, lambda signum, frame: stop.set())
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        if not as_json:
+            _dim("serving; press Ctrl-C to stop")
+        while not stop.wait(0.5):
+            rows = AgentClient(client.path).call("GET", "/activations")
+            running = {row["name"] for row in rows if row["running"]}
+            if not running & set(names):
+                break
+        dirty = []
+        for name in names:
+            try:
+                answer = AgentClient(client.path).call("POST", f"/activations/{name}/stop", {})
+            except SnapctlError:
+                continue  # already gone and cleaned up by its supervisor
+            if not as_json:
+                text = f"{name}: stopped ({answer['stopped']}); cleanup: "
+                _dim(text + describe_audit(answer["audit"]))
+            if not audit_clean(answer["audit"]):
+                dirty.append(name)
+        if dirty:
+            raise SnapctlError(f"cleanup incomplete after stopping {', '.join(dirty)}")
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,422 @@
+"""The agent's API over its socket: permissions, strict validation, streaming, metrics, the
+TCP listener's token; and the CLI through it giving what it gives in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from snapctl.agent.client import AgentClient, AgentError, connect
+from snapctl.agent.daemon import (
+    Agent,
+    AgentOptions,
+    AgentRunningError,
+    ListenError,
+    TokenFileError,
+)
+from snapctl.cli import main
+from snapctl.errors import ExitStatus
+from snapctl.pool import ParkedHandle
+from snapctl.statedir import ActivationRecord, StateDir
+from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
+from tests.images.factories import publish_sample
+
+HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client"}
+
+
+def raw(path: Path, request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` as is; the status and the body of the answer."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(path))
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def metrics_of(path: Path) -> bytes:
+    status, body = raw(path, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+    assert status == 200
+    return body
+
+
+def post(path: Path, target: str, body: bytes) -> tuple[int, dict[str, Any]]:
+    status, answer = raw(
+        path,
+        f"POST {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body,
+    )
+    return status, json.loads(answer)
+
+
+def test_the_socket_is_0600_and_a_second_agent_is_refused(running_agent: RunningAgent) -> None:
+    mode = running_agent.socket.stat().st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+    second = Agent(
+        running_agent.state,
+        AgentOptions(socket=running_agent.socket),
+        spawner_factory=FakeSpawner,
+        pool_factory=FakePool,
+    )  # type: ignore[arg-type]
+    with pytest.raises(AgentRunningError) as refused:
+        second.start()
+    assert refused.value.exit_status == ExitStatus.CONFLICT
+    assert running_agent.socket.exists()  # the refused one removed nothing
+
+
+def test_stopping_removes_the_socket_and_discards_the_pool(tmp_path: Path) -> None:
+    spawner = FakeSpawner()
+    agent = Agent(StateDir(tmp_path), AgentOptions(), spawner_factory=lambda: spawner,  # type: ignore[arg-type,return-value]
+                  pool_factory=FakePool)  # fmt: skip
+    agent.start()
+    pool = agent.pool
+    assert isinstance(pool, FakePool) and (tmp_path / "agent.sock").exists()
+    agent.stop()
+    assert not (tmp_path / "agent.sock").exists() and pool.closed and spawner.closed
+    assert connect(tmp_path / "agent.sock") is None
+
+
+@pytest.mark.parametrize(
+    ("target", "body", "status", "reason"),
+    [
+        ("/v1/copies", b"{not json", 400, "not a JSON object"),
+        ("/v1/copies", b"[]", 422, "invalid CopyRequest"),
+        ("/v1/copies", b'{"image": "/x", "bogus": 1}', 422, "bogus: Extra inputs"),
+        ("/v1/copies", b'{"image": "relative"}', 422, "image: String should match"),
+        ("/v1/copies", b'{"image": "/x", "count": 65}', 422, "count: Input should be less"),
+        ("/v1/copies", b'{"image": "/x", "timeout_s": -1}', 422, "timeout_s"),
+        ("/v1/copies", b'{"image": "/x", "count": "2"}', 422, "count: Input should be a valid"),
+        ("/v1/activations/a/stop", b'{"timeout_s": 0}', 422, "positive, finite"),
+        ("/v1/activations/..%2f/stop", b"{}", 404, "no such path"),
+        ("/v1/nothing", b"{}", 404, "no such path"),
+        ("/elsewhere", b"{}", 404, "under /v1/"),
+        ("/v1/activations", b"{}", 405, "POST is not allowed"),
+        ("/v1/pool/set", b'{"image": "/x", "size": -1}', 422, "size"),
+    ],
+)
+def test_malformed_requests_are_refused_with_the_reason(
+    running_agent: RunningAgent, target: str, body: bytes, status: int, reason: str
+) -> None:
+    got, answer = post(running_agent.socket, target, body)
+
+    assert got == status and reason in answer["error"], answer
+    assert answer["status"] == ExitStatus.USAGE
+    assert "Traceback" not in answer["error"]
+    assert running_agent.spawner.jobs == []
+
+
+def test_a_refused_body_is_not_echoed(running_agent: RunningAgent) -> None:
+    body = json.dumps({"image": "/x", "api_key": 12345678, "count": "secret-value"}).encode()
+    got, answer = post(running_agent.socket, "/v1/copies", body)
+    assert got == 422 and "secret-value" not in json.dumps(answer)
+
+
+def test_oversized_and_chunked_bodies_are_refused(running_agent: RunningAgent) -> None:
+    status, _ = raw(running_agent.socket, b"POST /v1/copies HTTP/1.1\r\nContent-Length: "
+                    b"99999999\r\nConnection: close\r\n\r\n")  # fmt: skip
+    assert status == 413
+    status, _ = raw(running_agent.socket, b"POST /v1/copies HTTP/1.1\r\nTransfer-Encoding: "
+                    b"chunked\r\nConnection: close\r\n\r\n0\r\n\r\n")  # fmt: skip
+    assert status == 411
+
+
+def test_an_unknown_activation_is_404_with_the_cli_message(running_agent: RunningAgent) -> None:
+    client = AgentClient(running_agent.socket)
+    with pytest.raises(AgentError) as refused:
+        client.call("POST", "/activations/nobody/stop", {})
+    assert refused.value.message == "no activation named 'nobody' (see snapctl ps)"
+
+
+def _record(state: StateDir, name: str) -> None:
+    state.ensure()
+    state.save_record(
+        ActivationRecord(
+            name=name, activation_id=f"copy-{name}", kind="copy", image="/images/one",
+            root_pid=999999, root_start_time=1.0, supervisor_pid=999998,
+            supervisor_start_time=1.0, activation_dir="/nowhere", logs_dir="/nowhere/logs",
+            host="127.0.0.1", port=8000, published="127.0.0.1:18000",
+            created="2026-01-01T00:00:00+00:00",
+        )
+    )  # fmt: skip
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_ps_with_and_without_the_agent_gives_the_same_output(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _record(running_agent.state, "one")
+    _record(running_agent.state, "two")
+    for args in (["ps", "--json"], ["ps"]):
+        through = run_cli(capsys, *args)
+        local = run_cli(capsys, "--no-agent", *args)
+        assert through == local and through[0] == 0
+    rows = json.loads(run_cli(capsys, "ps", "--json")[1])
+    assert [row["name"] for row in rows] == ["one", "two"]
+    assert rows[0]["running"] is False and rows[0]["supervised"] is False
+    assert "one" in run_cli(capsys, "ps")[1]
+
+
+def test_stop_of_an_unknown_name_fails_the_same_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli(capsys, "stop", "nobody") == run_cli(capsys, "--no-agent", "stop", "nobody")
+    code, _, err = run_cli(capsys, "stop", "nobody")
+    assert code == ExitStatus.ERROR and "no activation named 'nobody'" in err
+
+
+def test_gc_with_and_without_the_agent_gives_the_same_json(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run_cli(capsys, "gc", "--json") == run_cli(capsys, "--no-agent", "gc", "--json")
+
+
+def test_copy_through_the_agent_streams_its_report(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    image = tmp_path / "image"
+    image.mkdir()
+    monkeypatch.setenv("TEST_KEY", "s3cret")
+    code, out, _ = run_cli(capsys, "copy", "--image", str(image), "--no-lazy", "--detach",
+                           "--json", "--name", "one", "--api-key-env", "TEST_KEY")  # fmt: skip
+    assert code == 0 and json.loads(out) == make_report()
+    (job,) = running_agent.spawner.jobs
+    request = job["request"]
+    assert request["image"] == str(image) and request["name"] == "one"
+    assert request["lazy"] is False and request["detach"] is True
+    assert request["api_key"] == "s3cret"  # the key's value travels to the supervisor only
+    metrics = metrics_of(running_agent.socket)
+    assert b'snapctl_copies_started_total{source="restore"} 1.0' in metrics
+    assert b'snapctl_copy_phase_seconds_count{phase="restore",source="restore"} 1.0' in metrics
+
+
+def test_copy_takes_a_parked_copy_when_one_is_ready(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    image = tmp_path / "image"
+    image.mkdir()
+    handle = ParkedHandle(
+        id="pool-0123456789ab", image=str(image), image_id="sha256:abc", manifest_digest="d",
+        lazy=False, socket=tmp_path / "order.sock", supervisor_pid=1, supervisor_start_time=1.0,
+        host="127.0.0.1", port=8000,
+    )  # fmt: skip
+    running_agent.pool.ready.append(handle)
+    taken: list[Any] = []
+
+    def activate(handle: ParkedHandle, request: Any, progress: Any) -> dict[str, Any]:
+        taken.append((handle, request))
+        progress("", "activating the copy")
+        return make_report(from_pool=True)
+
+    monkeypatch.setattr("snapctl.agent.service.activate_taken", activate)
+    code, out, _ = run_cli(capsys, "copy", "--image", str(image), "--detach", "--json")
+    assert code == 0 and json.loads(out)["from_pool"] is True
+    assert taken[0][0] is handle and running_agent.spawner.jobs == []
+    # None: the pool's copy decides (lazy only if the request says so).
+    assert taken[0][1].lazy is None
+
+
+def test_a_failed_copy_exits_with_its_status_and_its_message(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    running_agent.spawner.script = [
+        {"error": "name 'one' is in use", "status": 6, "phase": None, "path": None,
+         "log_tail": None},
+    ]  # fmt: skip
+    code, out, err = run_cli(capsys, "copy", "--image", str(image), "--no-lazy", "--detach")
+    assert code == ExitStatus.CONFLICT and out == ""
+    assert err.strip() == "error: name 'one' is in use"
+    metrics = metrics_of(running_agent.socket)
+    assert b'snapctl_failures_total{phase="unknown",what="copy"} 1.0' in metrics
+
+
+def test_a_usage_error_reads_as_click_s_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    args = ["copy", "--image", str(image), "--no-lazy", "--detach", "--expose"]
+    through = run_cli(capsys, *args)
+    assert through[0] == ExitStatus.USAGE and "--expose only widens --publish" in through[2]
+    assert through == run_cli(capsys, "--no-agent", *args)
+
+
+def test_pool_set_ls_rm_through_the_agent(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    code, out, _ = run_cli(capsys, "pool", "set", "--image", str(image), "--size", "2",
+                           "--max-memory", "1G", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out)["max_memory"] == 1 << 30
+    code, out, _ = run_cli(capsys, "pool", "ls", "--json")
+    assert json.loads(out)["entries"][0]["target"]["size"] == 2
+    assert str(image) in run_cli(capsys, "pool", "ls")[1]
+    code, out, _ = run_cli(capsys, "pool", "rm", "--image", str(image))
+    assert code == 0 and running_agent.pool.targets == {}
+    code, _, err = run_cli(capsys, "pool", "set", "--image", str(tmp_path / "none"), "--size", "1")
+    assert code == ExitStatus.VERIFY_FAILED and "neither an image directory" in err
+
+
+def test_pool_needs_an_agent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path))
+    code, _, err = run_cli(capsys, "pool", "ls")
+    assert code == ExitStatus.UNAVAILABLE and "start it (snapctl agent" in err
+
+
+def test_the_tcp_listener_needs_the_token(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\n")
+    token.chmod(0o644)
+    options = AgentOptions(listen=("127.0.0.1", 0), token_file=token)
+    with pytest.raises(TokenFileError):
+        Agent(StateDir(tmp_path), options).start()
+    token.chmod(0o600)
+    agent = Agent(StateDir(tmp_path), options, spawner_factory=FakeSpawner,  # type: ignore[arg-type]
+                  pool_factory=FakePool)  # fmt: skip
+    agent.start()
+    try:
+        port = next(a for a in agent.addresses if isinstance(a, tuple))[1]
+
+        def get(headers: str) -> int:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(f"GET /v1/version HTTP/1.1\r\nConnection: close\r\n{headers}"
+                             "\r\n".encode())  # fmt: skip
+                return int(sock.recv(65536).split()[1])
+
+        assert get("") == 401
+        assert get("Authorization: Bearer wrong\r\n") == 401
+        assert get(f"Authorization: Bearer {'t' * 32}\r\n") == 200
+    finally:
+        agent.stop()
+
+
+def test_listen_without_a_token_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(TokenFileError):
+        Agent(StateDir(tmp_path), AgentOptions(listen=("127.0.0.1", 0))).start()
+    assert not os.path.exists(tmp_path / "agent.sock")
+
+
+def test_ps_through_the_agent_imports_neither_click_nor_anything_heavy(
+    running_agent: RunningAgent,
+) -> None:
+    _record(running_agent.state, "one")
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
+    for args in (["ps"], ["ps", "--json"]):
+        done = subprocess.run([sys.executable, "-X", "importtime", "-m", "snapctl", *args],
+                              env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0 and "one" in done.stdout
+        imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+        heavy = {name for name in imported if name.split(".")[0] in HEAVY}
+        assert heavy == set(), heavy
+    # Without an agent the same command takes the full CLI, and says the same.
+    local = subprocess.run([sys.executable, "-m", "snapctl", "--no-agent", "ps", "--json"],
+                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert local.stdout == done.stdout
+
+
+def test_images_and_inspect_give_the_same_output_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    root = tmp_path / "images"
+    publish_sample(root / "one")
+    for args in (
+        ["images", "--root", str(root), "--json"],
+        ["images", "--root", str(root)],
+        ["inspect", str(root / "one"), "--json"],
+        ["inspect", str(root / "one"), "--verify", "--json"],
+        ["inspect", str(root / "one"), "--brief"],
+    ):
+        through = run_cli(capsys, *args)
+        assert through[0] == 0, through
+        assert through == run_cli(capsys, "--no-agent", *args)
+    code, _, err = run_cli(capsys, "inspect", str(tmp_path))
+    assert code == ExitStatus.VERIFY_FAILED and err.startswith("error: ")
+    assert (code, err) == run_cli(capsys, "--no-agent", "inspect", str(tmp_path))[::2]
+
+
+def test_ctrl_c_while_the_agent_starts_a_copy_stops_it_once_it_started(
+    running_agent: RunningAgent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    running_agent.spawner.delay_s = 1.5
+    stopped: list[str] = []
+    monkeypatch.setattr(
+        "snapctl.agent.service.AgentService.stop",
+        lambda self, name, timeout_s: stopped.append(name) or {"name": name},
+    )
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", "copy", "--image", str(image), "--no-lazy",
+         "--detach", "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    until = time.monotonic() + 30
+    while not running_agent.spawner.jobs and time.monotonic() < until:
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == ExitStatus.INTERRUPTED, err
+    assert out == "" and "interrupted while starting" in err
+    assert stopped == ["copy-1"]  # the report's name, stopped once it had started
+
+
+def test_copy_through_the_agent_imports_nothing_heavy(
+    running_agent: RunningAgent, tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "snapctl", "copy", "--image", str(image),
+         "--no-lazy", "--detach", "--json", "--name", "light", "--publish", "127.0.0.1:0"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and json.loads(done.stdout) == make_report()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    heavy = {name for name in imported if name.split(".")[0] in HEAVY - {"click"}}
+    assert heavy == set(), heavy
+
+
+def test_an_address_in_use_is_a_listen_error_and_undoes_the_start(
+    running_agent: RunningAgent, tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        spawner = FakeSpawner()
+        options = AgentOptions(metrics_listen=("127.0.0.1", port))
+        agent = Agent(StateDir(tmp_path / "other"), options, spawner_factory=lambda: spawner,  # type: ignore[arg-type,return-value]
+                      pool_factory=FakePool)  # fmt: skip
+        with pytest.raises(ListenError) as refused:
+            agent.start()
+    assert (
+        refused.value.exit_status == ExitStatus.UNAVAILABLE and str(port) in refused.value.message
+    )
+    assert spawner.closed and not (tmp_path / "other" / "agent.sock").exists()
