@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snapctl.supervision.state import StateDir
+from snapctl.statedir import StateDir
 
 from snapctl.activation.supervise import stop_recorded
 from snapctl.pool.records import load_parked_records
