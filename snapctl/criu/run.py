@@ -13,6 +13,7 @@ from pathlib import Path
 from snapctl.criu.locate import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.logtail import log_tail
+from snapctl.supervision.signals import interrupts_deferred
 
 # Every invocation logs at debug level unless its caller has a reason to log less (dumps and
 # restores, on the paths users wait for: snapctl.criu.ops).
@@ -128,23 +129,32 @@ class CriuProcess:
         self.log_path = log_path
         self.argv = criu_argv(criu, action, images_dir, log_path, args, log_level)
         self.started = time.monotonic()
-        # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt in finish
-        # waits for CRIU to finish: killed half-way, it leaves a frozen tree or an unknown
-        # restored one.
-        self.process = subprocess.Popen(
-            self.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            pass_fds=tuple(pass_fds),
-            start_new_session=True,
-        )
+        self._interrupted: KeyboardInterrupt | None = None
+        try:
+            # An interrupt raised inside Popen would lose a CRIU already running: it is
+            # deferred until the process is ours, then kept for finish to raise.
+            with interrupts_deferred():
+                # A new session keeps a terminal's Ctrl-C away from CRIU, and an interrupt in
+                # finish waits for CRIU to finish: killed half-way, it leaves a frozen tree or
+                # an unknown restored one.
+                self.process = subprocess.Popen(
+                    self.argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, **(env or {})},
+                    pass_fds=tuple(pass_fds),
+                    start_new_session=True,
+                )
+        except KeyboardInterrupt as error:
+            if not hasattr(self, "process"):
+                raise
+            self._interrupted = error
 
     def finish(self, timeout_s: float) -> CriuResult:
         """Wait until CRIU exits (killing it after ``timeout_s`` from its start)."""
         proc, action, log_path = self.process, self.action, self.log_path
-        interrupted: BaseException | None = None
+        interrupted: BaseException | None = self._interrupted
         deadline = self.started + timeout_s
         while True:
             try:

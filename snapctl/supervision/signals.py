@@ -21,7 +21,7 @@ import contextlib
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any, Protocol
 
@@ -82,6 +82,9 @@ class StopSignals:
         self.requested = threading.Event()
         self.received: int | None = None
         self._raising = True
+        # While deferring, a first signal's interrupt waits until the deferral ends.
+        self._deferring = False
+        self._deferred = False
         self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
         self._outer: StopSignals | None = None
 
@@ -90,7 +93,23 @@ class StopSignals:
         self.requested.set()
         if self._raising:
             self._raising = False  # once: the cleanup this starts must run to its end
-            raise KeyboardInterrupt
+            if self._deferring:
+                self._deferred = True
+            else:
+                raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """Run the body whole (starting a child that must not be lost half-way); a first
+        signal that came meanwhile raises its interrupt when the body has ended."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+            if self._deferred:
+                self._deferred = False
+                raise KeyboardInterrupt
 
     def started(self) -> None:
         """Everything is started and owned: from now on a signal only requests the stop."""
@@ -135,6 +154,18 @@ def cleaning() -> None:
     installed = _installed
     if installed is not None and threading.current_thread() is threading.main_thread():
         installed.cleaning()
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """:meth:`StopSignals.deferring` of the process's StopSignals, in code that does not hold
+    it (only the main thread's, where handlers raise; nothing to do when none is installed)."""
+    installed = _installed
+    if installed is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    with installed.deferring():
+        yield
 
 
 def forward_to(pid: int) -> Callable[[int, FrameType | None], None]:

@@ -230,3 +230,39 @@ def test_another_threads_cleanup_leaves_the_main_threads_start_interruptible() -
         worker.join(timeout=10)
         with pytest.raises(KeyboardInterrupt):
             kill_me(signal.SIGINT)
+
+
+def test_a_signal_while_deferring_interrupts_once_the_body_has_ended() -> None:
+    done: list[str] = []
+    with StopSignals() as signals, pytest.raises(KeyboardInterrupt):
+        with signals.deferring():
+            os.kill(os.getpid(), signal.SIGTERM)
+            done.append("the body ran to its end")
+    assert done == ["the body ran to its end"] and signals.requested.is_set()
+
+
+def test_an_interrupt_while_criu_starts_never_loses_the_running_criu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The signal lands inside Popen (CRIU forked, not yet ours): the start still returns
+    the process, and finish raises the interrupt only once CRIU has exited."""
+    from snapctl.criu import run as run_module
+    from tests.criu.fakes import install_fake_criu
+
+    criu = install_fake_criu(tmp_path, "#!/bin/sh\nsleep 0.3\nexit 0\n")
+    real_popen = run_module.subprocess.Popen
+
+    def popen_then_signal(*args: Any, **kwargs: Any) -> Any:
+        process = real_popen(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)  # before Popen could return it
+        return process
+
+    monkeypatch.setattr(run_module.subprocess, "Popen", popen_then_signal)
+    with StopSignals():
+        try:
+            started = run_module.start_criu(criu, "restore", tmp_path, tmp_path / "restore.log")
+        except KeyboardInterrupt:
+            pytest.fail("the interrupt escaped CRIU's start: the running CRIU was lost")
+        with pytest.raises(KeyboardInterrupt):
+            started.finish(10)
+    assert started.process.returncode == 0  # waited for, not orphaned
