@@ -234,10 +234,9 @@ def test_another_threads_cleanup_leaves_the_main_threads_start_interruptible() -
 
 def test_a_signal_while_deferring_interrupts_once_the_body_has_ended() -> None:
     done: list[str] = []
-    with StopSignals() as signals, pytest.raises(KeyboardInterrupt):
-        with signals.deferring():
-            os.kill(os.getpid(), signal.SIGTERM)
-            done.append("the body ran to its end")
+    with StopSignals() as signals, pytest.raises(KeyboardInterrupt), signals.deferring():
+        os.kill(os.getpid(), signal.SIGTERM)
+        done.append("the body ran to its end")
     assert done == ["the body ran to its end"] and signals.requested.is_set()
 
 

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from snapctl.statedir import StateDir
 
 from snapctl.activation.supervise import stop_recorded
 from snapctl.pool.records import load_parked_records
 from snapctl.qualification.watch import HOST_SHM
+from snapctl.statedir import StateDir
 from tests.pool.test_pool_criu import Host, until
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import VLLM_ENV, RealVllm
