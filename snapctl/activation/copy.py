@@ -324,10 +324,12 @@ def require_all(
         for session in sessions:
             session.stop()
         first = failures[0]
-        raise SnapctlError(
+        error = SnapctlError(
             f"{len(failures)} of {len(results)} copies failed (the others were stopped): "
-            f"{first}",
-            phase=first.phase, path=first.path,
+            f"{first.message}",
+            phase=first.phase, path=first.path, log_tail=first.log_tail,
         )  # fmt: skip
+        error.exit_status = first.exit_status  # why the first failed decides the exit status
+        raise error
     reports = [result[1] for result in results if isinstance(result, tuple)]
     return sessions, CopiesReport(copies=reports, total_s=round(total_s, 6))

@@ -160,6 +160,7 @@ class Session:
     reservation: NameReservation | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
+    _stop_result: tuple[str, CleanupAudit] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # From here until stop() ends, an interrupted command still stops it (see signals).
@@ -290,7 +291,10 @@ class Session:
         """Stop the tree (TERM, wait, KILL), tear down, and audit. Safe to call twice.
         ``failed``: the stop ends a start that failed (the session ends ``failed``)."""
         with self._lock:
-            if self.state is not SessionState.STOPPING and not self.stopped:
+            if self._stop_result is not None:
+                # Once stopped, its name may be someone else's: nothing is torn down again.
+                return self._stop_result
+            if self.state is not SessionState.STOPPING:
                 check_transition(self.state, SessionState.STOPPING)
                 self.state = SessionState.STOPPING
         how = "not started"
@@ -338,7 +342,9 @@ class Session:
         )
         shm_files = sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name))
         untrack(self)
-        return how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
+        result = how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
+        self._stop_result = result
+        return result
 
     def stop_failed_start(self, error: BaseException) -> None:
         """Stop after a start failed with ``error`` and, for a :class:`SnapctlError`, add what

@@ -81,4 +81,5 @@ def test_all_or_nothing_stops_the_copies_that_started_and_names_the_failure(
         )  # fmt: skip
         copy.require_all(results, 0.0)  # type: ignore[arg-type]
     assert info.value.phase == "restore"
+    assert info.value.exit_status == RestoreError.exit_status  # the first failure's, not 1
     assert len(started) == 2 and all(session.stopped for session in started)

@@ -197,3 +197,14 @@ def test_the_lifecycle_refuses_what_it_does_not_allow() -> None:
     for state in SessionState:  # every live state can be stopped
         if state not in (SessionState.STOPPING, SessionState.STOPPED, SessionState.FAILED):
             check_transition(state, SessionState.STOPPING)
+
+
+def test_a_second_stop_tears_nothing_down_again(
+    state: StateDir, image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = Steps()
+    session, _ = copy(state, image, steps)  # type: ignore[misc]
+    first = session.stop()
+    dropped: list[str] = []  # its name may be another activation's record by now
+    monkeypatch.setattr(session.state_dir, "drop_record", dropped.append)
+    assert session.stop() == first and dropped == []
