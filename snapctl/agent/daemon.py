@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,7 +68,8 @@ def read_token(path: Path) -> bytes:
     """The bearer token: the file's first line, from a file only its owner can read."""
     try:
         mode = path.stat().st_mode
-        token = path.read_bytes().strip()
+        lines = path.read_bytes().splitlines()
+        token = lines[0].strip() if lines else b""
     except OSError as error:
         raise TokenFileError(f"cannot read the token file: {error.strerror}", path=path) from error
     if mode & 0o077:
@@ -92,6 +94,7 @@ class Agent:
         self.state = state
         self.options = options
         self.socket_path = options.socket or state.root / SOCKET_NAME
+        self._socket_made = False
         self._spawner_factory = spawner_factory
         self._pool_factory = pool_factory
         self._lock_fd: int | None = None
@@ -154,8 +157,14 @@ class Agent:
         self._lock_fd = fd
 
     def _listen_unix(self, router: Router) -> None:
-        # We hold the lock: a socket file left here is a dead agent's.
+        # We hold the lock: a socket file left here is a dead agent's; anything else is not
+        # ours to remove (--socket may name any path).
         with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISSOCK(self.socket_path.lstat().st_mode):
+                raise ListenError(
+                    f"{self.socket_path} exists and is not a socket: give another --socket",
+                    path=self.socket_path,
+                )
             self.socket_path.unlink()
         self.socket_path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
         root_only = frozenset({0, os.getuid()})
@@ -166,6 +175,7 @@ class Agent:
         except OSError as error:
             raise ListenError(f"cannot listen on {self.socket_path}: {error.strerror}",
                               path=self.socket_path) from error  # fmt: skip
+        self._socket_made = True
         self._serve(server, "api")
 
     def _serve(self, server: Any, what: str) -> None:
@@ -195,8 +205,9 @@ class Agent:
                 "copies keep serving; their clients get no report)")  # fmt: skip
         self._router = None
         with contextlib.suppress(FileNotFoundError):
-            if self._lock_fd is not None:
+            if self._socket_made:  # only the socket this agent made
                 self.socket_path.unlink()
+        self._socket_made = False
         if self.pool is not None:
             try:
                 self.pool.close()

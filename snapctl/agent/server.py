@@ -272,17 +272,12 @@ class Handler(BaseHTTPRequestHandler):
             log(f"{method} {path} {status} {time.monotonic() - started:.3f} s")
 
     def _result(self, method: str) -> Result:
-        refusal = self._refuse_peer()
+        refusal = self._refuse_before_body()
         if refusal is not None:
+            # Its body is left unread: the connection must not read it as the next request.
+            self.close_connection = True
             return refusal
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            return _refusal(400, "Content-Length is not a number")
-        if length < 0 or length > MAX_BODY_BYTES:
-            return _refusal(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
-        if self.headers.get("Transfer-Encoding"):
-            return _refusal(411, "send the body with a Content-Length (not chunked)")
+        length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else None
         if self.metrics_only and urlsplit(self.path).path != "/metrics":
             return _refusal(404, "this listener serves only GET /metrics")
@@ -294,6 +289,20 @@ class Handler(BaseHTTPRequestHandler):
             log(f"unexpected error: {traceback.format_exc()}")
             return Answer(500, ErrorBody(error=f"unexpected {type(error).__name__} in the agent: "
                                          f"{error}", status=int(ExitStatus.ERROR)))  # fmt: skip
+
+    def _refuse_before_body(self) -> Answer | None:
+        refusal = self._refuse_peer()
+        if refusal is not None:
+            return refusal
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            return _refusal(400, "Content-Length is not a number")
+        if length < 0 or length > MAX_BODY_BYTES:
+            return _refusal(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+        if self.headers.get("Transfer-Encoding"):
+            return _refusal(411, "send the body with a Content-Length (not chunked)")
+        return None
 
     def _refuse_peer(self) -> Answer | None:
         if self.token is not None:

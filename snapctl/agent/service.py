@@ -190,10 +190,22 @@ class AgentService:
                 numbered_names(request.name, request.count)
             except InvalidNameError as error:
                 raise BadRequestError(error.message, usage="'--name' with '--count'") from error
+        self._check_name(request)
         self._check_publish(request)
         self._published_image(request.image, "--image")
         for name in needless_waivers(request.allow_mismatch):
             emit({"note": f"--allow-mismatch {name} is not needed: {name} never refuses a copy"})
+
+    def _check_name(self, request: CopyRequest) -> None:
+        """A name in use is refused here, as in-process, before a parked copy is taken for it
+        (refused after the take, it would cost the pool that copy)."""
+        if request.name is None:
+            return
+        from snapctl.statedir.names import numbered_names
+
+        names = numbered_names(request.name, request.count) if request.count > 1 else [request.name]
+        for name in names:
+            self.state.reserve_name(name).release()  # NameInUseError, as in-process
 
     def _check_publish(self, request: CopyRequest) -> None:
         if request.publish is None:

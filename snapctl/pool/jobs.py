@@ -67,6 +67,10 @@ class Reporter:
             self._file.close()
 
 
+# Where a supervisor keeps the API key its request carried, for its readiness probe.
+PROBE_KEY_ENV = "SNAPCTL_PROBE_API_KEY"
+
+
 def error_message(error: SnapctlError) -> dict[str, Any]:
     return {
         "error": error.message,
@@ -79,10 +83,12 @@ def error_message(error: SnapctlError) -> dict[str, Any]:
 
 def launch_options(request: CopyRequest) -> LaunchOptions:
     """The request's options for the restore and the activation, with its API key in this
-    supervisor's environment (where the probe reads it)."""
-    api_key_env = request.api_key_env
+    supervisor's environment (where the probe reads it), always under one private name: the
+    caller's own name for it must not set any other variable of a root process (LD_PRELOAD,
+    PATH), nor read one of the agent's."""
+    api_key_env = None
     if request.api_key is not None:
-        api_key_env = api_key_env or "SNAPCTL_API_KEY"
+        api_key_env = PROBE_KEY_ENV
         os.environ[api_key_env] = request.api_key.get_secret_value()
     return LaunchOptions(
         server_argv=None if request.server_argv is None else list(request.server_argv),

@@ -25,7 +25,9 @@ Job = dict[str, Any]
 # Runs in the forked supervisor: the job, and the pipe it reports on. Never returns.
 JobRunner = Callable[[Job, int], None]
 
-_MAX_JOB_BYTES = 1 << 20
+# Above the agent's request body limit (snapctl.agent.server.MAX_BODY_BYTES) and the wrapper
+# around it, so that no request the agent accepted is cut short here.
+_MAX_JOB_BYTES = 4 << 20
 
 
 class SpawnerGoneError(RuntimeError):
@@ -120,8 +122,15 @@ def _serve(channel: socket.socket, runner: JobRunner) -> None:
             channel.send(b"refused")
             continue
         pipe_fd = fds[0]
-        job = json.loads(payload)
-        pid = os.fork()
+        try:
+            job = json.loads(payload)
+            pid = os.fork()
+        except (ValueError, OSError):
+            # A job that cannot be read (truncated: bigger than a message) or forked (EAGAIN)
+            # is refused; the spawner itself goes on serving the next.
+            os.close(pipe_fd)
+            channel.send(b"refused")
+            continue
         if pid == 0:  # pragma: no cover - the supervisor
             channel.close()
             for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):

@@ -420,3 +420,58 @@ def test_an_address_in_use_is_a_listen_error_and_undoes_the_start(
         refused.value.exit_status == ExitStatus.UNAVAILABLE and str(port) in refused.value.message
     )
     assert spawner.closed and not (tmp_path / "other" / "agent.sock").exists()
+
+
+def test_a_name_in_use_is_refused_before_a_parked_copy_is_taken(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    image.mkdir()
+    handle = ParkedHandle(
+        id="pool-0123456789ab", image=str(image), image_id="sha256:abc", manifest_digest="d",
+        lazy=False, socket=tmp_path / "order.sock", supervisor_pid=1, supervisor_start_time=1.0,
+        host="127.0.0.1", port=8000,
+    )  # fmt: skip
+    running_agent.pool.ready.append(handle)
+    held = running_agent.state.reserve_name("web")
+    try:
+        code, _, err = run_cli(capsys, "copy", "--image", str(image), "--name", "web", "--json")
+    finally:
+        held.release()
+    assert code == ExitStatus.CONFLICT and "web" in err
+    assert running_agent.pool.ready == [handle]  # still parked, for the next request
+
+
+def test_the_token_is_the_first_line_of_its_file(tmp_path: Path) -> None:
+    from snapctl.agent.daemon import read_token
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32 + "\nsecond line, a comment\n")
+    token.chmod(0o600)
+    assert read_token(token) == b"t" * 32
+
+
+def test_a_socket_path_that_is_not_a_socket_is_never_removed(tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("data")
+    agent = Agent(StateDir(tmp_path / "state"), AgentOptions(socket=precious),
+                  spawner_factory=FakeSpawner, pool_factory=FakePool)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(ListenError, match="not a socket"):
+        agent.start()
+    agent.stop()
+    assert precious.read_text() == "data"
+
+
+def test_a_refusal_before_the_body_closes_the_connection(running_agent: RunningAgent) -> None:
+    """The unread body of a refused request must not be read as the next request."""
+    smuggled = b"GET /v1/version HTTP/1.1\r\n\r\n"
+    request = (b"POST /v1/copies HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: "
+               + str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)  # fmt: skip
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(10)
+        sock.connect(str(running_agent.socket))
+        sock.sendall(request)
+        answers = b""
+        while chunk := sock.recv(65536):
+            answers += chunk
+    assert answers.count(b"HTTP/1.") == 1 and b" 411 " in answers

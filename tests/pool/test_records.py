@@ -105,3 +105,18 @@ def test_a_state_dir_too_long_for_the_sockets_is_refused(tmp_path: Path) -> None
     warm = WarmPool(state, spawner=None)  # type: ignore[arg-type]
     with pytest.raises(PoolError, match="too long a path"):
         warm.set(tmp_path, 1)
+
+
+def test_the_api_key_goes_under_one_private_name_whatever_the_request_calls_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from snapctl.pool.jobs import PROBE_KEY_ENV, launch_options
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv(PROBE_KEY_ENV, raising=False)
+    request = CopyRequest(image="/i", api_key_env="LD_PRELOAD", api_key="/tmp/evil.so")
+    options = launch_options(request)
+    assert "LD_PRELOAD" not in os.environ
+    assert options.api_key_env == PROBE_KEY_ENV and options.api_key == "/tmp/evil.so"
+    monkeypatch.delenv(PROBE_KEY_ENV)
+    assert launch_options(CopyRequest(image="/i", api_key_env="HOME")).api_key is None
