@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -85,47 +86,58 @@ def copy_through_agent(
     copy exits, then stop it through the agent and report the cleanup)."""
     from contextlib import ExitStack
 
-    with ExitStack() as stack:
-        lane_step: Any = None
-        if _terminal(as_json):
-            from snapctl.cli.output import Steps
+    # One set of handlers from the request to the last stop: a signal at any moment in
+    # between either stops what started or asks the serving loop to stop, never kills the
+    # command and leaves a copy serving with no one to stop it.
+    with _signals_held() as signalled:
+        with ExitStack() as stack:
+            lane_step: Any = None
+            if _terminal(as_json):
+                from snapctl.cli.output import Steps
 
-            steps = stack.enter_context(Steps(quiet=as_json))
-            lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
-        outcome = _stream_copy(client, request, lane_step, as_json)
-    if as_json:
-        from snapctl.plain import emit_json
+                steps = stack.enter_context(Steps(quiet=as_json))
+                lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
+            outcome = _stream_copy(client, request, lane_step, as_json, signalled)
+        if as_json:
+            from snapctl.plain import emit_json
 
-        # As in-process: a detached start prints the supervisor's record as JSON (sorted
-        # keys), a foreground one its report model (field order).
-        emit_json(outcome, sort_keys=detach)
-    else:
-        _show(outcome)
-    if detach:
-        if not as_json:
-            _dim("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it")
-        return
-    names = [copy["name"] for copy in outcome.get("copies", [outcome])]
-    _serve_until_stopped(client, names, as_json=as_json)
+            # As in-process: a detached start prints the supervisor's record as JSON (sorted
+            # keys), a foreground one its report model (field order).
+            emit_json(outcome, sort_keys=detach)
+        else:
+            _show(outcome)
+        if detach:
+            if not as_json:
+                _dim("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it")
+            return
+        names = [copy["name"] for copy in outcome.get("copies", [outcome])]
+        _serve_until_stopped(client, names, as_json=as_json, stop=signalled)
 
 
-def _stream_copy(
-    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
-) -> dict[str, Any]:
-    """Relay the copy request's stream up to its report. SIGINT/SIGTERM while it starts do
-    not cut the stream (the copy would be left serving with no one to stop it): they are
-    held, and once the report comes what started is stopped and the command fails as an
-    interrupted in-process start does (exit 130)."""
-    interrupted = threading.Event()
+@contextlib.contextmanager
+def _signals_held() -> Iterator[threading.Event]:
+    """SIGINT/SIGTERM only set the event while the body runs."""
+    event = threading.Event()
     previous = {
-        signum: signal.signal(signum, lambda signum, frame: interrupted.set())
+        signum: signal.signal(signum, lambda signum, frame: event.set())
         for signum in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        report = _relay_copy(client, request, lane_step, as_json)
+        yield event
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stream_copy(
+    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool,
+    interrupted: threading.Event,
+) -> dict[str, Any]:  # fmt: skip
+    """Relay the copy request's stream up to its report. SIGINT/SIGTERM while it starts do
+    not cut the stream (the copy would be left serving with no one to stop it): they only
+    set ``interrupted``, and once the report comes what started is stopped and the command
+    fails as an interrupted in-process start does (exit 130)."""
+    report = _relay_copy(client, request, lane_step, as_json)
     if interrupted.is_set():
         from snapctl.agent.client import AgentError
         from snapctl.errors import ExitStatus
@@ -180,38 +192,52 @@ def _dim(text: str) -> None:
         sys.stderr.write(text + "\n")
 
 
-def _serve_until_stopped(client: AgentClient, names: list[str], *, as_json: bool) -> None:
-    """The foreground's wait: until Ctrl-C/SIGTERM or every copy exited, then stop each
-    through the agent, report its cleanup, and fail if one was not clean."""
+def _serve_until_stopped(
+    client: AgentClient, names: list[str], *, as_json: bool, stop: threading.Event
+) -> None:
+    """The foreground's wait: until ``stop`` (Ctrl-C/SIGTERM) or every copy exited, then stop
+    each, report its cleanup, and fail if one was not clean. Through the agent; if the agent
+    is gone meanwhile, in-process from their records (the copies must not outlive us)."""
+    from snapctl.agent.client import AgentUnavailableError
     from snapctl.errors import SnapctlError
     from snapctl.plain import audit_clean, describe_audit
 
-    stop = threading.Event()
-    previous = {
-        signum: signal.signal(signum, lambda signum, frame: stop.set())
-        for signum in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        if not as_json:
-            _dim("serving; press Ctrl-C to stop")
+    if not as_json:
+        _dim("serving; press Ctrl-C to stop")
+    with contextlib.suppress(AgentUnavailableError):  # stop them ourselves, below
         while not stop.wait(0.5):
             rows = AgentClient(client.path).call("GET", "/activations")
             running = {row["name"] for row in rows if row["running"]}
             if not running & set(names):
                 break
-        dirty = []
-        for name in names:
-            try:
-                answer = AgentClient(client.path).call("POST", f"/activations/{name}/stop", {})
-            except SnapctlError:
-                continue  # already gone and cleaned up by its supervisor
-            if not as_json:
-                text = f"{name}: stopped ({answer['stopped']}); cleanup: "
-                _dim(text + describe_audit(answer["audit"]))
-            if not audit_clean(answer["audit"]):
-                dirty.append(name)
-        if dirty:
-            raise SnapctlError(f"cleanup incomplete after stopping {', '.join(dirty)}")
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    dirty = []
+    for name in names:
+        try:
+            answer = _stop_one(client, name)
+        except SnapctlError:
+            continue  # already gone and cleaned up by its supervisor
+        if not as_json:
+            text = f"{name}: stopped ({answer['stopped']}); cleanup: "
+            _dim(text + describe_audit(answer["audit"]))
+        if not audit_clean(answer["audit"]):
+            dirty.append(name)
+    if dirty:
+        raise SnapctlError(f"cleanup incomplete after stopping {', '.join(dirty)}")
+
+
+def _stop_one(client: AgentClient, name: str) -> dict[str, Any]:
+    """Stop ``name`` through the agent, or in-process from its record when no agent answers."""
+    from snapctl.agent.client import AgentUnavailableError
+
+    try:
+        answer: dict[str, Any] = AgentClient(client.path).call(
+            "POST", f"/activations/{name}/stop", {}
+        )
+        return answer
+    except AgentUnavailableError:
+        from snapctl.activation.supervise import stop_recorded
+        from snapctl.cli.activations import _find
+        from snapctl.statedir import StateDir
+
+        how, audit = stop_recorded(_find(name), StateDir())
+        return {"name": name, "stopped": how, "audit": audit.model_dump()}
