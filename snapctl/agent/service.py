@@ -158,6 +158,7 @@ class AgentService:
                     try:
                         report = activate_taken(handle, request, progress)
                     except ParkedCopyUnusableError as error:
+                        self.pool.forget(handle)  # still parked, maybe: it is nobody's now
                         progress("", f"parked copy unusable ({error.message}): restoring")
                     else:
                         self.metrics.served(

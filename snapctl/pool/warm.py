@@ -309,6 +309,18 @@ class WarmPool:
             supervisor_start_time=record.supervisor_start_time, host="127.0.0.1", port=8000,
         )  # fmt: skip
 
+    def forget(self, handle: ParkedHandle) -> None:
+        """A taken copy its taker could not use: discard it (in the background), so that it
+        holds no memory until the agent exits."""
+        from snapctl.pool.records import discard_recorded, load_parked_records
+
+        def discard() -> None:
+            for _home, record in load_parked_records(self.state):
+                if record is not None and record.id == handle.id:
+                    discard_recorded(record, self.state)
+
+        threading.Thread(target=discard, name=f"forget-{handle.id}", daemon=True).start()
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def adopt(self) -> AdoptionReport:

@@ -84,6 +84,7 @@ class FakePool:
         self.targets: dict[str, PoolTarget] = {}
         self.ready: list[ParkedHandle] = []
         self.taken_for: list[CopyRequest | None] = []
+        self.forgotten: list[ParkedHandle] = []
         self.closed = False
 
     def set(self, image: Path, size: int, *, lazy: bool | None = None,
@@ -105,6 +106,9 @@ class FakePool:
     def take(self, image: Path, request: CopyRequest | None = None) -> ParkedHandle | None:
         self.taken_for.append(request)
         return self.ready.pop() if self.ready else None
+
+    def forget(self, handle: ParkedHandle) -> None:
+        self.forgotten.append(handle)
 
     def adopt(self) -> AdoptionReport:
         return AdoptionReport(discarded=(), removed=())

@@ -475,3 +475,26 @@ def test_a_refusal_before_the_body_closes_the_connection(running_agent: RunningA
         while chunk := sock.recv(65536):
             answers += chunk
     assert answers.count(b"HTTP/1.") == 1 and b" 411 " in answers
+
+
+def test_a_parked_copy_that_cannot_be_used_is_discarded(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from snapctl.pool.serve import ParkedCopyUnusableError
+
+    image = tmp_path / "image"
+    image.mkdir()
+    handle = ParkedHandle(
+        id="pool-0123456789ab", image=str(image), image_id="sha256:abc", manifest_digest="d",
+        lazy=False, socket=tmp_path / "order.sock", supervisor_pid=1, supervisor_start_time=1.0,
+        host="127.0.0.1", port=8000,
+    )  # fmt: skip
+    running_agent.pool.ready.append(handle)
+
+    def unusable(handle: ParkedHandle, request: Any, progress: Any) -> dict[str, Any]:
+        raise ParkedCopyUnusableError("it does not answer")
+
+    monkeypatch.setattr("snapctl.agent.service.activate_taken", unusable)
+    run_cli(capsys, "copy", "--image", str(image), "--detach", "--json")
+    assert running_agent.pool.forgotten == [handle]  # not left parked, holding memory
