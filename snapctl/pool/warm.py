@@ -140,7 +140,9 @@ def record_memory(record: ParkedRecord) -> int | None:
 
 
 def image_key(image: Path) -> str:
-    return str(image.absolute())
+    """One key whatever the spelling (``..``, a symbolic link): a copy request for the image
+    must find the pool that ``pool set`` made for it under another path."""
+    return os.path.realpath(image)
 
 
 class WarmPool:

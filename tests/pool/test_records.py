@@ -120,3 +120,13 @@ def test_the_api_key_goes_under_one_private_name_whatever_the_request_calls_it(
     assert options.api_key_env == PROBE_KEY_ENV and options.api_key == "/tmp/evil.so"
     monkeypatch.delenv(PROBE_KEY_ENV)
     assert launch_options(CopyRequest(image="/i", api_key_env="HOME")).api_key is None
+
+
+def test_the_pool_key_is_the_same_whatever_the_spelling(tmp_path: Path) -> None:
+    from snapctl.pool.warm import image_key
+
+    image = tmp_path / "images" / "web"
+    image.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(image)
+    spellings = [image, tmp_path / "images" / ".." / "images" / "web", tmp_path / "link"]
+    assert {image_key(path) for path in spellings} == {str(image.resolve())}
