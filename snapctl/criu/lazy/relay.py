@@ -11,6 +11,21 @@ userfaultfd at once, so faults are served from the first instruction, and holds 
 word back until :meth:`TransferHold.release` (the copy is ready, or is about to need its memory
 in bulk) or a deadline, whichever comes first.
 
+Until the daemon ends (:meth:`TransferHold.close`), the relay also wakes, every
+:data:`~snapctl.criu.lazy.tuning.FAULT_WAKE_S`, the threads waiting on a page fault
+(``UFFDIO_WAKE`` over each process's whole address space, through a duplicate of its
+userfaultfd). CRIU 4.2.1's daemon reads a fault, and if its ``UFFDIO_COPY`` fails with
+``EAGAIN`` (the process's mappings are changing: another thread forks, munmaps or madvises at
+that moment, as a multi-threaded server does all the time) it puts the page back in its
+transfer list without waking the thread, which then waits until the background transfer
+reaches that page: with the transfer held, until the hold ends, and after it until the transfer
+has streamed every process before that one. Woken, the thread faults again and the daemon
+serves the new fault; a thread woken while its page is on its way faults again too, and the
+daemon finds the page queued or already in place (a zero page over a present one fails with
+``EEXIST``, which it ignores). The duplicates must not outlive the daemon: a userfaultfd left
+open keeps the tree's memory registered with nobody to serve it, so the daemon's watcher closes
+the relay as soon as the daemon exits.
+
 The protocol relayed (``criu/uffd.c``): for each restored process an ``int`` PID and, unless it
 is negative (a zombie), one byte carrying the process's userfaultfd as ``SCM_RIGHTS``; then the
 ``uint32`` :data:`RESTORE_FINISHED`; then the restore closes its end. Anything else ends the
@@ -20,18 +35,28 @@ relay, and a daemon whose restore hangs up before the finished word fails (and w
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
+import struct
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from snapctl.criu.lazy import tuning
+
 # LAZY_PAGES_RESTORE_FINISHED in CRIU's criu/uffd.c ("ReSTore Finished"), never a valid PID.
 RESTORE_FINISHED = 0x52535446
 SOCKET_NAME = "lazy-pages.socket"
 WORD = 4
+# linux/userfaultfd.h: _IOR(0xAA, _UFFDIO_WAKE, struct uffdio_range {u64 start, len}).
+UFFDIO_WAKE = 0x8010AA02
+# Every user address from the lowest mappable page (vm.mmap_min_addr is at most 64 KiB) to the
+# top of x86-64's and arm64's 47/48-bit user spaces, as the kernel's range check accepts it.
+_WAKE_START = 0x10000
+_WAKE_RANGE = struct.pack("=QQ", _WAKE_START, 0x7FFFFFFFF000 - _WAKE_START)
 
 
 class TransferHold:
@@ -51,6 +76,8 @@ class TransferHold:
         self._release_at: float | None = None
         self._closed = False
         self._sockets: list[socket.socket] = []
+        self._uffds: list[int] = []  # duplicates, owned by the relay thread
+        self.wakes = 0
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.finished_seen = threading.Event()
@@ -84,7 +111,8 @@ class TransferHold:
             return self._release_at is not None
 
     def close(self) -> None:
-        """End the relay. A finished word still held is dropped, and the daemon then fails."""
+        """End the relay, at the latest when the daemon has ended (see above). A finished word
+        still held is dropped, and the daemon then fails."""
         with self._changed:
             self._closed = True
             sockets = list(self._sockets)
@@ -106,33 +134,59 @@ class TransferHold:
         return sock
 
     def _relay(self) -> None:
+        passed_on = False
         try:
-            restore, _ = self._listener.accept()
-            self._track(restore)
-            daemon = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-            with socket_path(self._daemon_socket) as where:
-                daemon.connect(where)
-            self._pass_on(restore, daemon)
-        except OSError as error:
-            if not self._closed:
-                self.error = f"lazy-pages relay: {error}"
+            try:
+                restore, _ = self._listener.accept()
+                self._track(restore)
+                daemon = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                with socket_path(self._daemon_socket) as where:
+                    daemon.connect(where)
+                passed_on = self._pass_on(restore, daemon)
+            except OSError as error:
+                if not self._closed:
+                    self.error = f"lazy-pages relay: {error}"
+            finally:
+                with self._changed:
+                    sockets, self._sockets = self._sockets, []
+                for sock in sockets:
+                    sock.close()
+            if passed_on:
+                self._wake_until_closed()
         finally:
-            with self._changed:
-                sockets, self._sockets = self._sockets, []
-            for sock in sockets:
-                sock.close()
+            self._close_uffds()
 
-    def _pass_on(self, restore: socket.socket, daemon: socket.socket) -> None:
+    def _wake_until_closed(self) -> None:
+        with self._changed:
+            while not self._closed:
+                if not self._changed.wait(tuning.FAULT_WAKE_S):
+                    self._wake_faults()
+
+    def _wake_faults(self) -> None:
+        for uffd in self._uffds:
+            # ESRCH/EINVAL once a process exited or its mm is gone: nothing waits there.
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(uffd, UFFDIO_WAKE, _WAKE_RANGE)
+        self.wakes += 1
+
+    def _close_uffds(self) -> None:
+        uffds, self._uffds = self._uffds, []
+        for uffd in uffds:
+            os.close(uffd)
+
+    def _pass_on(self, restore: socket.socket, daemon: socket.socket) -> bool:
+        """Relay until the finished word; whether it was passed on."""
         while True:
             word = restore.recv(WORD, socket.MSG_WAITALL)
             if len(word) < WORD:
-                return  # the restore hung up early: so do we, and the daemon fails
+                return False  # the restore hung up early: so do we, and the daemon fails
             value = int.from_bytes(word, sys.byteorder, signed=True)
             if value == RESTORE_FINISHED:
                 self.finished_seen.set()
                 if self._wait_for_release():
                     daemon.sendall(word)
-                return
+                    return True
+                return False
             daemon.sendall(word)
             if value < 0:
                 continue  # a zombie: no userfaultfd follows
@@ -140,14 +194,16 @@ class TransferHold:
             try:
                 if len(data) != 1 or len(fds) != 1:
                     self.error = f"lazy-pages relay: no userfaultfd after PID {value}"
-                    return
+                    return False
+                self._uffds.append(os.dup(fds[0]))
                 socket.send_fds(daemon, [data], fds)
             finally:
                 for fd in fds:
                     os.close(fd)
 
     def _wait_for_release(self) -> bool:
-        """Wait until the release time, at most ``hold_max_s``; False: closed meanwhile."""
+        """Wait until the release time, at most ``hold_max_s``, waking stalled faults
+        meanwhile; False: closed meanwhile."""
         deadline = time.monotonic() + self._hold_max_s
         with self._changed:
             while not self._closed:
@@ -155,7 +211,8 @@ class TransferHold:
                 left = until - time.monotonic()
                 if left <= 0:
                     return True
-                self._changed.wait(left)
+                if not self._changed.wait(min(left, tuning.FAULT_WAKE_S)):
+                    self._wake_faults()
             return False
 
 

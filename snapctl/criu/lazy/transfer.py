@@ -10,6 +10,7 @@ daemon stops the copy at once (SIGKILL to its PID 1, no grace that would run on 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -47,7 +48,9 @@ class LazyTransfer:
     """Watches one lazy-pages daemon from a thread; reports its end through two callbacks.
 
     ``on_failure(reason)`` runs first thing when the daemon ends in any way but exit 0 (and was
-    not stopped by us); ``on_done(status)`` runs after every end, failure included.
+    not stopped by us); ``on_done(status)`` runs after every end, failure included. After an
+    exit 0, ``learn(until_s)`` gets the seconds from the restore's start to the transfer's first
+    release (for :mod:`snapctl.criu.lazy.workingset`), if it was released.
     """
 
     def __init__(
@@ -57,8 +60,11 @@ class LazyTransfer:
         restore_started: float,
         on_failure: Callable[[str], None],
         on_done: Callable[[PagesStatus], None],
+        learn: Callable[[float], object] | None = None,
     ) -> None:
         self.daemon = daemon
+        self._learn = learn
+        self._released_at: float | None = None
         self._restore_started = restore_started
         self._on_failure = on_failure
         self._on_done = on_done
@@ -79,6 +85,9 @@ class LazyTransfer:
     def _watch(self) -> None:
         status = self.daemon.wait()
         assert status is not None
+        if self.daemon.hold is not None:
+            # Its copies of the tree's userfaultfds must not outlive the daemon.
+            self.daemon.hold.close()
         with self._lock:
             if self._stopping:
                 result = PagesStatus(state="stopped")
@@ -102,12 +111,26 @@ class LazyTransfer:
                 assert result.failure is not None
                 self._on_failure(result.failure)
             self._on_done(result)
+            if result.state == "complete":
+                self._learn_until_release()
         finally:
             self._finished.set()
+
+    def _learn_until_release(self) -> None:
+        with self._lock:
+            released_at = self._released_at
+        if self._learn is None or released_at is None:
+            return
+        with contextlib.suppress(Exception):  # a cache: never the copy's failure
+            self._learn(released_at - self._restore_started)
 
     def release_transfer(self, delay_s: float = 0.0) -> None:
         """The copy is ready, or about to need its memory in bulk: start the background
         transfer ``delay_s`` from now if it was held back."""
+        release_at = time.monotonic() + delay_s
+        with self._lock:
+            if self._released_at is None or release_at < self._released_at:
+                self._released_at = release_at
         self.daemon.release_transfer(delay_s)
 
     def wait(self, timeout_s: float | None = None) -> PagesStatus:
