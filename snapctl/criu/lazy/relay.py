@@ -11,20 +11,20 @@ userfaultfd at once, so faults are served from the first instruction, and holds 
 word back until :meth:`TransferHold.release` (the copy is ready, or is about to need its memory
 in bulk) or a deadline, whichever comes first.
 
-Until the daemon ends (:meth:`TransferHold.close`), the relay also wakes, every
-:data:`~snapctl.criu.lazy.tuning.FAULT_WAKE_S`, the threads waiting on a page fault
-(``UFFDIO_WAKE`` over each process's whole address space, through a duplicate of its
-userfaultfd). CRIU 4.2.1's daemon reads a fault, and if its ``UFFDIO_COPY`` fails with
-``EAGAIN`` (the process's mappings are changing: another thread forks, munmaps or madvises at
-that moment, as a multi-threaded server does all the time) it puts the page back in its
-transfer list without waking the thread, which then waits until the background transfer
-reaches that page: with the transfer held, until the hold ends, and after it until the transfer
-has streamed every process before that one. Woken, the thread faults again and the daemon
-serves the new fault; a thread woken while its page is on its way faults again too, and the
-daemon finds the page queued or already in place (a zero page over a present one fails with
-``EEXIST``, which it ignores). The duplicates must not outlive the daemon: a userfaultfd left
-open keeps the tree's memory registered with nobody to serve it, so the daemon's watcher closes
-the relay as soon as the daemon exits.
+While it holds the word, the relay also wakes, every :data:`~snapctl.criu.lazy.tuning.FAULT_WAKE_S`,
+the threads waiting on a page fault (``UFFDIO_WAKE`` over each process's whole address space,
+through a duplicate of its userfaultfd). CRIU 4.2.1's daemon reads a fault, and if its
+``UFFDIO_COPY`` fails with ``EAGAIN`` (the process's mappings are changing: another thread
+forks, munmaps or madvises at that moment, as a multi-threaded server does all the time) it puts
+the page back in its transfer list without waking the thread, which then waits until the
+background transfer reaches that page: with the transfer held, until the hold ends. Woken, the
+thread faults again and the daemon serves the new fault; a thread woken while its page is on
+its way faults again too, and the daemon finds the page queued or already in place (a zero page
+over a present one fails with ``EEXIST``, which it ignores). The duplicates are closed before
+the word goes on, because once the transfer runs the daemon closes each process's userfaultfd
+when that process's last page is in and relies on the close to unregister its memory and drop
+it from its epoll set; a duplicate kept open past that leaves the process's later faults (on
+pages the image never had) unserved and the daemon spinning on the closed descriptor.
 
 The protocol relayed (``criu/uffd.c``): for each restored process an ``int`` PID and, unless it
 is negative (a zombie), one byte carrying the process's userfaultfd as ``SCM_RIGHTS``; then the
@@ -111,8 +111,7 @@ class TransferHold:
             return self._release_at is not None
 
     def close(self) -> None:
-        """End the relay, at the latest when the daemon has ended (see above). A finished word
-        still held is dropped, and the daemon then fails."""
+        """End the relay. A finished word still held is dropped, and the daemon then fails."""
         with self._changed:
             self._closed = True
             sockets = list(self._sockets)
@@ -134,7 +133,6 @@ class TransferHold:
         return sock
 
     def _relay(self) -> None:
-        passed_on = False
         try:
             try:
                 restore, _ = self._listener.accept()
@@ -142,7 +140,7 @@ class TransferHold:
                 daemon = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
                 with socket_path(self._daemon_socket) as where:
                     daemon.connect(where)
-                passed_on = self._pass_on(restore, daemon)
+                self._pass_on(restore, daemon)
             except OSError as error:
                 if not self._closed:
                     self.error = f"lazy-pages relay: {error}"
@@ -151,16 +149,8 @@ class TransferHold:
                     sockets, self._sockets = self._sockets, []
                 for sock in sockets:
                     sock.close()
-            if passed_on:
-                self._wake_until_closed()
         finally:
             self._close_uffds()
-
-    def _wake_until_closed(self) -> None:
-        with self._changed:
-            while not self._closed:
-                if not self._changed.wait(tuning.FAULT_WAKE_S):
-                    self._wake_faults()
 
     def _wake_faults(self) -> None:
         for uffd in self._uffds:
@@ -174,19 +164,19 @@ class TransferHold:
         for uffd in uffds:
             os.close(uffd)
 
-    def _pass_on(self, restore: socket.socket, daemon: socket.socket) -> bool:
-        """Relay until the finished word; whether it was passed on."""
+    def _pass_on(self, restore: socket.socket, daemon: socket.socket) -> None:
         while True:
             word = restore.recv(WORD, socket.MSG_WAITALL)
             if len(word) < WORD:
-                return False  # the restore hung up early: so do we, and the daemon fails
+                return  # the restore hung up early: so do we, and the daemon fails
             value = int.from_bytes(word, sys.byteorder, signed=True)
             if value == RESTORE_FINISHED:
                 self.finished_seen.set()
-                if self._wait_for_release():
+                released = self._wait_for_release()
+                self._close_uffds()  # see above: before the transfer can start
+                if released:
                     daemon.sendall(word)
-                    return True
-                return False
+                return
             daemon.sendall(word)
             if value < 0:
                 continue  # a zombie: no userfaultfd follows
@@ -194,7 +184,7 @@ class TransferHold:
             try:
                 if len(data) != 1 or len(fds) != 1:
                     self.error = f"lazy-pages relay: no userfaultfd after PID {value}"
-                    return False
+                    return
                 self._uffds.append(os.dup(fds[0]))
                 socket.send_fds(daemon, [data], fds)
             finally:

@@ -85,9 +85,6 @@ class LazyTransfer:
     def _watch(self) -> None:
         status = self.daemon.wait()
         assert status is not None
-        if self.daemon.hold is not None:
-            # Its copies of the tree's userfaultfds must not outlive the daemon.
-            self.daemon.hold.close()
         with self._lock:
             if self._stopping:
                 result = PagesStatus(state="stopped")

@@ -18,7 +18,7 @@ TRANSFER_AFTER_READY_S = 0.05
 # if the copy is not ready by then: a server that touches much of its lazy memory while it
 # recovers gets it a page per fault while the transfer is held (docs/lazy.md).
 TRANSFER_HOLD_MAX_S = 0.5
-# Until the daemon ends, how often the threads stalled on a page fault are woken to fault
+# While the transfer is held, how often the threads stalled on a page fault are woken to fault
 # again (snapctl.criu.lazy.relay: CRIU's daemon drops a fault it could not copy at once).
 FAULT_WAKE_S = 0.01
 # How often the inventory gate looks whether the restore has read the inventory image.
