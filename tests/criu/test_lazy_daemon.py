@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.criu import CriuBinary, CriuError
+from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.daemon import LazyPagesDaemon, spawn_lazy_pages_daemon
 from snapctl.criu.lazy.relay import TransferHold
 from snapctl.criu.lazy.transfer import LazyTransfer, PagesStatus
@@ -211,7 +212,7 @@ def test_a_complete_transfer_learns_until_its_first_release(
     if released:
         transfer.release_transfer(0.05)
         transfer.release_transfer(10)  # later: the first release counts
-        at = time.monotonic() + 0.05 - started
+        at = time.monotonic() + 0.05 - started + tuning.LEARN_AFTER_RELEASE_S
     assert transfer.wait(10).state == "complete"
     if released:
         (until_s,) = learned

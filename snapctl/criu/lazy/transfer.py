@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.lazy.pagemap import PAGE_SIZE
 from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
@@ -50,7 +51,8 @@ class LazyTransfer:
     ``on_failure(reason)`` runs first thing when the daemon ends in any way but exit 0 (and was
     not stopped by us); ``on_done(status)`` runs after every end, failure included. After an
     exit 0, ``learn(until_s)`` gets the seconds from the restore's start to the transfer's first
-    release (for :mod:`snapctl.criu.lazy.workingset`), if it was released.
+    release plus :data:`~snapctl.criu.lazy.tuning.LEARN_AFTER_RELEASE_S` (the first request's
+    faults count too; for :mod:`snapctl.criu.lazy.workingset`), if it was released.
     """
 
     def __init__(
@@ -119,7 +121,7 @@ class LazyTransfer:
         if self._learn is None or released_at is None:
             return
         with contextlib.suppress(Exception):  # a cache: never the copy's failure
-            self._learn(released_at - self._restore_started)
+            self._learn(released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S)
 
     def release_transfer(self, delay_s: float = 0.0) -> None:
         """The copy is ready, or about to need its memory in bulk: start the background

@@ -16,8 +16,10 @@ HOLD_TRANSFER_MIN_BYTES = 1024 * 1024 * 1024
 TRANSFER_AFTER_READY_S = 0.05
 # A held background transfer starts this long after the restore finished at the latest, even
 # if the copy is not ready by then: a server that touches much of its lazy memory while it
-# recovers gets it a page per fault while the transfer is held (docs/lazy.md).
-TRANSFER_HOLD_MAX_S = 0.5
+# recovers gets it a page per fault while the transfer is held (docs/lazy.md). Long enough for a
+# real vLLM's recovery on a busy host: a fault stalled after the release (see relay) waits until
+# the transfer reaches its page, up to the whole transfer with a learned working set.
+TRANSFER_HOLD_MAX_S = 2.0
 # While the transfer is held, how often the threads stalled on a page fault are woken to fault
 # again (snapctl.criu.lazy.relay: CRIU's daemon drops a fault it could not copy at once).
 FAULT_WAKE_S = 0.01
@@ -35,3 +37,6 @@ WORKING_SET_MAX_PAGES = 256 * 1024
 # a changed set makes the next copy rewrite its pagemaps (tens of ms) instead of reading them
 # from the view cache, which a few missed pages do not repay.
 WORKING_SET_MIN_GROWTH = 0.02
+# A copy's working set is what its daemon served as faults until this long after the transfer's
+# release: the request that asked for the copy comes right after it is ready.
+LEARN_AFTER_RELEASE_S = 1.0
