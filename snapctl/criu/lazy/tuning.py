@@ -31,10 +31,10 @@ EAGER_PROCESS_BELOW = 64 * 1024 * 1024
 # In bigger processes, runs of contiguous lazy memory shorter than this are restored eagerly.
 EAGER_RUN_BELOW = 16 * 1024 * 1024
 # A process's learned working set (snapctl.criu.lazy.workingset) stops growing at this many
-# pages (1 GiB): past it the copies touch too much for a working set to be worth restoring first.
+# pages: past it the copies touch too much for a working set to be worth restoring first.
 WORKING_SET_MAX_PAGES = 256 * 1024
 # A copy's faults are added to a working set only if they grow it by more than this fraction:
-# a changed set makes the next copy rewrite its pagemaps (tens of ms) instead of reading them
+# a changed set makes the next copy rewrite its pagemaps instead of reading them
 # from the view cache, which a few missed pages do not repay.
 WORKING_SET_MIN_GROWTH = 0.02
 # A copy's working set is what its daemon served as faults until this long after the transfer's

@@ -1,12 +1,12 @@
 """The pages a lazy copy touches on its way to ready, learned from the copies of the same image
 before it, so that the next copy restores exactly those eagerly and leaves all else lazy.
 
-Why: a restored server's recovery and first requests touch a few tens of MB scattered over its
-small memory (a real vLLM's three processes: the interpreters' heaps and arenas, thread
+Why: a restored server's recovery and first requests touch a small part of its small memory,
+scattered (a real vLLM's three processes: the interpreters' heaps and arenas, thread
 stacks), and CRIU 4.2.1's daemon serves each such touch as one page fault, a round trip through
 one single-threaded process (on a busy host, a scheduling delay each). Restoring all the small
 memory eagerly instead (:mod:`.pagemap`'s rule without a working set) costs a restore in
-proportion to it: hundreds of MB for a real vLLM, of which the copy touches a tenth. The
+proportion to it, most of which a real vLLM's copy never touches (docs/lazy.md, step 2). The
 addresses a copy touches are the same from copy to copy (CRIU restores the same layout, and
 the recovery runs the same code on the same heap), so what one copy faulted in, the next gets
 eagerly.

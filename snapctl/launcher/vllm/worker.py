@@ -32,7 +32,7 @@ def drop_precompiled_headers(header_dir: Path, temp_dir: Path) -> int:
     the bytes removed.
 
     Torch inductor precompiles its C++ prefix header for the CPU kernels it builds at start, a
-    file of about 150 MB in its cache under the temporary directory. In the sandbox that is the
+    large file in its cache under the temporary directory (docs/vllm.md). In the sandbox that is the
     activation's private tmpfs, which CRIU saves as a gzipped tarball and unpacks again in every
     restore, plain or lazy, so the file cost every copy most of its restore. It is only a cache:
     gcc includes the header itself where its ``.gch`` is missing, so a kernel compiled after a
