@@ -19,11 +19,11 @@ from snapctl.activation.states import SessionState
 from snapctl.activation.tools import Tools
 from snapctl.criu import CriuBinary, CriuError
 from snapctl.criu.external import host_mount_sources, is_host_key
-from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.lazy.netdumps import redundant_net_dumps
 from snapctl.criu.lazy.pagemap import lazy_view
 from snapctl.criu.lazy.transfer import LazyTransfer
+from snapctl.criu.lazy.workingset import record_working_sets
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import Manifest
 from snapctl.phases import HostPhase
@@ -109,6 +109,9 @@ class LazyRestore(RestoreStrategy):
                 LazyTransfer(
                     daemon, restore_started=restore_started, on_failure=session.kill_unsafe,
                     on_done=session.pages_done,
+                    learn=lambda until_s: record_working_sets(
+                        image / "criu", session.state_dir.views, daemon.log_path, until_s
+                    ),
                 )
             )  # fmt: skip
 
@@ -116,7 +119,7 @@ class LazyRestore(RestoreStrategy):
             self._tools.criu.restore_lazily(
                 criu, view, session.dirs.work, session.dirs.logs, pidfile(session),
                 external_dirs=external_dirs, timeout_s=timeout_s, on_daemon_ready=watch,
-                hold_transfer=summary.lazy_bytes >= tuning.HOLD_TRANSFER_MIN_BYTES,
+                hold_transfer=summary.holds_transfer,
             )  # fmt: skip
         except SnapctlError as error:
             if isinstance(error, CriuError) and error.action == "lazy-pages":

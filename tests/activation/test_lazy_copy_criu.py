@@ -34,6 +34,8 @@ from snapctl.activation.supervise import run_until_stopped
 from snapctl.criu import CriuBinary
 from snapctl.criu.kdat import run_is_tmpfs
 from snapctl.criu.lazy import tuning
+from snapctl.criu.lazy.pagemap import PAGE_SIZE, read_pagemap
+from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import complete, get, leftovers
@@ -173,6 +175,36 @@ def test_lazy_copy_serves_and_its_memory_equals_the_donors(
     stop_clean(session)
 
 
+def test_a_learned_working_set_is_restored_eagerly_and_the_memory_stays_intact(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    """Pagemap entries split into eager and lazy pieces: every page still lands where it was."""
+    learned: list[Path] = []
+    for path in (donor.image / "criu").glob("pagemap-*.img"):
+        data = path.read_bytes()
+        pagemap = read_pagemap(path, data)
+        if pagemap.lazy_bytes < tuning.EAGER_PROCESS_BELOW:
+            continue
+        lazy = [entry for entry in pagemap.entries if entry.lazy][:64]
+        pages = [e.vaddr // PAGE_SIZE + i for e in lazy for i in (0, 5, 100) if i < e.nr_pages]
+        learned.append(working_set_path(donor.state.views, pagemap_key(data)))
+        learned[-1].parent.mkdir(parents=True, exist_ok=True)
+        learned[-1].write_text(WorkingSet(pages=pages).model_dump_json())
+    assert learned  # the fixture's retained memory
+    try:
+        session = lazy_copy(donor, criu_binary, running)
+        views = [read_pagemap(p) for p in (session.dirs.work / "images").glob("pagemap-*.img")]
+        assert max(len(view.entries) for view in views) > 64 * 2  # pieces, not whole entries
+        assert session.lazy is not None and session.lazy.daemon.hold is not None
+        assert complete(published(session)) == donor.completion
+        assert session.lazy.wait(120).state == "complete"
+        assert digest(published(session)) == donor.retained_sha256
+        stop_clean(session)
+    finally:
+        for path in learned:  # the other tests' copies restore by the view's own rule
+            path.unlink(missing_ok=True)
+
+
 def test_the_restore_waits_at_its_inventory_for_a_daemon_that_is_slow_to_listen(
     donor: Donor, criu_binary: CriuBinary, running: list[Session]
 ) -> None:
@@ -254,6 +286,9 @@ def test_little_lazy_memory_is_not_held(
     donor: Donor, criu_binary: CriuBinary, running: list[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tuning, "HOLD_TRANSFER_MIN_BYTES", (RETAINED_MB + 1) * 2**20)
+    # What earlier copies taught would hold it (a view with a learned working set always does).
+    for learned in donor.state.views.glob("*.touched.json"):
+        learned.unlink()
     session = lazy_copy(donor, criu_binary, running)
     assert session.lazy is not None and session.lazy.daemon.hold is None
     assert session.lazy.wait(120).state == "complete"

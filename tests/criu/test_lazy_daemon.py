@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.criu import CriuBinary, CriuError
+from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.daemon import LazyPagesDaemon, spawn_lazy_pages_daemon
 from snapctl.criu.lazy.relay import TransferHold
 from snapctl.criu.lazy.transfer import LazyTransfer, PagesStatus
@@ -194,3 +195,27 @@ def test_releasing_an_unheld_transfer_does_nothing(
     transfer.release_transfer()
     assert daemon.hold is None and transfer.status.state == "transferring"
     assert transfer.stop().state == "stopped" and failures == []
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_a_complete_transfer_learns_until_its_first_release(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, released: bool
+) -> None:
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    monkeypatch.setenv("FAKE_SLEEP", "0.3")
+    started = time.monotonic()
+    learned: list[float] = []
+    transfer = LazyTransfer(
+        start(fake, tmp_path), restore_started=started, on_failure=lambda reason: None,
+        on_done=lambda status: None, learn=learned.append,
+    )  # fmt: skip
+    if released:
+        transfer.release_transfer(0.05)
+        transfer.release_transfer(10)  # later: the first release counts
+        at = time.monotonic() + 0.05 - started + tuning.LEARN_AFTER_RELEASE_S
+    assert transfer.wait(10).state == "complete"
+    if released:
+        (until_s,) = learned
+        assert at - 0.01 < until_s <= at
+    else:
+        assert learned == []  # never ready: nothing to learn from

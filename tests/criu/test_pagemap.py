@@ -17,6 +17,7 @@ from snapctl.criu.lazy.pagemap import (
     lazy_view,
     read_pagemap,
 )
+from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
 
 PE_PRESENT = 1 << 2
 MAGICS = struct.pack("<II", 0x54564319, 0x56084025)
@@ -184,3 +185,46 @@ def test_a_cached_view_is_the_same_without_parsing_again(
         entry.write_text("{")
     with pytest.raises(AssertionError, match="parsed"):
         lazy_view(image, tmp_path / "view-4", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+
+
+def test_a_learned_working_set_makes_exactly_its_pages_eager(tmp_path: Path) -> None:
+    image = tmp_path / "criu"
+    image.mkdir()
+    write(image, "pagemap-1.img", SMALL)
+    write(image, "pagemap-4.img", BIG)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    buffer = 0x7E0000000000 // PAGE_SIZE
+    # Pages 1-2 and 300 of the 3 MiB run, the heap's second page, a page not in any entry.
+    touched = [0x2000 // PAGE_SIZE + 1, buffer + 1, buffer + 2, buffer + 300, 0x9999]
+    for name, pages in (("pagemap-4.img", touched), ("pagemap-1.img", [0x7F0000000000 >> 12])):
+        key = pagemap_key((image / name).read_bytes())
+        working_set_path(cache, key).write_text(WorkingSet(pages=pages).model_dump_json())
+    summary = lazy_view(image, tmp_path / "view", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+    # The small process is still restored whole: its set does not apply.
+    assert summary == ViewSummary(
+        eager_bytes=(266 + 4) * PAGE_SIZE,
+        lazy_bytes=(2 + 3 * MIB_PAGES - 4) * PAGE_SIZE,
+        learned_processes=1,
+    )
+    assert summary.holds_transfer
+    rewritten = read_pagemap(tmp_path / "view" / "pagemap-4.img")
+    pieces = [(e.vaddr, e.nr_pages, e.flags) for e in rewritten.entries]
+    base = 0x7E0000000000
+    assert pieces == [
+        (0x1000, 1, PE_PRESENT),
+        (0x2000, 1, LAZY), (0x3000, 1, PE_PRESENT),
+        (base, 1, LAZY), (base + PAGE_SIZE, 2, PE_PRESENT), (base + 3 * PAGE_SIZE, 253, LAZY),
+        (base + 2**20, 44, LAZY), (base + 2**20 + 44 * PAGE_SIZE, 1, PE_PRESENT),
+        (base + 2**20 + 45 * PAGE_SIZE, 211, LAZY),
+        (base + 2 * 2**20, MIB_PAGES, LAZY),
+    ]  # fmt: skip
+    # Every page keeps its place in the pages image: the same pages, in the same order.
+    assert sum(n for _, n, _ in pieces) == sum(
+        e.nr_pages for e in read_pagemap(image / "pagemap-4.img").entries
+    )
+    # A changed set is another view; an unreadable one is ignored.
+    working_set_path(cache, pagemap_key(BIG)).write_text("{")
+    again = lazy_view(image, tmp_path / "view-2", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+    assert again == ViewSummary(eager_bytes=268 * PAGE_SIZE, lazy_bytes=3 * 2**20)
+    assert not again.holds_transfer

@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,3 +182,39 @@ def test_closing_before_the_restore_connected_ends_the_relay(dirs: tuple[Path, P
     assert hold.error is None
     with pytest.raises(ConnectionRefusedError):
         connect_restore(dirs[0])
+
+
+def open_fds() -> set[int]:
+    # Less the listing's own descriptor, closed by the time it is looked at.
+    return {int(n) for n in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{n}")}
+
+
+def test_faults_are_woken_while_held_and_its_copies_close_before_the_word_goes_on(
+    dirs: tuple[Path, Path], daemon: FakeDaemon
+) -> None:
+    before = open_fds()
+    hold = hold_for(dirs)
+    read_end, write_end = os.pipe()  # a stand-in userfaultfd: its UFFDIO_WAKE fails, ignored
+    restore = connect_restore(dirs[0])
+    send_process(restore, 7, write_end)
+    restore.send(FINISHED)
+    restore.close()
+    os.close(write_end)
+    assert hold.finished_seen.wait(10)
+    deadline = time.monotonic() + 10
+    while hold.wakes < 3 and time.monotonic() < deadline:  # held: woken every FAULT_WAKE_S
+        time.sleep(0.01)
+    assert hold.wakes >= 3
+    hold.release()
+    assert daemon.got_finished.wait(10) and daemon.hung_up.wait(10)
+    for _, fds in daemon.received:
+        for fd in fds:
+            os.close(fd)
+    daemon.received.clear()
+    os.close(read_end)
+    # The relay's copy went before the word: the daemon's own close must be the last one.
+    assert open_fds() <= before
+    woken = hold.wakes
+    time.sleep(0.05)
+    assert hold.wakes == woken
+    hold.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from snapctl.launcher.vllm.cli import EXTENSION_FLAG, split_snapshot_config, with_worker_extension
@@ -56,3 +58,23 @@ def test_a_stop_is_reported_in_the_phase_the_hook_calls_tell() -> None:
         Phase.RECOVER,  # writing validated
     ]  # fmt: skip
     hooks.loop.close()
+
+
+def test_precompiled_headers_are_dropped_only_from_the_temporary_directory(tmp_path: Path) -> None:
+    from snapctl.launcher.vllm.worker import drop_precompiled_headers
+
+    temp = tmp_path / "tmp"
+    headers = temp / "torchinductor_root" / "precompiled_headers"
+    (headers / "locks").mkdir(parents=True)
+    (headers / "a.h").write_text("#include <x.h>\n")
+    (headers / "a.h.gch").write_bytes(b"\0" * 100)
+    (headers / "locks" / "a.lock").write_text("")
+    elsewhere = tmp_path / "cache"
+    elsewhere.mkdir()
+    (elsewhere / "b.h.gch").write_bytes(b"\0" * 10)
+
+    assert drop_precompiled_headers(elsewhere, temp) == 0
+    assert (elsewhere / "b.h.gch").exists()
+    assert drop_precompiled_headers(headers, temp) == 100
+    assert sorted(p.name for p in headers.rglob("*")) == ["a.h", "a.lock", "locks"]
+    assert drop_precompiled_headers(headers, temp) == 0

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from snapctl.criu.lazy import tuning
-from snapctl.criu.lazy.pagemap import link_relative
+from snapctl.criu.lazy.pagemap import link_relative, relative_dir_of
 from snapctl.criu.lazy.relay import TransferHold
 from snapctl.criu.locate import CriuBinary
 from snapctl.criu.ops import INVENTORY, RESTORE_LOG_LEVEL, restore_args
@@ -196,9 +196,10 @@ def gated_view(view: Path, target: Path) -> InventoryGate:
     """Create ``target``: every entry of the image ``view`` linked, but ``inventory.img`` a FIFO
     held by the returned gate (see :class:`InventoryGate`)."""
     target.mkdir(mode=0o700)
+    relative_dir = relative_dir_of(view, target)
     for entry in view.absolute().iterdir():
         if entry.name != INVENTORY:
-            link_relative(entry, target / entry.name)
+            link_relative(entry, target / entry.name, relative_dir)
     return InventoryGate(target / INVENTORY, view / INVENTORY)
 
 

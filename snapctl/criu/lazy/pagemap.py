@@ -27,6 +27,7 @@ vaddr 1, compat_nr_pages 2, in_parent 3, flags 4, nr_pages 5).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import os
@@ -37,7 +38,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
+from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import replace_file
@@ -55,12 +58,15 @@ class PagemapError(SnapctlError):
 @dataclass(frozen=True)
 class Entry:
     """One ``pagemap_entry``: ``nr_pages`` pages from ``vaddr``; ``flags_at`` is the offset of
-    its flags' (one-byte) value in the file, -1 when it has no flags field."""
+    its flags' (one-byte) value in the file, -1 when it has no flags field; ``start`` and
+    ``stop`` the file offsets of its message (after its length)."""
 
     vaddr: int
     nr_pages: int
     flags: int
     flags_at: int
+    start: int = -1
+    stop: int = -1
 
     @property
     def lazy(self) -> bool:
@@ -105,6 +111,89 @@ class Pagemap:
             out[entry.flags_at] = entry.flags & ~PE_LAZY
         return bytes(out)
 
+    def with_eager_pages(self, eager: dict[int, list[tuple[int, int]]]) -> bytes:
+        """These bytes with ``PE_LAZY`` cleared on some pages only: ``eager`` maps an entry's
+        index to the ``(first page, count)`` ranges within it (sorted, disjoint) to restore
+        eagerly. Such an entry becomes several consecutive ones, eager and lazy pieces in
+        address order with the same pages in total, so every later entry's pages stay where
+        they are in the pages image (CRIU reads them at the running sum of ``nr_pages``)."""
+        out = bytearray(self.data[: self.entries[0].start - 4] if self.entries else self.data)
+        for index, entry in enumerate(self.entries):
+            ranges = eager.get(index)
+            if not ranges:
+                out += self.data[entry.start - 4 : entry.stop]
+                continue
+            fields = _fields(self.data[entry.start : entry.stop])
+            at = 0
+            for first, count in ranges:
+                if first > at:
+                    out += _piece(fields, entry, at, first - at, lazy=True)
+                out += _piece(fields, entry, first, count, lazy=False)
+                at = first + count
+            if at < entry.nr_pages:
+                out += _piece(fields, entry, at, entry.nr_pages - at, lazy=True)
+        return bytes(out)
+
+
+def _fields(message: bytes) -> list[tuple[int, int]]:
+    """A message of varint fields as (field number, value) in file order (the slow, general
+    decoder: only for the few entries split)."""
+    fields: list[tuple[int, int]] = []
+    at = 0
+    while at < len(message):
+        key, at = _varint(message, at)
+        if key & 7:
+            raise PagemapError(f"field {key >> 3} is not a varint")
+        value, at = _varint(message, at)
+        fields.append((key >> 3, value))
+    return fields
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _encode_varint(value: int) -> bytes:
+    if value < 0x80:
+        return _ONE_BYTE[value]
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
+
+
+def _piece(
+    fields: list[tuple[int, int]], entry: Entry, first: int, count: int, *, lazy: bool
+) -> bytes:
+    """Entry ``entry`` cut to ``count`` pages from its page ``first``, framed, with every other
+    field as it was."""
+    flags = entry.flags | PE_LAZY if lazy else entry.flags & ~PE_LAZY
+    # The count is in nr_pages, or in compat_nr_pages in images without it.
+    count_field = _NR_PAGES if any(f == _NR_PAGES and v for f, v in fields) else _COMPAT_NR_PAGES
+    body = bytearray()
+    for number, value in fields:
+        if number == _VADDR:
+            value = entry.vaddr + first * PAGE_SIZE
+        elif number == _FLAGS:
+            value = flags
+        elif number == count_field:
+            value = count
+        body += _ONE_BYTE[number << 3] if number < 16 else _encode_varint(number << 3)
+        body += _encode_varint(value)
+    return struct.pack("<I", len(body)) + bytes(body)
+
 
 def read_pagemap(path: Path, data: bytes | None = None) -> Pagemap:
     """Parse ``path`` (whose bytes are ``data`` when already read); :class:`PagemapError` if it
@@ -130,6 +219,7 @@ def _entries(data: bytes) -> list[Entry]:
             raise ValueError("truncated entry length")
         end = at + 4 + size_of(data, at)[0]
         at += 4
+        start = at
         if end > total:
             raise ValueError("truncated entry")
         vaddr = nr_pages = compat = flags = 0
@@ -159,7 +249,7 @@ def _entries(data: bytes) -> list[Entry]:
             elif field == _COMPAT_NR_PAGES:
                 compat = value
         if not first:
-            entries.append(Entry(vaddr, nr_pages or compat, flags, flags_at))
+            entries.append(Entry(vaddr, nr_pages or compat, flags, flags_at, start, end))
         first = False
     return entries
 
@@ -178,16 +268,49 @@ def eager_entries(
     return [entry for run in short for entry in run]
 
 
+def touched_ranges(pagemap: Pagemap, touched: Collection[int]) -> dict[int, list[tuple[int, int]]]:
+    """For :meth:`Pagemap.with_eager_pages`: the pages of ``touched`` (addresses / page size)
+    that are in lazy entries, as ranges within each entry, by entry index."""
+    pages = sorted(touched)
+    ranges: dict[int, list[tuple[int, int]]] = {}
+    for index, entry in enumerate(pagemap.entries):
+        if not entry.lazy or entry.flags_at < 0:
+            continue
+        first = entry.vaddr // PAGE_SIZE
+        at = bisect.bisect_left(pages, first)
+        stop = bisect.bisect_left(pages, first + entry.nr_pages, at)
+        merged: list[tuple[int, int]] = []
+        for page in pages[at:stop]:
+            offset = page - first
+            if merged and merged[-1][0] + merged[-1][1] == offset:
+                merged[-1] = (merged[-1][0], merged[-1][1] + 1)
+            else:
+                merged.append((offset, 1))
+        if merged:
+            ranges[index] = merged
+    return ranges
+
+
 class ViewSummary(StrictModel):
-    """What a view left lazy and what it made eager, in bytes (of one process or of all)."""
+    """What a view left lazy and what it made eager, in bytes (of one process or of all), and
+    in how many processes the eager pages were a learned working set."""
 
     eager_bytes: int = 0
     lazy_bytes: int = 0
+    learned_processes: int = 0
+
+    @property
+    def holds_transfer(self) -> bool:
+        """Whether the background transfer waits until the copy is ready: with much memory
+        left lazy, or where a working set was learned (its misses are page faults, which must
+        not wait behind the transfer's chunks)."""
+        return self.lazy_bytes >= tuning.HOLD_TRANSFER_MIN_BYTES or self.learned_processes > 0
 
     def __add__(self, other: ViewSummary) -> ViewSummary:
         return ViewSummary(
             eager_bytes=self.eager_bytes + other.eager_bytes,
             lazy_bytes=self.lazy_bytes + other.lazy_bytes,
+            learned_processes=self.learned_processes + other.learned_processes,
         )
 
 
@@ -206,20 +329,27 @@ def lazy_view(
     With ``cache_dir``, a pagemap is parsed only the first time its content is seen: the
     outcome is kept there under the sha256 of that content (and the thresholds), so later
     views of the same image cost a hash per pagemap (a big process has one entry per MiB to
-    parse).
+    parse). Where ``cache_dir`` also holds a working set learned for the process
+    (:mod:`snapctl.criu.lazy.workingset`), a process not restored whole gets exactly those
+    pages eagerly, instead of its short runs.
     """
     target.mkdir(mode=0o700)
     summary = ViewSummary()
+    relative_dir = relative_dir_of(images_dir, target)
     for path in sorted(images_dir.resolve().iterdir()):
         if path.name in omit:
             continue
         link = target / path.name
         if path.name.startswith("pagemap-") and path.name.endswith(".img"):
             data = path.read_bytes()
-            key = f"{hashlib.sha256(data).hexdigest()}-{process_below}-{run_below}"
+            content = pagemap_key(data)
+            learned = _learned(cache_dir, content) if cache_dir is not None else None
+            key = f"{content}-{process_below}-{run_below}"
+            if learned is not None:
+                key += f"-learned-{hashlib.sha256(learned).hexdigest()[:32]}"
             found = _cached(cache_dir, key) if cache_dir is not None else None
             if found is None:
-                found = _viewed(path, data, process_below, run_below)
+                found = _viewed(path, data, process_below, run_below, learned)
                 if cache_dir is not None:
                     _cache(cache_dir, key, found)
             process, rewritten = found
@@ -227,27 +357,55 @@ def lazy_view(
             if rewritten is not None:
                 _write_new(link, rewritten)
                 continue
-        link_relative(path, link)
+        link_relative(path, link, relative_dir)
     return summary
 
 
-def link_relative(path: Path, link: Path) -> None:
+def link_relative(path: Path, link: Path, relative_dir: str | None = None) -> None:
     """Make ``link`` a symbolic link to ``path`` by a relative target.
 
     A restored task opens some image files (its pagemap, its pages) after it entered the copy's
     mount namespace, through CRIU's descriptor on the images directory. A relative link
     resolves from there up the host's own mounts, so it reaches the image even where the
     sandbox hides its path (an image under /tmp); an absolute one resolves inside the copy.
+    ``relative_dir``: :func:`relative_dir_of` the two directories, when already known (a view
+    links a hundred files from one directory into another).
     """
+    if relative_dir is None:
+        relative_dir = relative_dir_of(path.parent, link.parent)
+    os.symlink(os.path.join(relative_dir, path.name), link)
+
+
+def relative_dir_of(directory: Path, link_dir: Path) -> str:
+    """The relative path from ``link_dir`` to ``directory``, for :func:`link_relative`."""
     # The directories resolved, the entry itself not: a link to a link stays one.
-    os.symlink(os.path.relpath(path.parent.resolve() / path.name, link.parent.resolve()), link)
+    return os.path.relpath(directory.resolve(), link_dir.resolve())
+
+
+def _learned(cache_dir: Path, key: str) -> bytes | None:
+    try:
+        return working_set_path(cache_dir, key).read_bytes()
+    except OSError:
+        return None
 
 
 def _viewed(
-    path: Path, data: bytes, process_below: int, run_below: int
+    path: Path, data: bytes, process_below: int, run_below: int, learned: bytes | None = None
 ) -> tuple[ViewSummary, bytes | None]:
-    """What one pagemap leaves lazy and makes eager, and its rewritten bytes (None: as is)."""
+    """What one pagemap leaves lazy and makes eager, and its rewritten bytes (None: as is);
+    ``learned``: the process's working set file, if any."""
     pagemap = read_pagemap(path, data)
+    touched = None
+    if learned is not None and pagemap.lazy_bytes >= process_below:
+        with contextlib.suppress(ValidationError):
+            touched = WorkingSet.model_validate_json(learned).pages
+    if touched is not None:
+        ranges = touched_ranges(pagemap, touched)
+        eager = sum(count for pieces in ranges.values() for _, count in pieces) * PAGE_SIZE
+        summary = ViewSummary(
+            eager_bytes=eager, lazy_bytes=pagemap.lazy_bytes - eager, learned_processes=1
+        )
+        return summary, pagemap.with_eager_pages(ranges) if ranges else None
     made_eager = eager_entries(pagemap, process_below, run_below)
     eager = sum(e.nr_pages for e in made_eager) * PAGE_SIZE
     summary = ViewSummary(eager_bytes=eager, lazy_bytes=pagemap.lazy_bytes - eager)

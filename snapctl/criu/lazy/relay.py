@@ -11,6 +11,21 @@ userfaultfd at once, so faults are served from the first instruction, and holds 
 word back until :meth:`TransferHold.release` (the copy is ready, or is about to need its memory
 in bulk) or a deadline, whichever comes first.
 
+While it holds the word, the relay also wakes, every :data:`~snapctl.criu.lazy.tuning.FAULT_WAKE_S`,
+the threads waiting on a page fault (``UFFDIO_WAKE`` over each process's whole address space,
+through a duplicate of its userfaultfd). CRIU 4.2.1's daemon reads a fault, and if its
+``UFFDIO_COPY`` fails with ``EAGAIN`` (the process's mappings are changing: another thread
+forks, munmaps or madvises at that moment, as a multi-threaded server does all the time) it puts
+the page back in its transfer list without waking the thread, which then waits until the
+background transfer reaches that page: with the transfer held, until the hold ends. Woken, the
+thread faults again and the daemon serves the new fault; a thread woken while its page is on
+its way faults again too, and the daemon finds the page queued or already in place (a zero page
+over a present one fails with ``EEXIST``, which it ignores). The duplicates are closed before
+the word goes on, because once the transfer runs the daemon closes each process's userfaultfd
+when that process's last page is in and relies on the close to unregister its memory and drop
+it from its epoll set; a duplicate kept open past that leaves the process's later faults (on
+pages the image never had) unserved and the daemon spinning on the closed descriptor.
+
 The protocol relayed (``criu/uffd.c``): for each restored process an ``int`` PID and, unless it
 is negative (a zombie), one byte carrying the process's userfaultfd as ``SCM_RIGHTS``; then the
 ``uint32`` :data:`RESTORE_FINISHED`; then the restore closes its end. Anything else ends the
@@ -20,18 +35,28 @@ relay, and a daemon whose restore hangs up before the finished word fails (and w
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
+import struct
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from snapctl.criu.lazy import tuning
+
 # LAZY_PAGES_RESTORE_FINISHED in CRIU's criu/uffd.c ("ReSTore Finished"), never a valid PID.
 RESTORE_FINISHED = 0x52535446
 SOCKET_NAME = "lazy-pages.socket"
 WORD = 4
+# linux/userfaultfd.h: _IOR(0xAA, _UFFDIO_WAKE, struct uffdio_range {u64 start, len}).
+UFFDIO_WAKE = 0x8010AA02
+# Every user address from the lowest mappable page (vm.mmap_min_addr is at most 64 KiB) to the
+# top of x86-64's and arm64's 47/48-bit user spaces, as the kernel's range check accepts it.
+_WAKE_START = 0x10000
+_WAKE_RANGE = struct.pack("=QQ", _WAKE_START, 0x7FFFFFFFF000 - _WAKE_START)
 
 
 class TransferHold:
@@ -51,6 +76,8 @@ class TransferHold:
         self._release_at: float | None = None
         self._closed = False
         self._sockets: list[socket.socket] = []
+        self._uffds: list[int] = []  # duplicates, owned by the relay thread
+        self.wakes = 0
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.finished_seen = threading.Event()
@@ -107,20 +134,35 @@ class TransferHold:
 
     def _relay(self) -> None:
         try:
-            restore, _ = self._listener.accept()
-            self._track(restore)
-            daemon = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-            with socket_path(self._daemon_socket) as where:
-                daemon.connect(where)
-            self._pass_on(restore, daemon)
-        except OSError as error:
-            if not self._closed:
-                self.error = f"lazy-pages relay: {error}"
+            try:
+                restore, _ = self._listener.accept()
+                self._track(restore)
+                daemon = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+                with socket_path(self._daemon_socket) as where:
+                    daemon.connect(where)
+                self._pass_on(restore, daemon)
+            except OSError as error:
+                if not self._closed:
+                    self.error = f"lazy-pages relay: {error}"
+            finally:
+                with self._changed:
+                    sockets, self._sockets = self._sockets, []
+                for sock in sockets:
+                    sock.close()
         finally:
-            with self._changed:
-                sockets, self._sockets = self._sockets, []
-            for sock in sockets:
-                sock.close()
+            self._close_uffds()
+
+    def _wake_faults(self) -> None:
+        for uffd in self._uffds:
+            # ESRCH/EINVAL once a process exited or its mm is gone: nothing waits there.
+            with contextlib.suppress(OSError):
+                fcntl.ioctl(uffd, UFFDIO_WAKE, _WAKE_RANGE)
+        self.wakes += 1
+
+    def _close_uffds(self) -> None:
+        uffds, self._uffds = self._uffds, []
+        for uffd in uffds:
+            os.close(uffd)
 
     def _pass_on(self, restore: socket.socket, daemon: socket.socket) -> None:
         while True:
@@ -130,7 +172,9 @@ class TransferHold:
             value = int.from_bytes(word, sys.byteorder, signed=True)
             if value == RESTORE_FINISHED:
                 self.finished_seen.set()
-                if self._wait_for_release():
+                released = self._wait_for_release()
+                self._close_uffds()  # see above: before the transfer can start
+                if released:
                     daemon.sendall(word)
                 return
             daemon.sendall(word)
@@ -141,13 +185,15 @@ class TransferHold:
                 if len(data) != 1 or len(fds) != 1:
                     self.error = f"lazy-pages relay: no userfaultfd after PID {value}"
                     return
+                self._uffds.append(os.dup(fds[0]))
                 socket.send_fds(daemon, [data], fds)
             finally:
                 for fd in fds:
                     os.close(fd)
 
     def _wait_for_release(self) -> bool:
-        """Wait until the release time, at most ``hold_max_s``; False: closed meanwhile."""
+        """Wait until the release time, at most ``hold_max_s``, waking stalled faults
+        meanwhile; False: closed meanwhile."""
         deadline = time.monotonic() + self._hold_max_s
         with self._changed:
             while not self._closed:
@@ -155,7 +201,8 @@ class TransferHold:
                 left = until - time.monotonic()
                 if left <= 0:
                     return True
-                self._changed.wait(left)
+                if not self._changed.wait(min(left, tuning.FAULT_WAKE_S)):
+                    self._wake_faults()
             return False
 
 

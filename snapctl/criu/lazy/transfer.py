@@ -10,6 +10,7 @@ daemon stops the copy at once (SIGKILL to its PID 1, no grace that would run on 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.lazy.pagemap import PAGE_SIZE
 from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
@@ -47,7 +49,10 @@ class LazyTransfer:
     """Watches one lazy-pages daemon from a thread; reports its end through two callbacks.
 
     ``on_failure(reason)`` runs first thing when the daemon ends in any way but exit 0 (and was
-    not stopped by us); ``on_done(status)`` runs after every end, failure included.
+    not stopped by us); ``on_done(status)`` runs after every end, failure included. After an
+    exit 0, ``learn(until_s)`` gets the seconds from the restore's start to the transfer's first
+    release plus :data:`~snapctl.criu.lazy.tuning.LEARN_AFTER_RELEASE_S` (the first request's
+    faults count too; for :mod:`snapctl.criu.lazy.workingset`), if it was released.
     """
 
     def __init__(
@@ -57,8 +62,11 @@ class LazyTransfer:
         restore_started: float,
         on_failure: Callable[[str], None],
         on_done: Callable[[PagesStatus], None],
+        learn: Callable[[float], object] | None = None,
     ) -> None:
         self.daemon = daemon
+        self._learn = learn
+        self._released_at: float | None = None
         self._restore_started = restore_started
         self._on_failure = on_failure
         self._on_done = on_done
@@ -102,12 +110,26 @@ class LazyTransfer:
                 assert result.failure is not None
                 self._on_failure(result.failure)
             self._on_done(result)
+            if result.state == "complete":
+                self._learn_until_release()
         finally:
             self._finished.set()
+
+    def _learn_until_release(self) -> None:
+        with self._lock:
+            released_at = self._released_at
+        if self._learn is None or released_at is None:
+            return
+        with contextlib.suppress(Exception):  # a cache: never the copy's failure
+            self._learn(released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S)
 
     def release_transfer(self, delay_s: float = 0.0) -> None:
         """The copy is ready, or about to need its memory in bulk: start the background
         transfer ``delay_s`` from now if it was held back."""
+        release_at = time.monotonic() + delay_s
+        with self._lock:
+            if self._released_at is None or release_at < self._released_at:
+                self._released_at = release_at
         self.daemon.release_transfer(delay_s)
 
     def wait(self, timeout_s: float | None = None) -> PagesStatus:

@@ -16,8 +16,13 @@ HOLD_TRANSFER_MIN_BYTES = 1024 * 1024 * 1024
 TRANSFER_AFTER_READY_S = 0.05
 # A held background transfer starts this long after the restore finished at the latest, even
 # if the copy is not ready by then: a server that touches much of its lazy memory while it
-# recovers gets it a page per fault while the transfer is held (docs/lazy.md).
-TRANSFER_HOLD_MAX_S = 0.5
+# recovers gets it a page per fault while the transfer is held (docs/lazy.md). Long enough for a
+# real vLLM's recovery on a busy host: a fault stalled after the release (see relay) waits until
+# the transfer reaches its page, up to the whole transfer with a learned working set.
+TRANSFER_HOLD_MAX_S = 2.0
+# While the transfer is held, how often the threads stalled on a page fault are woken to fault
+# again (snapctl.criu.lazy.relay: CRIU's daemon drops a fault it could not copy at once).
+FAULT_WAKE_S = 0.01
 # How often the inventory gate looks whether the restore has read the inventory image.
 GATE_POLL_S = 0.0005
 # Below this much lazy memory a whole process is restored eagerly: its faults would each wait
@@ -25,3 +30,13 @@ GATE_POLL_S = 0.0005
 EAGER_PROCESS_BELOW = 64 * 1024 * 1024
 # In bigger processes, runs of contiguous lazy memory shorter than this are restored eagerly.
 EAGER_RUN_BELOW = 16 * 1024 * 1024
+# A process's learned working set (snapctl.criu.lazy.workingset) stops growing at this many
+# pages: past it the copies touch too much for a working set to be worth restoring first.
+WORKING_SET_MAX_PAGES = 256 * 1024
+# A copy's faults are added to a working set only if they grow it by more than this fraction:
+# a changed set makes the next copy rewrite its pagemaps instead of reading them
+# from the view cache, which a few missed pages do not repay.
+WORKING_SET_MIN_GROWTH = 0.02
+# A copy's working set is what its daemon served as faults until this long after the transfer's
+# release: the request that asked for the copy comes right after it is ready.
+LEARN_AFTER_RELEASE_S = 1.0

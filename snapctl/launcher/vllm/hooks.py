@@ -84,6 +84,8 @@ class VllmHooks:
         await self.engine.pause_generation(mode="wait")
         if self.sleep_mode:
             await self.engine.sleep(level=2)
+        # Out of the image, which every restore would unpack: a compile cache in /tmp.
+        await self.engine.collective_rpc("snapctl_drop_compile_caches")
 
     async def _restore(self) -> None:
         if self.sleep_mode:

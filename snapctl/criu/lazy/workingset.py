@@ -1,0 +1,112 @@
+"""The pages a lazy copy touches on its way to ready, learned from the copies of the same image
+before it, so that the next copy restores exactly those eagerly and leaves all else lazy.
+
+Why: a restored server's recovery and first requests touch a small part of its small memory,
+scattered (a real vLLM's three processes: the interpreters' heaps and arenas, thread
+stacks), and CRIU 4.2.1's daemon serves each such touch as one page fault, a round trip through
+one single-threaded process (on a busy host, a scheduling delay each). Restoring all the small
+memory eagerly instead (:mod:`.pagemap`'s rule without a working set) costs a restore in
+proportion to it, most of which a real vLLM's copy never touches (docs/lazy.md, step 2). The
+addresses a copy touches are the same from copy to copy (CRIU restores the same layout, and
+the recovery runs the same code on the same heap), so what one copy faulted in, the next gets
+eagerly.
+
+How: the daemon's log (info level) has a line ``prPID-N Read ADDR 1 pages`` for each page
+fault it served, with its time since the daemon started; the background transfer reads runs of
+pages, and a run of one page at most marks one page too many. When a copy's pages are complete
+(:class:`~snapctl.criu.lazy.transfer.LazyTransfer`), the pages faulted until its transfer was
+released (the copy was ready and had a head start for its first request,
+:data:`~snapctl.criu.lazy.tuning.TRANSFER_AFTER_READY_S`) are added to its processes' working
+sets, kept beside the view cache under the sha256 of each process's pagemap: a different image,
+or a changed process, has a different key, so a set never applies to memory it was not learned
+on. Nothing here is needed for correctness: a page missing from the set is a fault, a page in
+it that the copy does not touch is a page restored early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import ValidationError
+
+from snapctl.criu.lazy.tuning import WORKING_SET_MAX_PAGES, WORKING_SET_MIN_GROWTH
+from snapctl.models import StrictModel
+from snapctl.protocol.atomic import replace_file
+
+PAGE_SHIFT = 12
+_FAULT = re.compile(rb"^\((\d+)\.(\d+)\) pr(\d+)-\d+ Read ([0-9a-f]+) 1 pages$", re.MULTILINE)
+
+
+class WorkingSet(StrictModel):
+    """``STATE/views/<pagemap sha256>.touched.json``: the pages (address / page size, sorted)
+    that copies of one process touched before they were ready."""
+
+    version: Literal[1] = 1
+    pages: list[int]
+
+
+def working_set_path(cache_dir: Path, pagemap_key: str) -> Path:
+    return cache_dir / f"{pagemap_key}.touched.json"
+
+
+def pagemap_key(data: bytes) -> str:
+    """A process's pagemap as the view cache and the working sets know it."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_working_set(cache_dir: Path, key: str) -> frozenset[int] | None:
+    """The learned pages of the process whose pagemap has ``key``; None if none (or unreadable:
+    a cache)."""
+    try:
+        found = WorkingSet.model_validate_json(working_set_path(cache_dir, key).read_bytes())
+    except (OSError, ValidationError):
+        return None
+    return frozenset(found.pages)
+
+
+def faulted_pages(log: bytes, until_s: float) -> dict[int, set[int]]:
+    """From a lazy-pages daemon's log: the pages each process (by its PID in the image) faulted
+    in the daemon's first ``until_s`` seconds."""
+    pages: dict[int, set[int]] = {}
+    for match in _FAULT.finditer(log):
+        seconds, fraction, pid, address = match.groups()
+        if float(seconds + b"." + fraction) > until_s:
+            break  # the log is in time order
+        pages.setdefault(int(pid), set()).add(int(address, 16) >> PAGE_SHIFT)
+    return pages
+
+
+def record_working_sets(images_dir: Path, cache_dir: Path, log_path: Path, until_s: float) -> int:
+    """Add what the daemon logged at ``log_path`` until ``until_s`` to the working sets of the
+    image's processes in ``cache_dir``; the number of pages new to them. Best effort (a cache):
+    an unreadable log or image learns nothing, a concurrent copy's addition may be lost."""
+    try:
+        faulted = faulted_pages(log_path.read_bytes(), until_s)
+    except OSError:
+        return 0
+    added = 0
+    for pid, pages in faulted.items():
+        with contextlib.suppress(OSError):
+            key = pagemap_key((images_dir / f"pagemap-{pid}.img").read_bytes())
+            added += _add(cache_dir, key, pages)
+    return added
+
+
+def _add(cache_dir: Path, key: str, pages: Iterable[int]) -> int:
+    known = read_working_set(cache_dir, key) or frozenset()
+    union = known | frozenset(pages)
+    if len(union) - len(known) <= len(known) * WORKING_SET_MIN_GROWTH:
+        # Nothing new, or too little to be worth a new view (each set has its own cached
+        # pagemap, made once): the few pages a copy misses stay page faults.
+        return 0
+    if len(union) > WORKING_SET_MAX_PAGES:
+        return 0  # not a working set any more: keep what was learned
+    cache_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    content = WorkingSet(pages=sorted(union)).model_dump_json().encode()
+    replace_file(working_set_path(cache_dir, key), content, mode=0o600)
+    return len(union) - len(known)
