@@ -212,8 +212,10 @@ def venv_under_tmp(root: Path) -> Path:
 def test_a_venv_under_tmp_run_from_another_cwd_is_bound_into_the_private_tmp(
     tmp_path: Path, state: StateDir, criu_binary: CriuBinary
 ) -> None:
-    assert not is_within(os.getcwd(), "/tmp")  # the server runs from the checkout's cwd
     venv = venv_under_tmp(tmp_path / "venv")
+    # The server runs from the checkout's cwd (bound in whole, even under /tmp): it must not
+    # hold the venv, which only its own bind can bring in.
+    assert not is_within(str(venv), os.getcwd())
     argv = [str(venv / "bin" / "python"), str(TMP_SERVER)]
     image = tmp_path / "image"
     donor, _ = launch_donor(image, state, criu_binary, server_argv=argv, api_key_env=None)
