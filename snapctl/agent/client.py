@@ -63,7 +63,7 @@ class AgentClient:
         self.path = path
         self._sock = sock
 
-    def _open(self) -> socket.socket:
+    def _open(self, read_timeout_s: float | None) -> socket.socket:
         sock, self._sock = self._sock, None
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -76,7 +76,7 @@ class AgentClient:
                     "(snapctl agent) or run in-process (--no-agent)",
                     path=self.path,
                 ) from error
-        sock.settimeout(READ_TIMEOUT_S)
+        sock.settimeout(read_timeout_s)
         return sock
 
     def close(self) -> None:
@@ -84,14 +84,16 @@ class AgentClient:
             self._sock.close()
             self._sock = None
 
-    def _send(self, method: str, target: str, body: Any) -> tuple[socket.socket, BinaryIO]:
+    def _send(
+        self, method: str, target: str, body: Any, read_timeout_s: float | None
+    ) -> tuple[socket.socket, BinaryIO]:
         payload = b"" if body is None else json.dumps(body).encode()
         head = (
             f"{method} {API_PREFIX}{target} HTTP/1.1\r\nHost: snapctl-agent\r\n"
             f"Connection: close\r\nAccept: application/json, application/x-ndjson\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
         )
-        sock = self._open()
+        sock = self._open(read_timeout_s)
         try:
             sock.sendall(head.encode() + payload)
         except OSError as error:
@@ -106,10 +108,14 @@ class AgentClient:
             raise AgentUnavailableError(f"the agent answered {target} with {len(messages)} records")
         return messages[0]
 
-    def stream(self, method: str, target: str, body: Any = None) -> Iterator[Any]:
+    def stream(
+        self, method: str, target: str, body: Any = None,
+        read_timeout_s: float | None = READ_TIMEOUT_S,
+    ) -> Iterator[Any]:  # fmt: skip
         """One request; each JSON message of its answer as it arrives (one for a plain JSON
-        answer). An error status raises :class:`AgentError` with the agent's reason."""
-        sock, reader = self._send(method, target, body)
+        answer). An error status raises :class:`AgentError` with the agent's reason.
+        ``read_timeout_s`` None: wait as long as it takes (``logs -f`` of a quiet server)."""
+        sock, reader = self._send(method, target, body, read_timeout_s)
         try:
             try:
                 status, headers = _read_head(reader)

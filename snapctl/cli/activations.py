@@ -111,9 +111,12 @@ def logs(name: str, follow: bool) -> None:
     client = agent_client()
     if client is not None:
         target = f"/activations/{quote(name)}/logs" + ("?follow=1" if follow else "")
+        from snapctl.agent.client import READ_TIMEOUT_S
         from snapctl.cli.remote import raise_for
 
-        for message in client.stream("GET", target):
+        # Following, silence is no failure: the server may print nothing for hours.
+        timeout_s = None if follow else READ_TIMEOUT_S
+        for message in client.stream("GET", target, read_timeout_s=timeout_s):
             if "error" in message:  # the follow failed after it began
                 raise_for(message)
             sys.stdout.write(message["text"])
