@@ -24,11 +24,12 @@ drawing lists every class, under its base, with its code)::
     ├── ActivationError                4  activation.handshake: the server refused or failed
     ├── CaptureError                   3  activation.donor: no image was published
     ├── RestoreError                   4  activation.copy: CRIU could not restore the copy
-    ├── DetachedStartError       relayed  activation.supervise: the supervisor's error
-    ├── SupervisorError          relayed  pool.serve: an agent's copy supervisor failed the start
+    ├── RelayedError             relayed  errors: another process's error, with its code
+    │   ├── DetachedStartError   relayed  activation.supervise: the supervisor's error
+    │   ├── SupervisorError      relayed  pool.serve: an agent's copy supervisor failed the start
+    │   └── AgentError           relayed  agent.client: the agent refused or failed a request
     ├── ParkedCopyUnusableError        4  pool.serve: a parked copy refused before activating
     ├── PoolError                      2  pool.warm: a pool request that cannot be done
-    ├── AgentError               relayed  agent.client: the agent refused or failed a request
     ├── AgentUnavailableError          7  agent.client: no agent answers, or it stopped
     ├── AgentRunningError              6  agent.daemon: another agent owns the state directory
     ├── ListenError                    7  agent.daemon: cannot listen where asked
@@ -74,7 +75,7 @@ import shutil
 from collections.abc import Iterable
 from enum import IntEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from snapctl.phases import HostPhase
 
@@ -188,6 +189,18 @@ class CanaryMismatchError(SnapctlError):
     """A canary result differs from the oracle recorded before capture."""
 
     exit_status = ExitStatus.VERIFY_FAILED
+
+
+class RelayedError(SnapctlError):
+    """Another snapctl process's error (a supervisor's, the agent's), relayed here with the
+    exit status it had there; a status this version does not know exits 1."""
+
+    def __init__(self, message: str, *, exit_status: int = 1, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        try:
+            self.exit_status = ExitStatus(exit_status)
+        except ValueError:
+            self.exit_status = ExitStatus.ERROR
 
 
 class NoSpaceError(SnapctlError):

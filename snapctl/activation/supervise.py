@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
-from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.errors import ExitStatus, RelayedError, SnapctlError
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
@@ -60,15 +60,8 @@ def run_all_until_stopped(
     return [results[index] for index in range(len(sessions))]
 
 
-class DetachedStartError(SnapctlError):
+class DetachedStartError(RelayedError):
     """The detached supervisor could not start what it was asked to (its error, relayed)."""
-
-    def __init__(self, message: str, *, exit_status: int = 1, **fields: Any) -> None:
-        super().__init__(message, **fields)
-        try:
-            self.exit_status = ExitStatus(exit_status)
-        except ValueError:
-            self.exit_status = ExitStatus.ERROR
 
 
 @dataclass(frozen=True)

@@ -15,26 +15,22 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from snapctl.agent import API_PREFIX, default_socket_path
-from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.errors import ExitStatus, RelayedError, SnapctlError
 
 # Long operations stream: a copy's restore may take minutes, each step its own --timeout.
 READ_TIMEOUT_S = 3600.0
 _MAX_HEADER_BYTES = 64 * 1024
 
 
-class AgentError(SnapctlError):
+class AgentError(RelayedError):
     """The agent refused or failed a request: its error, relayed with its own exit status."""
 
     def __init__(
         self, message: str, *, exit_status: int = 1, usage: str | None = None, **fields: Any
     ) -> None:
-        super().__init__(message, **fields)
+        super().__init__(message, exit_status=exit_status, **fields)
         # A refused option: its name ("" for the command as a whole), as the CLI reports it.
         self.usage = usage
-        try:
-            self.exit_status = ExitStatus(exit_status)
-        except ValueError:
-            self.exit_status = ExitStatus.ERROR
 
 
 class AgentUnavailableError(SnapctlError):

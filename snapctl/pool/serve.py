@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.errors import ExitStatus, RelayedError, SnapctlError
 from snapctl.phases import HostPhase
 from snapctl.pool.models import CopyRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
@@ -29,15 +29,8 @@ from snapctl.statedir import StateDir
 LaneProgress = Callable[[str, str], None]
 
 
-class SupervisorError(SnapctlError):
+class SupervisorError(RelayedError):
     """The copy's supervisor could not start or activate it (its error, relayed)."""
-
-    def __init__(self, message: str, *, exit_status: int = 1, **fields: Any) -> None:
-        super().__init__(message, **fields)
-        try:
-            self.exit_status = ExitStatus(exit_status)
-        except ValueError:
-            self.exit_status = ExitStatus.ERROR
 
 
 class ParkedCopyUnusableError(SnapctlError):
