@@ -24,6 +24,7 @@ drawing lists every class, under its base, with its code)::
     ├── ActivationError                4  activation.handshake: the server refused or failed
     ├── CaptureError                   3  activation.donor: no image was published
     ├── RestoreError                   4  activation.copy: CRIU could not restore the copy
+    ├── CopyUsageError                 2  activation.precheck: a copy option refused up front
     ├── RelayedError             relayed  errors: another process's error, with its code
     │   ├── DetachedStartError   relayed  activation.supervise: the supervisor's error
     │   ├── SupervisorError      relayed  pool.serve: an agent's copy supervisor failed the start

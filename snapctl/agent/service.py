@@ -177,53 +177,18 @@ class AgentService:
 
     def check_copy(self, request: CopyRequest, emit: Emit) -> None:
         """What ``snapctl copy`` refuses in-process before anything starts, in the same order
-        and with the same messages (usage errors name their option)."""
-        from snapctl.images.identity.compare import check_waivers, needless_waivers
+        and with the same messages (:func:`~snapctl.activation.precheck.check_copy_start`);
+        before a parked copy is taken, so that a refusal costs the pool nothing."""
+        from snapctl.activation.precheck import CopyUsageError, check_copy_start
 
         try:
-            check_waivers(request.allow_mismatch)
-        except SnapctlError as error:
-            raise BadRequestError(error.message, usage="'--allow-mismatch'") from error
-        if request.name and request.count > 1:
-            from snapctl.statedir.names import InvalidNameError, numbered_names
-
-            try:
-                numbered_names(request.name, request.count)
-            except InvalidNameError as error:
-                raise BadRequestError(error.message, usage="'--name' with '--count'") from error
-        self._check_name(request)
-        self._check_publish(request)
-        self._published_image(request.image, "--image")
-        for name in needless_waivers(request.allow_mismatch):
-            emit({"note": f"--allow-mismatch {name} is not needed: {name} never refuses a copy"})
-
-    def _check_name(self, request: CopyRequest) -> None:
-        """A name in use is refused here, as in-process, before a parked copy is taken for it
-        (refused after the take, it would cost the pool that copy)."""
-        if request.name is None:
-            return
-        from snapctl.statedir.names import numbered_names
-
-        names = numbered_names(request.name, request.count) if request.count > 1 else [request.name]
-        for name in names:
-            self.state.reserve_name(name).release()  # NameInUseError, as in-process
-
-    def _check_publish(self, request: CopyRequest) -> None:
-        if request.publish is None:
-            if request.expose:
-                raise BadRequestError("--expose only widens --publish; give --publish ADDR:PORT")
-            return
-        from snapctl.namespaces.publish import check_publish
-
-        address, port, count = request.publish.address, request.publish.port, request.count
-        if port and port + count - 1 > 65535:
-            raise BadRequestError(
-                f"{count} copies from port {port} need ports up to {port + count - 1}, past "
-                "65535; give a lower first port",
-                usage="--publish",
-            )
-        check_publish(address, [port + index for index in range(count)] if port else [],
-                      exposed=request.expose)  # fmt: skip
+            check_copy_start(
+                image=request.image, allow_mismatch=request.allow_mismatch, name=request.name,
+                count=request.count, publish=_publish_of(request), expose=request.expose,
+                state=self.state, note=lambda text: emit({"note": text}),
+            )  # fmt: skip
+        except CopyUsageError as error:
+            raise BadRequestError(error.message, usage=error.option) from error
 
     def _published_image(self, text: str, option: str) -> Path:
         from snapctl.registry.source import require_image
@@ -234,13 +199,10 @@ class AgentService:
         return require_image(text).absolute()
 
     def _lazy_default(self, image: Path, emit: Emit) -> bool:
-        from snapctl.criu.lazy.transfer import lazy_by_default
-        from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
-        from snapctl.images import load_manifest
+        from snapctl.activation.precheck import lazy_default
 
-        lazy = lazy_by_default(load_manifest(image))
-        if lazy:
-            threshold = LAZY_DEFAULT_MIN_BYTES >> 20
-            emit({"note": f"restoring lazily: the image holds {threshold} MiB of pages or more "
-                          "(--no-lazy: restore every page first)"})  # fmt: skip
-        return lazy
+        return lazy_default(image, lambda text: emit({"note": text}))
+
+
+def _publish_of(request: CopyRequest) -> tuple[str, int] | None:
+    return None if request.publish is None else (request.publish.address, request.publish.port)

@@ -7,11 +7,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from snapctl.activation.precheck import CopyUsageError
 
 
 @dataclass(frozen=True)
@@ -176,23 +179,21 @@ def shared_options(
 
 
 def check_publish_option(common: CommonOptions, count: int = 1) -> None:
-    """Refuse ``--publish`` before anything starts: an address not loopback without
-    ``--expose`` or not on this host, or a port in use (each of ``count`` ports counting up)."""
-    if common.publish is None:
-        if common.expose:
-            raise click.UsageError("--expose only widens --publish; give --publish ADDR:PORT")
-        return
-    from snapctl.namespaces.publish import check_publish
+    """Refuse ``--publish`` before anything starts (see
+    :func:`snapctl.activation.precheck.check_publish_target`)."""
+    from snapctl.activation.precheck import CopyUsageError, check_publish_target
 
-    address, port = common.publish
-    if port and port + count - 1 > 65535:
-        raise click.BadParameter(
-            f"{count} copies from port {port} need ports up to {port + count - 1}, past 65535; "
-            "give a lower first port",
-            param_hint="--publish",
-        )
-    check_publish(address, [port + index for index in range(count)] if port else [],
-                  exposed=common.expose)  # fmt: skip
+    try:
+        check_publish_target(common.publish, common.expose, count)
+    except CopyUsageError as error:
+        raise usage_error(error) from error
+
+
+def usage_error(error: CopyUsageError) -> click.UsageError:
+    """A refusal that names its option as click's own usage error (exit status 2)."""
+    if error.option:
+        return click.BadParameter(error.message, param_hint=error.option)
+    return click.UsageError(error.message)
 
 
 def capture_options(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -7,11 +7,7 @@ from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import (
-    CommonOptions,
-    activation_options,
-    check_publish_option,
-)
+from snapctl.cli._activation_options import CommonOptions, activation_options, usage_error
 from snapctl.cli.serving import serve
 from snapctl.progress import Progress
 
@@ -80,31 +76,23 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.activation.copy import start_copy
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
+    from snapctl.activation.precheck import CopyUsageError, check_copy_start, lazy_default
     from snapctl.cli.output import note
     from snapctl.criu import find_criu
-    from snapctl.criu.lazy.transfer import lazy_by_default
-    from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
-    from snapctl.errors import SnapctlError
-    from snapctl.images import load_manifest
-    from snapctl.images.identity.compare import check_waivers, needless_waivers
     from snapctl.statedir import StateDir
 
-    try:
-        check_waivers(allow_mismatch)  # a bad name fails before anything starts
-    except SnapctlError as error:
-        raise click.BadParameter(error.message, param_hint="'--allow-mismatch'") from error
-    if common.name and count > 1:
-        from snapctl.statedir.names import InvalidNameError, numbered_names
+    def say(text: str) -> None:
+        note(text, quiet=common.as_json)
 
-        try:
-            numbered_names(common.name, count)
-        except InvalidNameError as error:
-            raise click.BadParameter(error.message, param_hint="'--name' with '--count'") from error
-    check_publish_option(common, count)
-    image = image_path(image_source, plain_http=plain_http, quiet=common.as_json)
-    for name in needless_waivers(allow_mismatch):
-        note(f"--allow-mismatch {name} is not needed: {name} never refuses a copy",
-             quiet=common.as_json)  # fmt: skip
+    state = StateDir()
+    try:
+        published = check_copy_start(
+            image=image_source, allow_mismatch=allow_mismatch, name=common.name, count=count,
+            publish=common.publish, expose=common.expose, state=state, note=say,
+        )  # fmt: skip
+    except CopyUsageError as error:
+        raise usage_error(error) from error
+    image = published or image_path(image_source, plain_http=plain_http, quiet=common.as_json)
     options = LaunchOptions(
         server_argv=list(server_cmd) or None,
         allow_mismatch=allow_mismatch,
@@ -117,11 +105,7 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     criu = find_criu(common.criu_path)
     native = native_step(common.native)
     if lazy is None:
-        lazy = lazy_by_default(load_manifest(image.absolute()))
-        if lazy:
-            threshold = LAZY_DEFAULT_MIN_BYTES >> 20
-            note(f"restoring lazily: the image holds {threshold} MiB of pages or more "
-                 "(--no-lazy: restore every page first)", quiet=common.as_json)  # fmt: skip
+        lazy = lazy_default(image, say)
 
     if count > 1:
         serve_many(image, options, count, criu, native, common, lazy=lazy)
@@ -130,7 +114,7 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     def start(progress: Progress) -> tuple[Any, Any]:
         return start_copy(
             image, options, criu=criu, native=native, publish=common.publish,
-            state=StateDir(), progress=progress, lazy=lazy,
+            state=state, progress=progress, lazy=lazy,
         )  # fmt: skip
 
     serve(start, as_json=common.as_json, detach=common.detach)

@@ -101,16 +101,18 @@ def launch_options(request: CopyRequest) -> LaunchOptions:
     )
 
 
-def check_request(request: CopyRequest) -> None:
-    """What the CLI checks before anything starts: the waivers, and --publish."""
-    from snapctl.images.identity.compare import check_waivers
-    from snapctl.namespaces.publish import check_publish
+def check_request(request: CopyRequest, state: StateDir | None = None) -> None:
+    """What the CLI and the agent refused before this start, checked again where it runs
+    (a port or a name may have been taken since; ``state`` None: names are left to the
+    activation's own reservation); their notes were shown already."""
+    from snapctl.activation.precheck import check_copy_start
 
-    check_waivers(request.allow_mismatch)
-    if request.publish is not None:
-        port, count = request.publish.port, request.count
-        check_publish(request.publish.address, [port + i for i in range(count)] if port else [],
-                      exposed=request.expose)  # fmt: skip
+    publish = None if request.publish is None else (request.publish.address, request.publish.port)
+    check_copy_start(
+        image=request.image, allow_mismatch=request.allow_mismatch, name=request.name,
+        count=request.count, publish=publish, expose=request.expose, state=state,
+        note=lambda text: None,
+    )  # fmt: skip
 
 
 def detach_stdio() -> None:
@@ -150,7 +152,7 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     try:
         try:
             request = CopyRequest.model_validate_json(json.dumps(job["request"]))
-            check_request(request)
+            check_request(request, state)
             options = launch_options(request)
             image = Path(request.image)
             criu = find_criu(request.criu_path)

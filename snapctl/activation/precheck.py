@@ -1,0 +1,135 @@
+"""What a copy's start refuses before anything starts, and whether it restores lazily by
+default: the one place ``snapctl copy`` in-process, the agent (per request, before it takes a
+parked copy) and a copy's supervisor ask, so that all three refuse in the same order with the
+same messages.
+
+Light at import (errors only): the checks import what they use when they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from snapctl.errors import ExitStatus, SnapctlError
+
+if TYPE_CHECKING:
+    from snapctl.statedir import StateDir
+
+# A note for the user (shown on stderr in-process, streamed by the agent).
+Note = Callable[[str], None]
+
+PUBLISH_OPTION = "--publish"
+WAIVER_OPTION = "'--allow-mismatch'"
+NUMBERED_NAME_OPTION = "'--name' with '--count'"
+
+
+class CopyUsageError(SnapctlError):
+    """A copy refused before anything starts for an option's value: ``option`` names the
+    option to blame as click's usage errors do ("" for the command line as a whole)."""
+
+    exit_status = ExitStatus.USAGE
+
+    def __init__(self, message: str, *, option: str, **fields: Any) -> None:
+        super().__init__(message, **fields)
+        self.option = option
+
+
+def check_copy_start(
+    *,
+    image: str,
+    allow_mismatch: Sequence[str],
+    name: str | None,
+    count: int,
+    publish: tuple[str, int] | None,
+    expose: bool,
+    state: StateDir | None,
+    note: Note,
+) -> Path | None:
+    """Refuse, in this order: an unknown or unwaivable ``--allow-mismatch`` name, a ``--name``
+    that cannot be numbered ``--count`` times, a name in use, a ``--publish`` that cannot be
+    bound (or ``--expose`` without it), an ``image`` that is no image directory; then note
+    each waiver that waives nothing.
+
+    ``state`` None: names are checked but not looked up (where the start's own reservation
+    is the next step anyway). Returns the image directory, or None when ``image`` is a
+    registry reference (the caller pulls it). Usage errors are :class:`CopyUsageError`; the
+    others are raised as the step that would meet them later raises them
+    (``NameInUseError``, ``PortInUseError``, ...).
+    """
+    from snapctl.images.identity.compare import check_waivers, needless_waivers
+
+    try:
+        check_waivers(allow_mismatch)
+    except SnapctlError as error:
+        raise CopyUsageError(error.message, option=WAIVER_OPTION) from error
+    _check_names(name, count, state)
+    check_publish_target(publish, expose, count)
+    published = _published_image(image)
+    for waiver in needless_waivers(allow_mismatch):
+        note(f"--allow-mismatch {waiver} is not needed: {waiver} never refuses a copy")
+    return published
+
+
+def _check_names(name: str | None, count: int, state: StateDir | None) -> None:
+    """Each name the copies would take is valid and free now (refused after a parked copy
+    was taken for it, it would cost the pool that copy); the start reserves them for real."""
+    if name is None:
+        return
+    from snapctl.statedir.names import InvalidNameError, check_name, numbered_names
+
+    try:
+        names = numbered_names(name, count) if count > 1 else [check_name(name)]
+    except InvalidNameError as error:
+        if count > 1:
+            raise CopyUsageError(error.message, option=NUMBERED_NAME_OPTION) from error
+        raise CopyUsageError(error.message, option="'--name'") from error
+    if state is None:
+        return
+    for each in names:
+        state.reserve_name(each).release()  # NameInUseError, as the start would raise
+
+
+def check_publish_target(publish: tuple[str, int] | None, expose: bool, count: int) -> None:
+    """Refuse ``--publish``: an address not loopback without ``--expose`` or not on this
+    host, or a port in use (each of ``count`` ports counting up); ``--expose`` without it."""
+    if publish is None:
+        if expose:
+            raise CopyUsageError(
+                "--expose only widens --publish; give --publish ADDR:PORT", option=""
+            )
+        return
+    from snapctl.namespaces.publish import check_publish
+
+    address, port = publish
+    if port and port + count - 1 > 65535:
+        raise CopyUsageError(
+            f"{count} copies from port {port} need ports up to {port + count - 1}, past 65535; "
+            "give a lower first port",
+            option=PUBLISH_OPTION,
+        )
+    check_publish(address, [port + index for index in range(count)] if port else [],
+                  exposed=expose)  # fmt: skip
+
+
+def _published_image(image: str) -> Path | None:
+    from snapctl.registry.source import is_reference, require_image
+
+    if is_reference(image):
+        return None
+    return require_image(image).absolute()
+
+
+def lazy_default(image: Path, note: Note) -> bool:
+    """``--lazy/--no-lazy`` not given: lazy when ``image`` holds enough pages, said in a note."""
+    from snapctl.criu.lazy.transfer import lazy_by_default
+    from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
+    from snapctl.images import load_manifest
+
+    lazy = lazy_by_default(load_manifest(image.absolute()))
+    if lazy:
+        threshold = LAZY_DEFAULT_MIN_BYTES >> 20
+        note(f"restoring lazily: the image holds {threshold} MiB of pages or more "
+             "(--no-lazy: restore every page first)")  # fmt: skip
+    return lazy
