@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from snapctl import __version__
-from snapctl.agent.api import ActivationRow, StopAnswer, VersionInfo
+from snapctl.agent.api import StopAnswer, VersionInfo
 from snapctl.agent.metrics import AgentMetrics
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
 from snapctl.pool.serve import ParkedCopyUnusableError, activate_taken, copy_via_supervisor
-from snapctl.statedir import ActivationRecord, StateDir
+from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
 
 # One message of a streamed answer: {"lane", "progress"}, {"note"}, then the outcome.
 Emit = Callable[[dict[str, Any]], None]
@@ -63,23 +63,15 @@ class AgentService:
 
     def activations(self) -> list[dict[str, Any]]:
         """``snapctl ps --json``: every record, and whether its tree and supervisor run."""
-        from snapctl.supervision.process import is_same_process
+        from snapctl.supervision.listing import activation_rows
 
-        rows = []
-        for record in self.state.load_records():
-            row = ActivationRow(
-                **record.model_dump(),
-                running=is_same_process(record.root_pid, record.root_start_time),
-                supervised=is_same_process(record.supervisor_pid, record.supervisor_start_time),
-            )
-            rows.append(row.model_dump(mode="json"))
-        return rows
+        return activation_rows(self.state)
 
     def find(self, name: str) -> ActivationRecord:
-        for record in self.state.load_records():
-            if name in (record.name, record.activation_id):
-                return record
-        raise NotFoundError(f"no activation named {name!r} (see snapctl ps)")
+        try:
+            return self.state.find_record(name)
+        except UnknownActivationError as error:
+            raise NotFoundError(error.message) from error
 
     def stop(self, name: str, timeout_s: float) -> StopAnswer:
         from snapctl.activation.supervise import stop_recorded
@@ -90,16 +82,10 @@ class AgentService:
 
     def log_path(self, name: str) -> tuple[Path, Path | None]:
         """An activation's server log, and its record's path while it runs (None: stopped)."""
-        for record in self.state.load_records():
-            if name in (record.name, record.activation_id):
-                log = Path(record.logs_dir) / "server.log"
-                if not log.exists():
-                    raise SnapctlError(f"{name} has no server log yet", path=log)
-                return log, self.state.record_path(record.name)
-        log = self.state.logs / name / "server.log"  # a stopped activation, by id
-        if "/" not in name and name not in (".", "..") and log.exists():
-            return log, None
-        raise NotFoundError(f"no activation named {name!r} (see snapctl ps)")
+        try:
+            return self.state.server_log(name)
+        except UnknownActivationError as error:
+            raise NotFoundError(error.message) from error
 
     def follow(self, log: Path, record: Path, write: Callable[[bytes], None]) -> None:
         from snapctl.supervision.logs import follow_log

@@ -32,25 +32,18 @@ def json_option(function: Any) -> Any:
     )(function)
 
 
-def activation_rows() -> list[dict[str, Any]]:
-    """``ps --json``'s rows, read here: each record, and whether its tree and supervisor run."""
-    from snapctl.statedir import StateDir
-    from snapctl.supervision.process import is_same_process
-
-    rows = []
-    for record in StateDir().load_records():
-        alive = is_same_process(record.root_pid, record.root_start_time)
-        supervised = is_same_process(record.supervisor_pid, record.supervisor_start_time)
-        rows.append({**record.model_dump(mode="json"), "running": alive, "supervised": supervised})
-    return rows
-
-
 @click.command()
 @json_option
 def ps(as_json: bool) -> None:
     """List running activations."""
     client = agent_client()
-    rows = activation_rows() if client is None else call(client, "GET", "/activations")
+    if client is None:
+        from snapctl.statedir import StateDir
+        from snapctl.supervision.listing import activation_rows
+
+        rows = activation_rows(StateDir())
+    else:
+        rows = call(client, "GET", "/activations")
     if as_json:
         emit_json(rows)
         return
@@ -58,13 +51,9 @@ def ps(as_json: bool) -> None:
 
 
 def _find(name: str) -> ActivationRecord:
-    from snapctl.errors import SnapctlError
     from snapctl.statedir import StateDir
 
-    for record in StateDir().load_records():
-        if name in (record.name, record.activation_id):
-            return record
-    raise SnapctlError(f"no activation named {name!r} (see snapctl ps)")
+    return StateDir().find_record(name)
 
 
 @click.command()
@@ -106,7 +95,6 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
 def logs(name: str, follow: bool) -> None:
     """Print an activation's server log."""
     import sys
-    from pathlib import Path
 
     client = agent_client()
     if client is not None:
@@ -123,23 +111,9 @@ def logs(name: str, follow: bool) -> None:
             sys.stdout.flush()
         return
 
-    from snapctl.errors import SnapctlError
-    from snapctl.statedir import ActivationRecord, StateDir
+    from snapctl.statedir import StateDir
 
-    state = StateDir()
-    log = None
-    record_path = None
-    for record in state.load_records():
-        if name in (record.name, record.activation_id):
-            assert isinstance(record, ActivationRecord)
-            log = Path(record.logs_dir) / "server.log"
-            record_path = state.record_path(record.name)
-    if log is None and (state.logs / name / "server.log").exists():
-        log = state.logs / name / "server.log"  # a stopped activation, by id
-    if log is None:
-        raise SnapctlError(f"no activation named {name!r} (see snapctl ps)")
-    if not log.exists():
-        raise SnapctlError(f"{name} has no server log yet", path=log)
+    log, record_path = StateDir().server_log(name)
     if not follow or record_path is None:
         click.echo(log.read_text(errors="replace"), nl=False)
         return

@@ -12,17 +12,29 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from snapctl.statedir.layout import DEFAULT_STATE_DIR, StateDir, state_dir
+    from snapctl.statedir.layout import (
+        DEFAULT_STATE_DIR,
+        StateDir,
+        UnknownActivationError,
+        state_dir,
+    )
     from snapctl.statedir.records import ActivationRecord
 
 _MODULES = {
     "DEFAULT_STATE_DIR": "layout",
     "StateDir": "layout",
     "state_dir": "layout",
+    "UnknownActivationError": "layout",
     "ActivationRecord": "records",
 }
 
-__all__ = ["DEFAULT_STATE_DIR", "ActivationRecord", "StateDir", "state_dir"]
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "ActivationRecord",
+    "StateDir",
+    "UnknownActivationError",
+    "state_dir",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,11 +6,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from snapctl.errors import SnapctlError
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir.names import NameReservation, check_name, reserve_name
 from snapctl.statedir.records import ActivationRecord
 
 DEFAULT_STATE_DIR = Path("/var/lib/snapctl")
+
+
+class UnknownActivationError(SnapctlError):
+    """No record has the name or activation id asked for (nor, for a log, a kept log)."""
 
 
 def state_dir() -> Path:
@@ -83,6 +88,33 @@ class StateDir:
             ActivationRecord.model_validate_json(path.read_text())
             for path in sorted(self.records.glob("*.json"))
         ]
+
+    def find_record(self, name: str) -> ActivationRecord:
+        """The activation ``name`` names: the record of that name, else the one with that
+        activation id (a name may be another activation's id: the name wins)."""
+        records = self.load_records()
+        for record in records:
+            if record.name == name:
+                return record
+        for record in records:
+            if record.activation_id == name:
+                return record
+        raise UnknownActivationError(f"no activation named {name!r} (see snapctl ps)")
+
+    def server_log(self, name: str) -> tuple[Path, Path | None]:
+        """The server log of the activation ``name`` names (see :meth:`find_record`), and its
+        record's path while it runs; or, by activation id, a stopped one's kept log (None)."""
+        try:
+            record = self.find_record(name)
+        except UnknownActivationError:
+            log = self.logs / name / "server.log"
+            if "/" not in name and name not in (".", "..") and log.exists():
+                return log, None
+            raise
+        log = Path(record.logs_dir) / "server.log"
+        if not log.exists():
+            raise SnapctlError(f"{name} has no server log yet", path=log)
+        return log, self.record_path(record.name)
 
     def drop_record(self, name: str) -> None:
         self.record_path(name).unlink(missing_ok=True)

@@ -175,6 +175,33 @@ def test_ps_with_and_without_the_agent_gives_the_same_output(
     assert "one" in run_cli(capsys, "ps")[1]
 
 
+def test_ps_rows_are_the_api_s_activation_rows(running_agent: RunningAgent) -> None:
+    from snapctl.agent.api import ActivationRow
+    from snapctl.supervision.listing import activation_rows
+
+    _record(running_agent.state, "one")
+    rows = AgentClient(running_agent.socket).call("GET", "/activations")
+    assert rows == activation_rows(running_agent.state)
+    assert [ActivationRow.model_validate(row).model_dump(mode="json") for row in rows] == rows
+
+
+def test_logs_of_a_name_that_is_another_s_id_are_the_name_s_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from tests.statedir.test_lookup import save
+
+    state = running_agent.state
+    for name, activation_id in (("alpha", "copy-1"), ("copy-1", "copy-2"), ("omega", "copy-3")):
+        record = save(state, name, activation_id)
+        (Path(record.logs_dir)).mkdir(parents=True)
+        (Path(record.logs_dir) / "server.log").write_text(f"log of {name}\n")
+    for asked, shown in (("copy-1", "copy-1"), ("copy-3", "omega"), ("alpha", "alpha")):
+        through = run_cli(capsys, "logs", asked)
+        assert through == (0, f"log of {shown}\n", "")
+        assert through == run_cli(capsys, "--no-agent", "logs", asked)
+    assert run_cli(capsys, "logs", "nobody") == run_cli(capsys, "--no-agent", "logs", "nobody")
+
+
 def test_stop_of_an_unknown_name_fails_the_same_either_way(
     running_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
 ) -> None:
