@@ -32,6 +32,7 @@ drawing lists every class, under its base, with its code)::
     │   └── AgentError           relayed  agent.client: the agent refused or failed a request
     ├── ParkedCopyUnusableError        4  pool.serve: a parked copy refused before activating
     ├── PoolError                      2  pool.warm: a pool request that cannot be done
+    ├── PoolTargetsError               1  pool.warm: the kept pool targets cannot be read
     ├── AgentUnavailableError          7  agent.client: no agent answers, or it stopped
     ├── AgentRunningError              6  agent.daemon: another agent owns the state directory
     ├── ListenError                    7  agent.daemon: cannot listen where asked

@@ -82,6 +82,13 @@ class PoolTarget(StrictModel):
     max_memory: int | None = Field(default=None, ge=1)
 
 
+class PoolTargets(StrictModel):
+    """``STATE/pool/targets.json``: the pool's targets, kept for the next agent."""
+
+    version: Literal[1] = 1
+    targets: tuple[PoolTarget, ...] = ()
+
+
 class PoolEntry(StrictModel):
     """One image's row in ``pool ls``: its target and the copies parked for it now."""
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from pydantic import ValidationError
 
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError
@@ -39,6 +40,7 @@ from snapctl.pool.models import (
     PoolEntry,
     PoolListing,
     PoolTarget,
+    PoolTargets,
 )
 from snapctl.pool.records import (
     SOCKET_NAME,
@@ -49,7 +51,7 @@ from snapctl.pool.records import (
 )
 from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
-from snapctl.protocol.atomic import write_json_atomic
+from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import is_same_process
 
@@ -70,6 +72,11 @@ class PoolError(SnapctlError):
     """A pool request that cannot be done (an image not published, no such target)."""
 
     exit_status = ExitStatus.USAGE
+
+
+class PoolTargetsError(SnapctlError):
+    """``STATE/pool/targets.json`` cannot be read: the pool refuses to start rather than
+    start with no targets and overwrite the file at the next ``pool set``."""
 
 
 @dataclass
@@ -179,19 +186,30 @@ class WarmPool:
         return pool_dir(self.state) / TARGETS_NAME
 
     def _load_targets(self) -> list[PoolTarget]:
+        """The targets kept by the last agent (none if it kept none); a file that cannot be
+        read is refused, naming it, rather than lost (the next save would replace it)."""
+        path = self._targets_path()
         try:
-            data = json.loads(self._targets_path().read_bytes())
-            return [PoolTarget.model_validate_json(json.dumps(t)) for t in data["targets"]]
-        except FileNotFoundError:
-            return []
-        except (OSError, ValueError, KeyError, TypeError):
-            return []  # unreadable: start with none rather than refuse to start
+            data = read_json_bounded(path)
+            if data is None:
+                return []
+            return list(PoolTargets.model_validate_json(json.dumps(data)).targets)
+        except SnapctlError as error:
+            why = error.message
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "file"
+            why = f"{where}: {first['msg']}"
+        raise PoolTargetsError(
+            f"the pool targets in {path} cannot be read ({why}): repair the file, or move it "
+            "aside to start with no pool targets (snapctl pool set adds them again)",
+            path=path,
+        )
 
     def _save_targets(self) -> None:
         pool_dir(self.state).mkdir(parents=True, mode=0o700, exist_ok=True)
-        targets = [entry.target.model_dump(mode="json") for entry in self._images.values()]
-        write_json_atomic(self._targets_path(), {"version": 1, "targets": targets},
-                          overwrite=True)  # fmt: skip
+        targets = PoolTargets(targets=tuple(entry.target for entry in self._images.values()))
+        write_json_atomic(self._targets_path(), targets, overwrite=True)
 
     def set(
         self, image: Path, size: int, *, lazy: bool | None = None, max_memory: int | None = None

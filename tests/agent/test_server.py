@@ -90,6 +90,26 @@ def test_stopping_removes_the_socket_and_discards_the_pool(tmp_path: Path) -> No
     assert connect(tmp_path / "agent.sock") is None
 
 
+def test_unreadable_pool_targets_stop_the_start_and_undo_it(tmp_path: Path) -> None:
+    from snapctl.pool import WarmPool
+    from snapctl.pool.warm import PoolTargetsError
+
+    targets = tmp_path / "pool" / "targets.json"
+    targets.parent.mkdir(parents=True)
+    targets.write_text('{"version": 1, "targets": [{"image": "/images/one", "size": "two"}]}')
+    spawner = FakeSpawner()
+    agent = Agent(StateDir(tmp_path), AgentOptions(), spawner_factory=lambda: spawner,  # type: ignore[arg-type,return-value]
+                  pool_factory=WarmPool)  # fmt: skip
+    with pytest.raises(PoolTargetsError, match=r"targets\.0\.size"):
+        agent.start()
+    assert spawner.closed and not (tmp_path / "agent.sock").exists()
+    assert "two" in targets.read_text()  # kept for its owner to repair
+    again = Agent(StateDir(tmp_path), AgentOptions(), spawner_factory=FakeSpawner,  # type: ignore[arg-type]
+                  pool_factory=FakePool)  # fmt: skip
+    again.start()  # the lock was let go
+    again.stop()
+
+
 @pytest.mark.parametrize(
     ("target", "body", "status", "reason"),
     [

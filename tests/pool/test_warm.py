@@ -193,6 +193,54 @@ def test_targets_persist_for_the_next_agent(state: StateDir, image: Path) -> Non
     ]
 
 
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{not json",
+        b"[]",
+        b'{"version": 2, "targets": []}',
+        b'{"version": 1, "targets": [{"image": "relative", "size": 1}]}',
+        b'{"version": 1, "targets": [], "extra": true}',
+        b"",
+    ],
+)
+def test_unreadable_targets_are_refused_naming_the_file_and_kept(
+    state: StateDir, content: bytes
+) -> None:
+    """Not started with no targets: the next save would replace the file, targets lost."""
+    from snapctl.pool.warm import PoolTargetsError
+
+    path = state.root / "pool" / "targets.json"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    with pytest.raises(PoolTargetsError) as refused:
+        WarmPool(state, spawner=FakeSpawner(state))  # type: ignore[arg-type]
+    assert str(path) in refused.value.message and refused.value.path == path
+    assert "repair the file, or move it aside" in refused.value.message
+    assert path.read_bytes() == content
+
+
+def test_a_targets_path_that_is_no_file_is_refused(state: StateDir) -> None:
+    from snapctl.pool.warm import PoolTargetsError
+
+    path = state.root / "pool" / "targets.json"
+    path.mkdir(parents=True)
+    with pytest.raises(PoolTargetsError, match="must be a regular file, found a directory"):
+        WarmPool(state, spawner=FakeSpawner(state))  # type: ignore[arg-type]
+
+
+def test_targets_are_written_in_their_model_s_format(state: StateDir, image: Path) -> None:
+    from snapctl.pool.models import PoolTargets
+
+    warm = WarmPool(state, spawner=FakeSpawner(state))  # type: ignore[arg-type]
+    warm.set(image, 0, lazy=False)
+    kept = PoolTargets.model_validate_json((state.root / "pool" / "targets.json").read_bytes())
+    assert [target.model_dump() for target in kept.targets] == [
+        {"image": str(image), "size": 0, "lazy": False, "max_memory": None}
+    ]
+    warm.close(5.0)
+
+
 def test_set_refuses_what_is_not_an_image(pool: tuple[WarmPool, Events], tmp_path: Path) -> None:
     warm, _ = pool
     from snapctl.pool.warm import PoolError
