@@ -208,7 +208,7 @@ class Router:
         return Stream(lambda emit: {"report": self.service.copy(request, emit)})
 
     def _images(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
-        return Answer(200, self.service.images(query.get("root")))
+        return Answer(200, self.service.images(query.get("root"), query.get("default_root")))
 
     def _inspect(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         if "image" not in query:

@@ -100,17 +100,22 @@ class AgentService:
 
     # images ----------------------------------------------------------------------------------
 
-    def images(self, root: str | None) -> list[dict[str, object]]:
+    def images(self, root: str | None, default_root: str | None = None) -> list[dict[str, object]]:
+        """``images --json`` for this agent's state directory: the images in ``root``, else in
+        ``default_root`` (the caller's ``$SNAPCTL_IMAGE_ROOT``) or the state's ``images/``,
+        and the pulled ones."""
         from snapctl.cli.images import image_records
 
-        if root is not None and not Path(root).is_absolute():
-            raise BadRequestError(f"{root} is not an absolute path", usage="--root")
-        return image_records(None if root is None else Path(root))
+        for path, option in ((root, "--root"), (default_root, "")):
+            if path is not None and not Path(path).is_absolute():
+                raise BadRequestError(f"{path} is not an absolute path", usage=option)
+        images = Path(default_root) if default_root else self.state.root / "images"
+        return image_records(None if root is None else Path(root), self.state, images)
 
     def inspect(self, image: str, verify: bool) -> dict[str, Any]:
         from snapctl.cli.inspect import inspect_record
 
-        return inspect_record(self._published_image(image, "IMAGE"), verify)
+        return inspect_record(self._published_image(image, "IMAGE"), verify, self.state)
 
     # pool ------------------------------------------------------------------------------------
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from snapctl.cli.output import json_option
+
+if TYPE_CHECKING:
+    from snapctl.statedir import StateDir
 
 
 @click.command()
@@ -26,26 +29,41 @@ def images(root: Path | None, as_json: bool) -> None:
 
     client = agent_client()
     if client is None:
-        records = image_records(root)
-    else:
-        from urllib.parse import quote
+        from snapctl.images.catalog import default_image_root
+        from snapctl.statedir import StateDir
 
-        query = "" if root is None else f"?root={quote(str(root.absolute()))}"
-        records = call(client, "GET", f"/images{query}")
+        records = image_records(root, StateDir(), default_image_root())
+    else:
+        records = call(client, "GET", f"/images{images_query(root)}")
     if as_json:
         emit_json(records)
         return
     render(namespace(records))
 
 
-def image_records(root: Path | None) -> list[dict[str, object]]:
-    """``images --json``'s rows: the images in ``root`` (default: the image root), and without
-    ``root`` the pulled ones (the agent answers ``GET /v1/images`` with the same)."""
-    from snapctl.images.catalog import default_image_root, list_images
-    from snapctl.statedir import StateDir
+def images_query(root: Path | None) -> str:
+    """``GET /v1/images``'s query for ``--root``; without it, this process's
+    ``$SNAPCTL_IMAGE_ROOT`` if set (the agent's environment is not the caller's)."""
+    import os
+    from urllib.parse import quote
 
-    state = StateDir()
-    rows = list_images(root.absolute() if root else default_image_root(), state.verified)
+    from snapctl.images.catalog import IMAGE_ROOT_ENV
+
+    if root is not None:
+        return f"?root={quote(str(root.absolute()))}"
+    configured = os.environ.get(IMAGE_ROOT_ENV)
+    return f"?default_root={quote(str(Path(configured).absolute()))}" if configured else ""
+
+
+def image_records(
+    root: Path | None, state: StateDir, default_root: Path
+) -> list[dict[str, object]]:
+    """``images --json``'s rows: the images in ``root`` (default: ``default_root``), and
+    without ``root`` the ones pulled into ``state`` (the agent answers ``GET /v1/images``
+    with the same, for its own state directory)."""
+    from snapctl.images.catalog import list_images
+
+    rows = list_images(root.absolute() if root else default_root, state.verified)
     if root is None:
         from snapctl.registry.source import list_pulled
 

@@ -12,6 +12,7 @@ from snapctl.cli.output import emit_json, json_option, stdout
 
 if TYPE_CHECKING:
     from snapctl.images import Manifest
+    from snapctl.statedir import StateDir
 
 
 @click.command()
@@ -51,7 +52,7 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     client = agent_client() if Path(source).is_dir() else None
     if client is None:
         image = require_image(source)
-        record = inspect_record(image, verify)
+        record = inspect_record(image, verify, StateDir())
     else:
         query = f"?image={quote(str(Path(source).absolute()))}" + ("&verify=1" if verify else "")
         record = call(client, "GET", f"/images/inspect{query}")
@@ -63,16 +64,15 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     _show(source, Manifest.model_validate(record["manifest"]), verify, brief)
 
 
-def inspect_record(image: Path, verify: bool) -> dict[str, Any]:
+def inspect_record(image: Path, verify: bool, state: StateDir) -> dict[str, Any]:
     """``inspect --json``'s record of a local image (the agent answers ``GET
-    /v1/images/inspect`` with the same); ``verify`` hashes every file and records it."""
+    /v1/images/inspect`` with the same); ``verify`` hashes every file and records it in
+    ``state``, where ``snapctl images`` reads it."""
     from snapctl.images import load_manifest, verify_image
     from snapctl.images.store import record_verified
-    from snapctl.statedir import StateDir
 
     if verify:
         manifest = verify_image(image)  # always a full hash when asked, cache or not
-        state = StateDir()
         state.ensure()
         record_verified(image, manifest, state.verified)  # so `snapctl images` shows it
     else:

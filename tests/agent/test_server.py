@@ -406,6 +406,52 @@ def test_images_and_inspect_give_the_same_output_either_way(
     assert (code, err) == run_cli(capsys, "--no-agent", "inspect", str(tmp_path))[::2]
 
 
+def test_images_and_inspect_answer_for_the_agent_s_state_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not for the agent process's SNAPCTL_STATE_DIR or SNAPCTL_IMAGE_ROOT: the caller's
+    image root comes with the request, and the state is the agent's own."""
+    from snapctl.agent.service import AgentService, BadRequestError
+    from snapctl.images import load_manifest
+    from snapctl.images.store import is_verified
+
+    mine, other = StateDir(tmp_path / "mine"), StateDir(tmp_path / "other")
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(other.root))
+    monkeypatch.setenv("SNAPCTL_IMAGE_ROOT", str(other.root / "images"))
+    publish_sample(mine.root / "images" / "one")
+    publish_sample(other.root / "images" / "two")
+    service = AgentService(mine, pool=None, spawner=None, metrics=None)  # type: ignore[arg-type]
+    assert [row["path"] for row in service.images(None)] == [str(mine.root / "images" / "one")]
+    root = tmp_path / "root"
+    publish_sample(root / "three")
+    assert [row["path"] for row in service.images(None, str(root))] == [str(root / "three")]
+    with pytest.raises(BadRequestError, match="not an absolute path"):
+        service.images(None, "relative")
+
+    image = mine.root / "images" / "one"
+    assert service.inspect(str(image), verify=True)["verified"] is True
+    assert is_verified(image, load_manifest(image), mine.verified)
+    assert not other.verified.exists()
+    assert service.images(None)[0]["verified"] is True
+
+
+def test_images_through_the_agent_use_the_caller_s_image_root(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    publish_sample(running_agent.state.root / "images" / "default")
+    for args in (["images", "--json"], ["images"]):
+        through = run_cli(capsys, *args)
+        assert through[0] == 0 and "default" in through[1]
+        assert through == run_cli(capsys, "--no-agent", *args)
+    publish_sample(tmp_path / "root" / "mine")
+    monkeypatch.setenv("SNAPCTL_IMAGE_ROOT", str(tmp_path / "root"))
+    for args in (["images", "--json"], ["images"]):
+        through = run_cli(capsys, *args)
+        assert through[0] == 0 and "mine" in through[1] and "default" not in through[1]
+        assert through == run_cli(capsys, "--no-agent", *args)
+
+
 def test_ctrl_c_while_the_agent_starts_a_copy_stops_it_once_it_started(
     running_agent: RunningAgent, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
