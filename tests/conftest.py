@@ -1,4 +1,6 @@
-"""Shared test setup: the ``criu`` marker's skip-or-fail policy and a real-CRIU fixture.
+"""Shared test setup: the ``criu`` marker's skip-or-fail policy and a real-CRIU fixture; the
+state directory and captured image of the real agent and pool tests (``agent_state``,
+``donor_image``; their helpers are in tests/agent/helpers.py).
 
 Tests marked ``@pytest.mark.registry`` need Debian's ``docker-registry`` (started on loopback
 by the ``registry_server`` fixture), with the same policy.
@@ -13,12 +15,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from functools import cache
-from typing import TypeVar
+from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from snapctl.criu import CriuBinary, find_criu
 from snapctl.errors import SnapctlError
+from snapctl.statedir import StateDir
 from tests.registry.server import BINARY as REGISTRY_BINARY
 from tests.registry.server import RegistryServer, registry_binary, start_registry
 
@@ -91,3 +95,26 @@ def registry_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Regist
 def criu_binary() -> CriuBinary:
     """The real CRIU (use together with ``@pytest.mark.criu``)."""
     return found_or_fail("criu_binary", "criu", _real_criu)
+
+
+@pytest.fixture
+def agent_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StateDir]:
+    """A state directory for a test that runs agents, pools and copies for real, with the
+    fixture server's API key in the environment; afterwards whatever still runs in it
+    (parked copies, activations, orphans) is ended."""
+    from tests.activation.criu_helpers import API_KEY, API_KEY_ENV
+    from tests.agent.helpers import clean_up
+
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
+    state = StateDir(tmp_path / "state")
+    yield state
+    clean_up(state)
+
+
+@pytest.fixture
+def donor_image(tmp_path: Path, agent_state: StateDir, criu_binary: CriuBinary) -> tuple[Path, Any]:
+    """An image of the fixture server captured in ``agent_state`` (``tmp_path/image``), and
+    the donor's greedy completion before it was stopped (use with ``@pytest.mark.criu``)."""
+    from tests.agent.helpers import capture_donor
+
+    return capture_donor(tmp_path, agent_state, criu_binary)

@@ -6,24 +6,19 @@ agent lists it, parked copies are discarded, nothing is left at the end)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from snapctl.activation.supervise import collect_orphans, stop_recorded
-from snapctl.agent.client import connect
-from snapctl.criu import CriuBinary
-from snapctl.errors import SnapctlError
 from snapctl.statedir import StateDir
-from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor, leftovers
+from tests.activation.criu_helpers import API_KEY_ENV, complete, leftovers
+from tests.agent.helpers import AgentProcess, cli, env_for, parked_rows, until, wait_parked
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -33,85 +28,17 @@ VARYING = {"name", "activation_id", "root_pid", "pids", "published", "logs", "ti
            "pages_complete"}  # fmt: skip
 
 
-def until(condition: Callable[[], bool], timeout_s: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.1)
-
-
-class Agent:
-    def __init__(self, state: StateDir) -> None:
-        self.state = state
-        self.log = state.root.parent / "agent.log"
-        with self.log.open("ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "snapctl", "agent"], env=env_for(state), stdout=log,
-                stderr=log,
-            )  # fmt: skip
-        # Answering, not only there: a killed agent's socket file stays until the next binds.
-        until(lambda: self._answers() or self.process.poll() is not None)
-        assert self.process.poll() is None, self.log.read_text()
-
-    def _answers(self) -> bool:
-        client = connect(self.state.root / "agent.sock")
-        if client is None:
-            return False
-        try:
-            return bool(client.call("GET", "/version")["pid"] == self.process.pid)
-        except SnapctlError:
-            return False
-
-    def kill(self, signum: int = signal.SIGKILL) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-            self.process.wait(60)
-
-
-def env_for(state: StateDir, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state.root), API_KEY_ENV: API_KEY, **extra}
-    env.pop("SNAPCTL_NO_AGENT", None)
-    env.pop("SNAPCTL_AGENT_SOCKET", None)
-    return env
-
-
-def cli(
-    state: StateDir, *args: str, check: bool = True, timeout: float = 120.0
-) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "snapctl", *args], env=env_for(state),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    if check:
-        assert done.returncode == 0, done.stderr
-    return done
+@pytest.fixture
+def state(agent_state: StateDir) -> StateDir:
+    return agent_state
 
 
 @pytest.fixture
-def state(tmp_path: Path) -> Iterator[StateDir]:
-    state = StateDir(tmp_path / "state")
-    yield state
-    for record in state.load_records():
-        stop_recorded(record, state)
-    collect_orphans(state)
-
-
-@pytest.fixture
-def agents(state: StateDir) -> Iterator[list[Agent]]:
-    started: list[Agent] = []
+def agents(state: StateDir) -> Iterator[list[AgentProcess]]:
+    started: list[AgentProcess] = []
     yield started
     for agent in started:
         agent.kill(signal.SIGTERM)
-
-
-@pytest.fixture
-def donor_image(tmp_path: Path, state: StateDir, criu_binary: CriuBinary) -> tuple[Path, Any]:
-    image = tmp_path / "image"
-    session, report = launch_donor(image, state, criu_binary, publish=("127.0.0.1", 0))
-    try:
-        assert report.published is not None
-        expected = complete(report.published)
-    finally:
-        session.stop()
-    return image, expected
 
 
 def copy_args(image: Path, name: str, *extra: str) -> list[str]:
@@ -119,22 +46,16 @@ def copy_args(image: Path, name: str, *extra: str) -> list[str]:
             "--api-key-env", API_KEY_ENV, "--timeout", "60", "--json", *extra]  # fmt: skip
 
 
-def parked_rows(state: StateDir, which: str = "parked") -> list[dict[str, Any]]:
-    listing = json.loads(cli(state, "pool", "ls", "--json").stdout)
-    rows = [row for entry in listing["entries"] for row in entry["parked"]]
-    return [row for row in rows if which == "any" or row["state"] == which]
-
-
 def stable(report: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in report.items() if key not in VARYING}
 
 
 def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
-    state: StateDir, donor_image: tuple[Path, Any], agents: list[Agent]
+    state: StateDir, donor_image: tuple[Path, Any], agents: list[AgentProcess]
 ) -> None:
     image, expected = donor_image
     local = json.loads(cli(state, "--no-agent", *copy_args(image, "local", "--detach")).stdout)
-    agents.append(Agent(state))
+    agents.append(AgentProcess(state))
     through = json.loads(cli(state, *copy_args(image, "through", "--detach")).stdout)
     assert sorted(through) == sorted(local)
     assert stable(through) == stable(local)
@@ -147,17 +68,14 @@ def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
 
     cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
 
-    def parked() -> bool:
-        return bool(parked_rows(state))
-
-    until(parked)
+    wait_parked(state)
     pooled = json.loads(cli(state, *copy_args(image, "pooled", "--detach", "--no-lazy")).stdout)
     assert pooled["from_pool"] is True and pooled["name"] == "pooled"
     assert sorted(pooled) == sorted(local)
     assert complete(pooled["published"]) == expected
     metrics = cli(state, "--no-agent", "ps").stdout  # in-process still works beside the agent
     assert "pooled" in metrics
-    until(parked)  # refilled
+    wait_parked(state)  # refilled
 
     for name in ("local", "through", "pooled"):
         stopped = json.loads(cli(state, "stop", name, "--json").stdout)
@@ -170,10 +88,10 @@ def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
 
 
 def test_a_foreground_copy_through_the_agent_stops_on_ctrl_c(
-    state: StateDir, donor_image: tuple[Path, Any], agents: list[Agent]
+    state: StateDir, donor_image: tuple[Path, Any], agents: list[AgentProcess]
 ) -> None:
     image, expected = donor_image
-    agents.append(Agent(state))
+    agents.append(AgentProcess(state))
     process = subprocess.Popen(
         [sys.executable, "-m", "snapctl", *copy_args(image, "fg")], env=env_for(state),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -187,21 +105,21 @@ def test_a_foreground_copy_through_the_agent_stops_on_ctrl_c(
 
 
 def test_the_agent_killed_a_copy_keeps_serving_and_a_new_agent_lists_it(
-    state: StateDir, donor_image: tuple[Path, Any], agents: list[Agent]
+    state: StateDir, donor_image: tuple[Path, Any], agents: list[AgentProcess]
 ) -> None:
     image, expected = donor_image
-    first = Agent(state)
+    first = AgentProcess(state)
     agents.append(first)
     report = json.loads(cli(state, *copy_args(image, "survivor", "--detach")).stdout)
     cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
-    until(lambda: bool(parked_rows(state)))
+    wait_parked(state)
     (old,) = parked_rows(state)
     first.kill(signal.SIGKILL)
     assert complete(report["published"]) == expected  # still serving, agent gone
     (row,) = json.loads(cli(state, "ps", "--json").stdout)  # in-process: no agent answers
     assert row["name"] == "survivor" and row["running"] and row["supervised"]
 
-    second = Agent(state)
+    second = AgentProcess(state)
     agents.append(second)
     assert json.loads(cli(state, "ps", "--json").stdout) == [row]
     # The parked copy it could not vouch for is gone (the pool may park a fresh one).

@@ -10,19 +10,18 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
-from snapctl.activation.supervise import collect_orphans, stop_recorded
+from snapctl.activation.supervise import stop_recorded
 from snapctl.criu import CriuBinary
 from snapctl.pool.records import load_parked_records, pool_dir
 from snapctl.statedir import StateDir
-from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor, leftovers
+from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, leftovers
+from tests.agent.helpers import gone, until
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -53,8 +52,8 @@ class Host:
         entries = self(op="ls")["entries"]
         return [row for entry in entries for row in entry["parked"] if row["state"] == "parked"]
 
-    def wait_parked(self, count: int) -> None:
-        until(lambda: len(self.parked()) == count, shown=lambda: self(op="ls"))
+    def wait_parked(self, count: int, timeout_s: float = 60.0) -> None:
+        until(lambda: len(self.parked()) == count, timeout_s, shown=lambda: self(op="ls"))
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -62,59 +61,19 @@ class Host:
         self.process.wait(10)
 
 
-def until(
-    condition: Callable[[], bool], timeout_s: float = 60.0, shown: Callable[[], Any] = str
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out: {shown()}"
-        time.sleep(0.1)
-
-
-def gone(pid: int, start_time: float | None) -> bool:
-    """Not running: exited (a zombie counts: this test process is a subreaper, so orphans
-    of the killed agent end up as its children), or the PID is another process's now."""
-    try:
-        process = psutil.Process(pid)
-        return process.create_time() != start_time or process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 @pytest.fixture
-def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
-    monkeypatch.setenv(API_KEY_ENV, API_KEY)
-    return StateDir(tmp_path / "state")
+def state(agent_state: StateDir) -> StateDir:
+    return agent_state
 
 
 @pytest.fixture
 def hosts(state: StateDir) -> Iterator[list[Host]]:
-    """Hosts a test started; afterwards each is killed and whatever ran is stopped."""
+    """Hosts a test started; afterwards each is killed (then ``agent_state`` ends whatever
+    ran)."""
     started: list[Host] = []
     yield started
     for host in started:
         host.kill()
-    for _home, record in load_parked_records(state):
-        if record is not None:
-            from snapctl.pool.records import discard_recorded
-
-            discard_recorded(record, state)
-    for record in state.load_records():
-        stop_recorded(record, state)
-    collect_orphans(state)
-
-
-@pytest.fixture
-def donor_image(tmp_path: Path, state: StateDir, criu_binary: CriuBinary) -> tuple[Path, Any]:
-    """An image, and the donor's greedy completion before it was stopped."""
-    image = tmp_path / "image"
-    session, report = launch_donor(image, state, criu_binary, publish=("127.0.0.1", 0))
-    try:
-        assert report.published is not None
-        expected = complete(report.published)
-    finally:
-        session.stop()
-    return image, expected
 
 
 def request(image: Path, **changes: Any) -> dict[str, Any]:

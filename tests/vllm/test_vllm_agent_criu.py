@@ -13,7 +13,7 @@ import pytest
 
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
-from tests.agent.test_agent_criu import Agent, cli, parked_rows, until
+from tests.agent.helpers import AgentProcess, cli, wait_parked
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import VLLM_ENV, RealVllm
 from tests.vllm.test_vllm_criu import API_KEY, _snapctl
@@ -36,7 +36,7 @@ def test_vllm_copies_through_the_agent_fresh_and_from_the_pool_answer_alike(
     assert baked.returncode == 0, baked.stderr[-3000:]
     for key, value in {**VLLM_ENV, "SNAPCTL_VLLM_KEY": API_KEY}.items():
         monkeypatch.setenv(key, value)
-    agent = Agent(state)
+    agent = AgentProcess(state)
     try:
         args = ["copy", "--image", str(image), "--publish", "127.0.0.1:0", "--api-key-env",
                 "SNAPCTL_VLLM_KEY", "--timeout", "600", "--no-lazy", "--detach",
@@ -44,7 +44,7 @@ def test_vllm_copies_through_the_agent_fresh_and_from_the_pool_answer_alike(
         fresh = json.loads(cli(state, *args, "--name", "vllm-fresh", timeout=900).stdout)
         assert fresh["from_pool"] is False
         cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
-        until(lambda: bool(parked_rows(state)), timeout_s=900)
+        wait_parked(state, timeout_s=900)
         pooled = json.loads(cli(state, *args, "--name", "vllm-pooled", timeout=900).stdout)
         assert pooled["from_pool"] is True
         print("fresh", fresh["timings_s"], "pooled", pooled["timings_s"])

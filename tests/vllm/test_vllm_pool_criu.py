@@ -14,7 +14,8 @@ from snapctl.activation.supervise import stop_recorded
 from snapctl.pool.records import load_parked_records
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
-from tests.pool.test_pool_criu import Host, until
+from tests.agent.helpers import until
+from tests.pool.test_pool_criu import Host
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import VLLM_ENV, RealVllm
 from tests.vllm.test_vllm_criu import API_KEY, _snapctl
