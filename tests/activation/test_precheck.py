@@ -37,9 +37,11 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StateDir:
 
 
 @pytest.fixture
-def image(tmp_path: Path) -> Path:
-    publish_sample(tmp_path / "image")
-    return tmp_path / "image"
+def image(state: StateDir) -> Path:
+    """A published image in the state's default image root."""
+    path = state.root / "images" / "sample"
+    publish_sample(path)
+    return path
 
 
 @pytest.fixture

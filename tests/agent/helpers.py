@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import psutil
 
@@ -22,6 +22,21 @@ from snapctl.criu import CriuBinary
 from snapctl.errors import SnapctlError
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor
+
+T = TypeVar("T")
+
+
+class Started(Generic[T]):
+    """What a test starts (agents, pool hosts), each by ``start()``; its fixture ends them."""
+
+    def __init__(self, factory: Callable[[], T]) -> None:
+        self._factory = factory
+        self.started: list[T] = []
+
+    def start(self) -> T:
+        started = self._factory()
+        self.started.append(started)
+        return started
 
 
 def until(
@@ -55,6 +70,15 @@ def clean_up(state: StateDir) -> None:
     for record in state.load_records():
         stop_recorded(record, state)
     collect_orphans(state)
+
+
+def stop_all_clean(state: StateDir) -> None:
+    """Stop every activation recorded in ``state``; each stop must leave nothing behind."""
+    from snapctl.activation.supervise import stop_recorded
+
+    for record in state.load_records():
+        _how, audit = stop_recorded(record, state)
+        assert audit.clean, audit.describe()
 
 
 def capture_donor(tmp_path: Path, state: StateDir, criu: CriuBinary) -> tuple[Path, Any]:
@@ -129,3 +153,10 @@ def wait_parked(state: StateDir, timeout_s: float = 90.0) -> None:
     """Until the agent on ``state`` has a copy parked (``pool ls``)."""
     until(lambda: bool(parked_rows(state)), timeout_s=timeout_s,
           shown=lambda: parked_rows(state, "any"))  # fmt: skip
+
+
+def fill_pool(state: StateDir, image: Path, timeout_s: float = 90.0) -> None:
+    """``pool set --size 1 --no-lazy`` through the agent on ``state``, and wait until a copy
+    of ``image`` is parked."""
+    cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
+    wait_parked(state, timeout_s)

@@ -18,7 +18,16 @@ import pytest
 
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY_ENV, complete, leftovers
-from tests.agent.helpers import AgentProcess, cli, env_for, parked_rows, until, wait_parked
+from tests.agent.helpers import (
+    AgentProcess,
+    Started,
+    cli,
+    env_for,
+    fill_pool,
+    parked_rows,
+    until,
+    wait_parked,
+)
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 
@@ -34,10 +43,11 @@ def state(agent_state: StateDir) -> StateDir:
 
 
 @pytest.fixture
-def agents(state: StateDir) -> Iterator[list[AgentProcess]]:
-    started: list[AgentProcess] = []
-    yield started
-    for agent in started:
+def agents(state: StateDir) -> Iterator[Started[AgentProcess]]:
+    """Agents on ``state``; each still running at the end is stopped."""
+    agents = Started(lambda: AgentProcess(state))
+    yield agents
+    for agent in agents.started:
         agent.kill(signal.SIGTERM)
 
 
@@ -51,11 +61,11 @@ def stable(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
-    state: StateDir, donor_image: tuple[Path, Any], agents: list[AgentProcess]
+    state: StateDir, donor_image: tuple[Path, Any], agents: Started[AgentProcess]
 ) -> None:
     image, expected = donor_image
     local = json.loads(cli(state, "--no-agent", *copy_args(image, "local", "--detach")).stdout)
-    agents.append(AgentProcess(state))
+    agent = agents.start()
     through = json.loads(cli(state, *copy_args(image, "through", "--detach")).stdout)
     assert sorted(through) == sorted(local)
     assert stable(through) == stable(local)
@@ -66,9 +76,7 @@ def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
     ps_through = json.loads(cli(state, "ps", "--json").stdout)
     assert ps_through == ps_local and [row["name"] for row in ps_through] == ["local", "through"]
 
-    cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
-
-    wait_parked(state)
+    fill_pool(state, image)
     pooled = json.loads(cli(state, *copy_args(image, "pooled", "--detach", "--no-lazy")).stdout)
     assert pooled["from_pool"] is True and pooled["name"] == "pooled"
     assert sorted(pooled) == sorted(local)
@@ -81,17 +89,17 @@ def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
         stopped = json.loads(cli(state, "stop", name, "--json").stdout)
         assert stopped["name"] == name and not any(stopped["audit"].values())
     cli(state, "pool", "rm", "--image", str(image))
-    agents[0].kill(signal.SIGTERM)
-    assert agents[0].process.returncode == 0, agents[0].log.read_text()
+    agent.kill(signal.SIGTERM)
+    assert agent.process.returncode == 0, agent.log.read_text()
     assert state.load_records() == [] and leftovers(state) == []
     assert not (state.root / "agent.sock").exists()
 
 
 def test_a_foreground_copy_through_the_agent_stops_on_ctrl_c(
-    state: StateDir, donor_image: tuple[Path, Any], agents: list[AgentProcess]
+    state: StateDir, donor_image: tuple[Path, Any], agents: Started[AgentProcess]
 ) -> None:
     image, expected = donor_image
-    agents.append(AgentProcess(state))
+    agents.start()
     process = subprocess.Popen(
         [sys.executable, "-m", "snapctl", *copy_args(image, "fg")], env=env_for(state),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -105,22 +113,19 @@ def test_a_foreground_copy_through_the_agent_stops_on_ctrl_c(
 
 
 def test_the_agent_killed_a_copy_keeps_serving_and_a_new_agent_lists_it(
-    state: StateDir, donor_image: tuple[Path, Any], agents: list[AgentProcess]
+    state: StateDir, donor_image: tuple[Path, Any], agents: Started[AgentProcess]
 ) -> None:
     image, expected = donor_image
-    first = AgentProcess(state)
-    agents.append(first)
+    first = agents.start()
     report = json.loads(cli(state, *copy_args(image, "survivor", "--detach")).stdout)
-    cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
-    wait_parked(state)
+    fill_pool(state, image)
     (old,) = parked_rows(state)
     first.kill(signal.SIGKILL)
     assert complete(report["published"]) == expected  # still serving, agent gone
     (row,) = json.loads(cli(state, "ps", "--json").stdout)  # in-process: no agent answers
     assert row["name"] == "survivor" and row["running"] and row["supervised"]
 
-    second = AgentProcess(state)
-    agents.append(second)
+    second = agents.start()
     assert json.loads(cli(state, "ps", "--json").stdout) == [row]
     # The parked copy it could not vouch for is gone (the pool may park a fresh one).
     until(lambda: old["id"] not in {row["id"] for row in parked_rows(state, "any")})

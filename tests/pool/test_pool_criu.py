@@ -16,12 +16,11 @@ from typing import Any
 
 import pytest
 
-from snapctl.activation.supervise import stop_recorded
 from snapctl.criu import CriuBinary
 from snapctl.pool.records import load_parked_records, pool_dir
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, leftovers
-from tests.agent.helpers import gone, until
+from tests.agent.helpers import Started, gone, stop_all_clean, until
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
@@ -55,6 +54,14 @@ class Host:
     def wait_parked(self, count: int, timeout_s: float = 60.0) -> None:
         until(lambda: len(self.parked()) == count, timeout_s, shown=lambda: self(op="ls"))
 
+    def fill(self, image: Path, size: int, *, lazy: bool, timeout_s: float = 60.0) -> Any:
+        """Adopt (the answer is returned), keep ``size`` copies of ``image`` parked, and wait
+        until they are."""
+        adopted = self(op="adopt")
+        self(op="set", image=str(image), size=size, lazy=lazy)
+        self.wait_parked(size, timeout_s)
+        return adopted
+
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
@@ -67,12 +74,11 @@ def state(agent_state: StateDir) -> StateDir:
 
 
 @pytest.fixture
-def hosts(state: StateDir) -> Iterator[list[Host]]:
-    """Hosts a test started; afterwards each is killed (then ``agent_state`` ends whatever
-    ran)."""
-    started: list[Host] = []
-    yield started
-    for host in started:
+def hosts(state: StateDir) -> Iterator[Started[Host]]:
+    """Hosts on ``state``; each is killed at the end (then ``agent_state`` ends whatever ran)."""
+    hosts = Started(lambda: Host(state))
+    yield hosts
+    for host in hosts.started:
         host.kill()
 
 
@@ -82,14 +88,11 @@ def request(image: Path, **changes: Any) -> dict[str, Any]:
 
 
 def test_fill_take_refill_outputs_equal_the_donors(
-    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
 ) -> None:
     image, expected = donor_image
-    host = Host(state)
-    hosts.append(host)
-    assert host(op="adopt") == {"version": 1, "discarded": [], "removed": []}
-    host(op="set", image=str(image), size=2, lazy=False)
-    host.wait_parked(2)
+    host = hosts.start()
+    assert host.fill(image, 2, lazy=False) == {"version": 1, "discarded": [], "removed": []}
     first = {row["id"] for row in host.parked()}
     assert all(row["memory_bytes"] and row["memory_bytes"] > 1 << 20 for row in host.parked())
 
@@ -109,21 +112,16 @@ def test_fill_take_refill_outputs_equal_the_donors(
     assert host.process.wait(30) == 0
     assert load_parked_records(state) == []
     assert sorted(r.name for r in state.load_records()) == ["fresh", "from-pool"]
-    for record in state.load_records():
-        _how, audit = stop_recorded(record, state)
-        assert audit.clean, audit.describe()
+    stop_all_clean(state)
     assert leftovers(state) == []
 
 
 def test_agent_killed_serving_copies_live_parked_ones_are_discarded(
-    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
 ) -> None:
     image, expected = donor_image
-    host = Host(state)
-    hosts.append(host)
-    host(op="adopt")
-    host(op="set", image=str(image), size=2, lazy=False)
-    host.wait_parked(2)
+    host = hosts.start()
+    host.fill(image, 2, lazy=False)
     report = host(op="copy", request=request(image, name="serving"))["report"]
     host.wait_parked(2)
     parked = [record for _home, record in load_parked_records(state) if record is not None]
@@ -141,39 +139,33 @@ def test_agent_killed_serving_copies_live_parked_ones_are_discarded(
             until(lambda pid=pid, start_time=start_time: gone(pid, start_time), timeout_s=10)
     assert complete(report["published"]) == expected  # still serving
 
-    again = Host(state)
-    hosts.append(again)
+    again = hosts.start()
     adopted = again(op="adopt")
     assert adopted["discarded"] == [] and adopted["removed"] == []
     again.wait_parked(2)  # its targets persisted: refilled
     assert [r.name for r in state.load_records()] == ["serving"]
     again(op="close")
     assert again.process.wait(30) == 0
-    (record,) = state.load_records()
-    _how, audit = stop_recorded(record, state)
-    assert audit.clean, audit.describe()
+    assert len(state.load_records()) == 1
+    stop_all_clean(state)
     assert leftovers(state) == []
     assert [p.name for p in pool_dir(state).iterdir()] == ["targets.json"]
 
 
 def test_a_new_agent_discards_parked_copies_it_cannot_vouch_for(
-    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
 ) -> None:
     """A parked copy still there when the next agent starts (its supervisor stopped for a
     moment, say) is discarded by adoption, which ends its tree and removes its files."""
     image, _expected = donor_image
-    host = Host(state)
-    hosts.append(host)
-    host(op="adopt")
-    host(op="set", image=str(image), size=1, lazy=False)
-    host.wait_parked(1)
+    host = hosts.start()
+    host.fill(image, 1, lazy=False)
     ((home, record),) = load_parked_records(state)
     assert record is not None and record.root_pid is not None
     os.kill(record.supervisor_pid, signal.SIGSTOP)  # it cannot notice its agent die
     try:
         host.kill()
-        again = Host(state)
-        hosts.append(again)
+        again = hosts.start()
         adopted = again(op="adopt")
     finally:
         os.kill(record.supervisor_pid, signal.SIGCONT)
@@ -187,39 +179,32 @@ def test_a_new_agent_discards_parked_copies_it_cannot_vouch_for(
 
 
 def test_lazy_parked_copy_serves_the_donors_output(
-    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
 ) -> None:
     image, expected = donor_image
-    host = Host(state)
-    hosts.append(host)
-    host(op="adopt")
-    host(op="set", image=str(image), size=1, lazy=True)
-    host.wait_parked(1)
+    host = hosts.start()
+    host.fill(image, 1, lazy=True)
     assert host(op="take", request=request(image, lazy=False)) is None  # restored lazily
     report = host(op="copy", request=request(image, name="lazy"))["report"]
     assert report["from_pool"] is True and report["lazy"] is True
     assert complete(report["published"]) == expected
     host(op="rm", image=str(image))
     host(op="close")
-    (record,) = state.load_records()
-    _how, audit = stop_recorded(record, state)
-    assert audit.clean, audit.describe()
+    assert len(state.load_records()) == 1
+    stop_all_clean(state)
     assert leftovers(state) == []
 
 
 def test_image_replaced_after_the_take_is_refused_before_activation(
-    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host], criu_binary: CriuBinary
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host], criu_binary: CriuBinary
 ) -> None:
     from snapctl.activation.bake import bake_image
     from snapctl.activation.native import NoNativeStep
     from tests.activation.criu_helpers import options
 
     image, expected = donor_image
-    host = Host(state)
-    hosts.append(host)
-    host(op="adopt")
-    host(op="set", image=str(image), size=1, lazy=False)
-    host.wait_parked(1)
+    host = hosts.start()
+    host.fill(image, 1, lazy=False)
     ((home, record),) = load_parked_records(state)
     assert record is not None
     parked_id = host(op="take", request=request(image))
@@ -241,16 +226,13 @@ def test_image_replaced_after_the_take_is_refused_before_activation(
 
 
 def test_gc_without_an_agent_ends_what_a_killed_parked_supervisor_left(
-    state: StateDir, donor_image: tuple[Path, Any], hosts: list[Host]
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
 ) -> None:
     from snapctl.activation.supervise import collect_garbage
 
     image, _expected = donor_image
-    host = Host(state)
-    hosts.append(host)
-    host(op="adopt")
-    host(op="set", image=str(image), size=1, lazy=False)
-    host.wait_parked(1)
+    host = hosts.start()
+    host.fill(image, 1, lazy=False)
     ((home, record),) = load_parked_records(state)
     assert record is not None and record.root_pid is not None
     os.kill(record.supervisor_pid, signal.SIGSTOP)  # it cannot discard itself

@@ -13,7 +13,7 @@ import pytest
 
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
-from tests.agent.helpers import AgentProcess, cli, wait_parked
+from tests.agent.helpers import AgentProcess, cli, fill_pool
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import VLLM_ENV, RealVllm
 from tests.vllm.test_vllm_criu import API_KEY, _snapctl
@@ -43,8 +43,7 @@ def test_vllm_copies_through_the_agent_fresh_and_from_the_pool_answer_alike(
                 "--json"]  # fmt: skip
         fresh = json.loads(cli(state, *args, "--name", "vllm-fresh", timeout=900).stdout)
         assert fresh["from_pool"] is False
-        cli(state, "pool", "set", "--image", str(image), "--size", "1", "--no-lazy")
-        wait_parked(state, timeout_s=900)
+        fill_pool(state, image, timeout_s=900)
         pooled = json.loads(cli(state, *args, "--name", "vllm-pooled", timeout=900).stdout)
         assert pooled["from_pool"] is True
         print("fresh", fresh["timings_s"], "pooled", pooled["timings_s"])

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 
-from snapctl.activation.supervise import stop_recorded
 from snapctl.pool.records import load_parked_records
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
-from tests.agent.helpers import until
+from tests.agent.helpers import stop_all_clean
 from tests.pool.test_pool_criu import Host
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import VLLM_ENV, RealVllm
@@ -52,9 +51,7 @@ def test_a_parked_vllm_copy_answers_like_a_fresh_one(
         monkeypatch.setenv(key, value)
     host = Host(state)
     try:
-        host(op="adopt")
-        host(op="set", image=str(image), size=1, lazy=False)
-        until(lambda: len(host.parked()) == 1, timeout_s=600, shown=lambda: host(op="ls"))
+        host.fill(image, 1, lazy=False, timeout_s=600)
         request: dict[str, Any] = {
             "image": str(image), "publish": {"port": 0}, "api_key_env": "SNAPCTL_VLLM_KEY",
             "api_key": API_KEY, "timeout_s": 600.0, "lazy": False,
@@ -71,7 +68,5 @@ def test_a_parked_vllm_copy_answers_like_a_fresh_one(
     finally:
         host.kill()
     assert load_parked_records(state) == []
-    for record in state.load_records():
-        _how, audit = stop_recorded(record, state)
-        assert audit.clean, audit.describe()
+    stop_all_clean(state)
     assert_nothing_left(state, shm_before)
