@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import threading
-from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
 from snapctl.agent import NO_AGENT_ENV
-from snapctl.agent.client import AgentClient
-
-if TYPE_CHECKING:
-    from snapctl.agent.client import AgentError
+from snapctl.agent.client import AgentClient, AgentError
+from snapctl.thin import relay_copy, signals_held, stop_interrupted
 
 
 def agent_client() -> AgentClient | None:
@@ -89,7 +85,7 @@ def copy_through_agent(
     # One set of handlers from the request to the last stop: a signal at any moment in
     # between either stops what started or asks the serving loop to stop, never kills the
     # command and leaves a copy serving with no one to stop it.
-    with _signals_held() as signalled:
+    with signals_held() as signalled:
         with ExitStack() as stack:
             lane_step: Any = None
             if _terminal(as_json):
@@ -114,21 +110,6 @@ def copy_through_agent(
         _serve_until_stopped(client, names, as_json=as_json, stop=signalled)
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[threading.Event]:
-    """SIGINT/SIGTERM only set the event while the body runs."""
-    event = threading.Event()
-    previous = {
-        signum: signal.signal(signum, lambda signum, frame: event.set())
-        for signum in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        yield event
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 def _stream_copy(
     client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool,
     interrupted: threading.Event,
@@ -137,41 +118,20 @@ def _stream_copy(
     not cut the stream (the copy would be left serving with no one to stop it): they only
     set ``interrupted``, and once the report comes what started is stopped and the command
     fails as an interrupted in-process start does (exit 130)."""
-    report = _relay_copy(client, request, lane_step, as_json)
+
+    def on_note(text: str) -> None:
+        if _terminal(as_json):
+            from snapctl.cli.output import note
+
+            note(text)
+
+    try:
+        report = relay_copy(client.stream("POST", "/copies", request), lane_step, on_note)
+    except AgentError as error:
+        raise as_cli_error(error) from None
     if interrupted.is_set():
-        from snapctl.agent.client import AgentError
-        from snapctl.errors import ExitStatus
-
-        for copy in report.get("copies", [report]):
-            with contextlib.suppress(Exception):
-                AgentClient(client.path).call("POST", f"/activations/{copy['name']}/stop", {})
-        raise AgentError(
-            "interrupted while starting (SIGINT/SIGTERM); what had started was stopped",
-            exit_status=ExitStatus.INTERRUPTED,
-        )
+        raise stop_interrupted(client.path, report)
     return report
-
-
-def _relay_copy(
-    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
-) -> dict[str, Any]:
-    for message in client.stream("POST", "/copies", request):
-        if "progress" in message:
-            if lane_step is not None:
-                lane_step(message.get("lane", ""), message["progress"])
-        elif "note" in message:
-            if _terminal(as_json):
-                from snapctl.cli.output import note
-
-                note(message["note"])
-        elif "report" in message:
-            report: dict[str, Any] = message["report"]
-            return report
-        elif "error" in message:
-            raise_for(message)
-    from snapctl.agent.client import AgentUnavailableError
-
-    raise AgentUnavailableError("the agent ended the copy request without a report")
 
 
 def _show(outcome: dict[str, Any]) -> None:
