@@ -294,15 +294,22 @@ def test_a_bake_through_the_agent_publishes_a_verified_image_in_the_client_s_env
 def test_a_foreground_donor_through_the_agent_stops_on_ctrl_c(
     tmp_path: Path, state: StateDir, agents: list[Agent]
 ) -> None:
+    def foreground(*args: str, image: str, name: str) -> dict[str, Any]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "snapctl", *args, *capture_args(
+                "donor", tmp_path / image, "--name", name, "--publish", "127.0.0.1:0")],
+            env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert process.stdout is not None
+        report: dict[str, Any] = json.loads(process.stdout.readline())
+        assert report["name"] == name and report["kind"] == "donor"
+        assert complete(report["published"])
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0, process.stderr.read() if process.stderr else ""
+        assert state.load_records() == [] and leftovers(state) == []
+        return report
+
+    local = foreground("--no-agent", image="local", name="local")
     agents.append(Agent(state))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "snapctl", *capture_args(
-            "donor", tmp_path / "image", "--name", "fg", "--publish", "127.0.0.1:0")],
-        env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert process.stdout is not None
-    report = json.loads(process.stdout.readline())
-    assert report["name"] == "fg" and report["kind"] == "donor" and complete(report["published"])
-    process.send_signal(signal.SIGINT)
-    assert process.wait(60) == 0, process.stderr.read() if process.stderr else ""
-    assert state.load_records() == [] and leftovers(state) == []
+    through = foreground(image="through", name="fg")
+    assert list(through) == list(local)  # the report model's field order, as in-process

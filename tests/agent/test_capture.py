@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -181,6 +182,20 @@ def test_a_usage_error_reads_the_same_either_way(
     assert through[0] == ExitStatus.USAGE and "--expose only widens --publish" in through[2]
     assert through == run_cli(capsys, "--no-agent", *args)
     assert running_agent.spawner.jobs == []
+
+
+def test_a_port_in_use_is_refused_the_same_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], workdir: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args = ["donor", "--image", "img", "--detach", "--publish",
+                f"127.0.0.1:{taken.getsockname()[1]}"]  # fmt: skip
+        through = run_cli(capsys, *args)
+        local = run_cli(capsys, "--no-agent", *args)
+    assert through[0] == ExitStatus.CONFLICT and "in use" in through[2]
+    assert through == local and running_agent.spawner.jobs == []
 
 
 @pytest.mark.parametrize("how", ["--no-agent", "SNAPCTL_NO_AGENT"])
