@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -227,8 +228,9 @@ def capture_options(request: BakeRequest) -> LaunchOptions:
 
 
 def run_capture(
-    job: dict[str, Any], reporter: Reporter, *, adopt: Any = adopt_client_context
-) -> int:
+    job: dict[str, Any], reporter: Reporter, *,
+    adopt: Callable[[BakeRequest], None] = adopt_client_context,
+) -> int:  # fmt: skip
     """A donor or a bake, in the client's directory and environment: capture (and for a donor
     activate), report, then (a donor) supervise it like a detached donor until stopped.
     ``adopt`` is the seam that makes this process the client's (tests: a fake)."""
