@@ -174,11 +174,11 @@ def signals_held() -> Iterator[threading.Event]:
             signal.signal(signum, handler)
 
 
-def relay_copy(
+def relay_report(
     messages: Iterator[Any], on_progress: LaneProgress | None, on_note: Callable[[str], None]
 ) -> dict[str, Any]:
-    """A copy request's stream up to its report; the agent's error raised as its
-    :class:`~snapctl.agent.client.AgentError`."""
+    """A start request's stream (copy, donor, bake) up to its report; the agent's error
+    raised as its :class:`~snapctl.agent.client.AgentError`."""
     from snapctl.agent.client import AgentUnavailableError, error_from
 
     for message in messages:
@@ -192,7 +192,7 @@ def relay_copy(
             return report
         elif "error" in message:
             raise error_from(message)
-    raise AgentUnavailableError("the agent ended the copy request without a report")
+    raise AgentUnavailableError("the agent ended the request without a report")
 
 
 def stop_interrupted(client_path: Any, report: dict[str, Any]) -> BaseException:
@@ -249,7 +249,7 @@ def fast_copy(args: list[str]) -> int | None:
         return None
     try:
         with signals_held() as interrupted:
-            report = relay_copy(client.stream("POST", "/copies", request), None, lambda _: None)
+            report = relay_report(client.stream("POST", "/copies", request), None, lambda _: None)
             if interrupted.is_set():
                 raise stop_interrupted(client.path, report)
     except AgentError as error:
