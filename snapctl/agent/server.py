@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import re
 import socket
 import socketserver
@@ -36,6 +35,7 @@ from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundE
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolTarget
 from snapctl.pool.models import BakeRequest, DonorRequest
+from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
 _NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
@@ -405,13 +405,8 @@ class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
     block_on_close = False
 
     def server_bind(self) -> None:
-        # 0600 from its creation: no moment at which another user could connect.
-        previous = os.umask(0o177)
-        try:
-            super().server_bind()
-        finally:
-            os.umask(previous)
-        os.chmod(str(self.server_address), 0o600)
+        bind_private(self.socket, str(self.server_address))
+        self.server_address = self.socket.getsockname()
 
 
 class TCPHTTPServer(ThreadingHTTPServer):

@@ -14,7 +14,7 @@ from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
 from snapctl.models import StrictModel
 
 PARKED_ID_PATTERN = r"^pool-[0-9a-f]{12}$"
-ParkedState = Literal["restoring", "parked", "activating"]
+ParkedState = Literal["restoring", "parked"]
 DiscardReason = Literal[
     "removed", "replaced", "verification", "memory", "target", "closing", "unvouched", "died"
 ]
