@@ -39,7 +39,8 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.criu import find_criu
 from snapctl.statedir import StateDir
 
-SNAPCTL = [sys.executable, "-m", "snapctl"]
+# The console script, as users run it (python -m snapctl would add runpy).
+SNAPCTL = [str(Path(sys.executable).parent / "snapctl")]
 MODES = ("in-process", "agent plain", "agent lazy", "agent pool")
 
 

@@ -1,12 +1,6 @@
-"""The ``snapctl`` entry point: a fast path for ``snapctl ps [--json]`` through the agent, taken
-before click is imported; everything else is :func:`snapctl.cli.main`.
-
-``ps`` is what scripts, hooks and people poll; through the agent its answer costs a few
-milliseconds, so the interpreter's start and click's import (tens of milliseconds) would be
-most of its wall time. Only the exact argument lists below take this path, and only when an
-agent answers; anything else, or any failure on the way, runs the full CLI, which gives the
-same output (both draw with :mod:`snapctl.plain`).
-"""
+"""The ``snapctl`` entry point: the agent's click-free paths first (:mod:`snapctl.thin`:
+``ps [--json]`` and ``copy ... --detach --json``), then everything else through
+:func:`snapctl.cli.main`."""
 
 from __future__ import annotations
 
@@ -14,36 +8,33 @@ import os
 import sys
 from collections.abc import Sequence
 
-_FAST = (["ps"], ["ps", "--json"])
-
-
-def fast_ps(args: list[str]) -> int | None:
-    """``snapctl ps [--json]`` answered by the agent, or None to take the full CLI's path."""
-    if args not in _FAST or os.environ.get("SNAPCTL_NO_AGENT"):
-        return None
-    from snapctl.agent.client import connect
-
-    client = connect()
-    if client is None:
-        return None
-    try:
-        rows = client.call("GET", "/activations")
-    except Exception:  # the full CLI asks again, and reports a failure its usual way
-        return None
-    from snapctl.plain import PS_COLUMNS, emit_json, print_table, ps_rows
-
-    if args == ["ps", "--json"]:
-        emit_json(rows)
-    else:
-        print_table(PS_COLUMNS, ps_rows(rows))
-    return 0
-
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``snapctl`` with ``argv`` (None: this process's own arguments) and return its exit
+    status. A command the agent answered on a click-free path ends this process at once when
+    it is the process's own command (``argv`` None): it started no thread and holds nothing
+    to release, and the interpreter's teardown of its modules is measurable next to the
+    whole command."""
+    from snapctl.thin import fast_copy, fast_ps
+
     args = list(sys.argv[1:] if argv is None else argv)
-    status = fast_ps(args)
-    if status is not None:
-        return status
+    for fast in (fast_ps, fast_copy):
+        status = fast(args)
+        if status is not None:
+            if argv is None:
+                _end_now(status)
+            return status
     from snapctl.cli import main as full
 
     return full(args)
+
+
+def _end_now(status: int) -> None:
+    """Flush what was printed, then end without the interpreter's teardown (a flush that
+    fails, say on a closed pipe, leaves the ordinary exit to report it)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except OSError:
+        return
+    os._exit(status)

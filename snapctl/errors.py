@@ -74,7 +74,6 @@ Lower-layer errors are translated at module boundaries and chained with ``from``
 from __future__ import annotations
 
 import errno
-import shutil
 from collections.abc import Iterable
 from enum import IntEnum
 from pathlib import Path
@@ -245,6 +244,8 @@ def is_no_space(error: BaseException) -> bool:
 
 def free_space(path: Path) -> str:
     """``"N MiB free"`` on the filesystem of ``path`` (or of its nearest existing parent)."""
+    import shutil  # here, not at import: every CLI start imports this module
+
     for where in (path, *path.parents):
         try:
             return f"{shutil.disk_usage(where).free >> 20} MiB free"

@@ -133,6 +133,11 @@ def restore_copy(
         with timed(native, timings, "native_restore"):
             native.after_restore(tree_pids_when_read(session.tree.pid), options.timeout_s)
         session.advance(SessionState.PARKED)
+        # Its thread enters the netns now, while nothing waits on it: a copy parked in a pool
+        # then starts its handshake at once when ordered. Failing here is not fatal: the
+        # activation tries again, and reports a tree gone meanwhile with its reason.
+        with contextlib.suppress(OSError):
+            session.connector = tools.server.connect(session.tree.pid)
         return ParkedCopy(session=session, manifest=manifest, timings=timings)
     except BaseException as error:
         if session.root is None and pidfile(session).exists():

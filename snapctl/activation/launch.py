@@ -28,6 +28,7 @@ from snapctl.logtail import log_tail, text_tail
 from snapctl.namespaces.hostview import PrivatePathError, host_binds
 from snapctl.namespaces.layout import (
     SANDBOX_CONTROL_DIR,
+    SANDBOX_INIT_MODULE,
     ActivationDirs,
     BindMount,
     SandboxSpec,
@@ -178,7 +179,7 @@ def launch_in_sandbox(
     try:
         unshare = subprocess.Popen(
             ["unshare", "--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "--",
-             sys.executable, "-m", "snapctl.namespaces.init", str(spec_path)],
+             sys.executable, "-m", SANDBOX_INIT_MODULE, str(spec_path)],
             stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=launcher_log,
             close_fds=True, start_new_session=True, cwd=str(repo_root()),
         )  # fmt: skip

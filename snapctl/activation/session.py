@@ -28,7 +28,7 @@ from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
 from snapctl.statedir import ActivationRecord, StateDir
 from snapctl.statedir.names import NameReservation
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_gone
+from snapctl.supervision.process import PinnedProcess, ProcessGoneError, descendants, wait_gone
 from snapctl.supervision.signals import cleaning, track, untrack
 
 
@@ -217,14 +217,13 @@ class Session:
 
     def remember_tree(self) -> None:
         """Record every PID of the tree now (root and parents first, as ``current_pids``), to
-        audit them after the stop. A scan of the host's processes: ms on a busy host, so
-        reports reuse it rather than look again."""
+        audit them after the stop; reports reuse it rather than look again."""
         if self.root is None:
             return
-        with contextlib.suppress(psutil.NoSuchProcess):
-            children = psutil.Process(self.root.pid).children(recursive=True)
-            self.current_pids = [self.root.pid, *(child.pid for child in children)]
-            self.tree_pids = sorted(set(self.tree_pids) | set(self.current_pids))
+        if not self.root.alive():
+            return
+        self.current_pids = descendants(self.root.pid)
+        self.tree_pids = sorted(set(self.tree_pids) | set(self.current_pids))
 
     @property
     def pages(self) -> PagesStatus | None:

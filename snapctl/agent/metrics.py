@@ -1,5 +1,5 @@
 """The agent's Prometheus metrics (``GET /metrics``): copies served and where from, phase
-durations, failures by phase, and the warm pool's size, memory and churn.
+durations, donors and bakes served, failures by phase, and the warm pool's size, memory and churn.
 
 One private registry per agent (not prometheus_client's global one, so tests can run several);
 the pool's gauges are read from :meth:`WarmPool.listing` at scrape time, never cached.
@@ -91,6 +91,14 @@ class AgentMetrics:
             "snapctl_pool_discarded", "Parked copies discarded, by reason.", ["reason"],
             registry=self.registry,
         )  # fmt: skip
+        self.captures = Counter(
+            "snapctl_captures", "Donor and bake requests served (the image published), by "
+            "kind.", ["kind"], registry=self.registry,
+        )  # fmt: skip
+        self.capture_seconds = Histogram(
+            "snapctl_capture_request_seconds", "A donor or bake request from its arrival to its "
+            "report.", ["kind"], buckets=PHASE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self._listing: Callable[[], PoolListing | None] = lambda: None
         self.registry.register(_PoolCollector(lambda: self._listing()))
 
@@ -110,6 +118,14 @@ class AgentMetrics:
 
     def request_failed(self, phase: str | None) -> None:
         self.failures.labels(phase=phase or "unknown", what="copy").inc()
+
+    def captured(self, kind: str, *, seconds: float) -> None:
+        """A donor or bake request was served (``kind``: ``donor`` or ``bake``)."""
+        self.captures.labels(kind=kind).inc()
+        self.capture_seconds.labels(kind=kind).observe(seconds)
+
+    def capture_failed(self, kind: str, phase: str | None) -> None:
+        self.failures.labels(phase=phase or "unknown", what=kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

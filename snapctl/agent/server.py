@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import logging
-import os
 import re
 import socket
 import socketserver
@@ -35,6 +34,8 @@ from snapctl.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundError
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolTarget
+from snapctl.pool.models import BakeRequest, DonorRequest
+from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
 _NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
@@ -154,6 +155,8 @@ class Router:
             ("POST", re.compile(rf"/activations/{_NAME}/stop"), self._stop),
             ("GET", re.compile(rf"/activations/{_NAME}/logs"), self._logs),
             ("POST", re.compile(r"/copies"), self._copy),
+            ("POST", re.compile(r"/donors"), self._donor),
+            ("POST", re.compile(r"/bakes"), self._bake),
             ("GET", re.compile(r"/images"), self._images),
             ("GET", re.compile(r"/images/inspect"), self._inspect),
             ("GET", re.compile(r"/pool"), lambda m, q, b: Answer(200, s.pool_listing())),
@@ -206,6 +209,16 @@ class Router:
     def _copy(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         request = _parse(CopyRequest, body)
         return Stream(lambda emit: {"report": self.service.copy(request, emit)})
+
+    def _donor(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        request = _parse(DonorRequest, body)
+        self.service.check_capture(request)  # refused: a 4xx, before the stream's 200
+        return Stream(lambda emit: {"report": self.service.donor(request, emit)})
+
+    def _bake(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
+        request = _parse(BakeRequest, body)
+        self.service.check_capture(request)
+        return Stream(lambda emit: {"report": self.service.bake(request, emit)})
 
     def _images(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         return Answer(200, self.service.images(query.get("root"), query.get("default_root")))
@@ -392,13 +405,8 @@ class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
     block_on_close = False
 
     def server_bind(self) -> None:
-        # 0600 from its creation: no moment at which another user could connect.
-        previous = os.umask(0o177)
-        try:
-            super().server_bind()
-        finally:
-            os.umask(previous)
-        os.chmod(str(self.server_address), 0o600)
+        bind_private(self.socket, str(self.server_address))
+        self.server_address = self.socket.getsockname()
 
 
 class TCPHTTPServer(ThreadingHTTPServer):

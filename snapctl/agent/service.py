@@ -5,6 +5,8 @@ JSON-ready answers and raising :class:`~snapctl.errors.SnapctlError` on failure.
 Copies never run in the agent's process: each is served by a parked copy's supervisor
 (:func:`snapctl.pool.activate_taken`) or restored in a fresh one forked by the spawner
 (:func:`snapctl.pool.copy_via_supervisor`), so every copy keeps serving when the agent ends.
+Donors and bakes neither: each captures in a fresh supervisor, in the client's directory and
+environment (:func:`snapctl.pool.serve.capture_via_supervisor`), and a donor serves on there.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapctl import __version__
 from snapctl.agent.api import StopAnswer, VersionInfo
@@ -21,6 +23,9 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
 from snapctl.pool.serve import ParkedCopyUnusableError, activate_taken, copy_via_supervisor
 from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
+
+if TYPE_CHECKING:
+    from snapctl.pool.models import BakeRequest, DonorRequest
 
 # One message of a streamed answer: {"lane", "progress"}, {"note"}, then the outcome.
 Emit = Callable[[dict[str, Any]], None]
@@ -194,6 +199,57 @@ class AgentService:
 
         return lazy_default(image, lambda text: emit({"note": text}))
 
+    # donor / bake ----------------------------------------------------------------------------
 
-def _publish_of(request: CopyRequest) -> tuple[str, int] | None:
+    def check_capture(self, request: BakeRequest) -> None:
+        """What ``snapctl donor``/``bake`` refuse in-process before anything starts (the
+        router calls it before it answers, so a refusal is a 4xx, not a failed stream)."""
+        from snapctl.pool.models import DonorRequest
+
+        if not Path(request.cwd).is_dir():
+            raise BadRequestError(
+                f"the working directory {request.cwd} is not a directory on the agent's host"
+            )
+        if isinstance(request, DonorRequest):
+            self._check_donor_publish(request)
+
+    def donor(self, request: DonorRequest, emit: Emit) -> dict[str, Any]:
+        """Serve one ``snapctl donor`` (checked: :meth:`check_capture`): capture in a fresh
+        supervisor, which activates the donor and supervises it (it keeps serving when the
+        agent ends); the donor's report once it serves."""
+        return self._capture("donor", request, emit)
+
+    def bake(self, request: BakeRequest, emit: Emit) -> dict[str, Any]:
+        """Serve one ``snapctl bake`` (checked: :meth:`check_capture`) in a fresh supervisor
+        (a slow bake never holds the agent); its report once the image is published and the
+        original stopped."""
+        return self._capture("bake", request, emit)
+
+    def _capture(self, kind: str, request: BakeRequest, emit: Emit) -> dict[str, Any]:
+        from snapctl.pool.serve import capture_via_supervisor
+
+        started = time.monotonic()
+        try:
+            report = capture_via_supervisor(
+                request, self.state, lambda lane, step: emit({"lane": lane, "progress": step}),
+                spawner=self.spawner,
+            )  # fmt: skip
+        except SnapctlError as error:
+            self.metrics.capture_failed(kind, error.phase)
+            raise
+        self.metrics.captured(kind, seconds=time.monotonic() - started)
+        return report
+
+    def _check_donor_publish(self, request: DonorRequest) -> None:
+        """``--publish``/``--expose`` as ``snapctl donor`` checks them in-process (see
+        :func:`snapctl.activation.precheck.check_publish_target`)."""
+        from snapctl.activation.precheck import CopyUsageError, check_publish_target
+
+        try:
+            check_publish_target(_publish_of(request), request.expose, 1)
+        except CopyUsageError as error:
+            raise BadRequestError(error.message, usage=error.option) from error
+
+
+def _publish_of(request: CopyRequest | DonorRequest) -> tuple[str, int] | None:
     return None if request.publish is None else (request.publish.address, request.publish.port)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
+from snapctl.thin import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S, split_publish
 
 if TYPE_CHECKING:
     from snapctl.activation.precheck import CopyUsageError
@@ -37,15 +38,10 @@ def parse_publish(value: str | None) -> tuple[str, int] | None:
     be bracketed: ``[::1]:8000``)."""
     if value is None:
         return None
-    address, _, port = value.rpartition(":")
-    address = address.strip("[]")
     try:
-        number = int(port)
+        return split_publish(value)
     except ValueError as error:
-        raise click.BadParameter(f"{value!r} is not [ADDR:]PORT") from error
-    if not 0 <= number <= 65535:
-        raise click.BadParameter(f"port {number} is out of range")
-    return (address or "127.0.0.1", number)
+        raise click.BadParameter(str(error)) from error
 
 
 class Seconds(click.ParamType[float, Any]):
@@ -70,7 +66,7 @@ SECONDS = Seconds()
 
 # Each step's wall-clock limit; the wait for capture-ready has its own (--ready-timeout).
 timeout_option = click.option(
-    "--timeout", "timeout_s", default=300.0, show_default=True, type=SECONDS,
+    "--timeout", "timeout_s", default=DEFAULT_TIMEOUT_S, show_default=True, type=SECONDS,
     help="Wall-clock limit in seconds for each step (dump, restore, handshake, HTTP probe).",
 )  # fmt: skip
 
@@ -115,9 +111,10 @@ _OPTIONS = {
     "name": click.option("--name", callback=check_name_option,
                          help="Name for ps/stop/logs (default: the activation id): 1 to 64 "
                               "letters, digits, '_', '.', '-'."),
-    "host": click.option("--host", default="127.0.0.1", show_default=True,
+    "host": click.option("--host", default=DEFAULT_HOST, show_default=True,
                          help="Address the server binds inside its network namespace."),
-    "port": click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+    "port": click.option("--port", default=DEFAULT_PORT, show_default=True,
+                         type=click.IntRange(1, 65535),
                          help="Port the server binds inside its network namespace."),
     "publish": click.option("--publish", metavar="[ADDR:]PORT",
                             help="Forward this host port (on 127.0.0.1 unless ADDR is given) to "

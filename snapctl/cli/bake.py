@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -22,13 +23,32 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     Launches SERVER_CMD (default: the bundled fixture) in fresh namespaces, waits until it is
     ready for capture, dumps it with CRIU, publishes the image with its identity record, then
     stops the original tree without activating it. --host/--port are what copies bind.
+
+    When an agent runs (snapctl agent), it bakes in a supervisor of its own, in this
+    command's working directory and environment.
     """
+    from snapctl.cli.remote import agent_client
+
+    client = agent_client()
+    if client is not None:
+        from snapctl.cli.remote import bake_through_agent, capture_request, namespace
+
+        request = capture_request(image, force, lo_addresses, ready_timeout_s,
+                                  server_timeout_s, server_cmd, common, donor=False)  # fmt: skip
+        record = bake_through_agent(client, request, as_json=common.as_json)
+        if common.as_json:
+            from snapctl.plain import emit_json as emit_record
+
+            emit_record(record, sort_keys=False)  # as the report model's own dump: field order
+        else:
+            render_bake(namespace(record))
+        check_clean(record["clean"], record["cleanup"])
+        return
     from snapctl.activation.bake import bake_image
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
-    from snapctl.cli.output import Steps, emit_json, stdout
+    from snapctl.cli.output import Steps, emit_json
     from snapctl.criu import find_criu
-    from snapctl.errors import SnapctlError
     from snapctl.statedir import StateDir
 
     options = LaunchOptions(
@@ -49,20 +69,34 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     if common.as_json:
         emit_json(report)
     else:
-        from rich.table import Table
+        render_bake(report)
+    check_clean(report.clean, report.cleanup)
 
-        table = Table(title=f"baked image {report.image_id}", show_header=False)
-        table.add_row("image", report.image)
-        table.add_row("size", f"{report.image_bytes / 1e6:.1f} MB in {report.files} files")
-        table.add_row("processes", str(report.processes))
-        table.add_row("identity", f"{report.identity_files} files outside the image recorded")
-        table.add_row("criu frozen", f"{report.dump_stats.frozen_time_us / 1000:.1f} ms")
-        for phase, seconds in report.timings_s.items():
-            table.add_row(f"time {phase}", f"{seconds * 1000:.1f} ms")
-        table.add_row("original", f"stopped ({report.stopped}); cleanup: {report.cleanup}")
-        stdout().print(table)
-    if not report.clean:
+
+def render_bake(report: Any) -> None:
+    """The bake's table (``report``: the :class:`BakeReport`, or its JSON as attributes)."""
+    from rich.table import Table
+
+    from snapctl.cli.output import stdout
+
+    table = Table(title=f"baked image {report.image_id}", show_header=False)
+    table.add_row("image", report.image)
+    table.add_row("size", f"{report.image_bytes / 1e6:.1f} MB in {report.files} files")
+    table.add_row("processes", str(report.processes))
+    table.add_row("identity", f"{report.identity_files} files outside the image recorded")
+    table.add_row("criu frozen", f"{report.dump_stats.frozen_time_us / 1000:.1f} ms")
+    for phase, seconds in report.timings_s.items():
+        table.add_row(f"time {phase}", f"{seconds * 1000:.1f} ms")
+    table.add_row("original", f"stopped ({report.stopped}); cleanup: {report.cleanup}")
+    stdout().print(table)
+
+
+def check_clean(clean: bool, cleanup: str) -> None:
+    """A bake whose original tree's stop left something fails (its image stays published)."""
+    from snapctl.errors import SnapctlError
+
+    if not clean:
         raise SnapctlError(
-            f"image published, but the original tree's cleanup left: {report.cleanup}",
+            f"image published, but the original tree's cleanup left: {cleanup}",
             phase=HostPhase.CLEANUP,
         )

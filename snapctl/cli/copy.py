@@ -124,30 +124,17 @@ def copy_request(
     image_source: str, count: int, allow_mismatch: tuple[str, ...], lazy: bool | None,
     server_cmd: tuple[str, ...], common: CommonOptions,
 ) -> dict[str, Any]:  # fmt: skip
-    """The agent's ``CopyRequest`` (see :mod:`snapctl.pool.models`) for these options. The API
-    key travels as its value: the agent's environment is not the caller's."""
-    import os
+    """The agent's ``CopyRequest`` for these options (:func:`snapctl.thin.copy_request_body`,
+    which the click-free path builds its request with too)."""
+    from snapctl.thin import copy_request_body
 
-    api_key = os.environ.get(common.api_key_env) if common.api_key_env else None
-    return {
-        "image": str(Path(image_source).absolute()),
-        "name": common.name,
-        "publish": None if common.publish is None else {
-            "address": common.publish[0], "port": common.publish[1]},
-        "expose": common.expose,
-        "host": common.host,
-        "port": common.port,
-        "api_key_env": common.api_key_env,
-        "api_key": api_key,
-        "lazy": lazy,
-        "allow_mismatch": list(allow_mismatch),
-        "count": count,
-        "timeout_s": common.timeout_s,
-        "native": common.native,
-        "criu_path": None if common.criu_path is None else str(Path(common.criu_path).absolute()),
-        "server_argv": list(server_cmd) or None,
-        "detach": common.detach,
-    }  # fmt: skip
+    return copy_request_body(
+        image_source, count=count, allow_mismatch=allow_mismatch, lazy=lazy,
+        server_argv=server_cmd, name=common.name, publish=common.publish,
+        expose=common.expose, host=common.host, port=common.port,
+        api_key_env=common.api_key_env, timeout_s=common.timeout_s, native=common.native,
+        criu_path=common.criu_path, detach=common.detach,
+    )  # fmt: skip
 
 
 def serve_many(

@@ -24,7 +24,21 @@ from snapctl.progress import Progress
 def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
           server_timeout_s: float, server_cmd: tuple[str, ...],
           common: CommonOptions) -> None:  # fmt: skip
-    """Capture a server and keep the original serving."""
+    """Capture a server and keep the original serving.
+
+    When an agent runs (snapctl agent), it captures in a supervisor of its own, in this
+    command's working directory and environment, and the donor serves on there.
+    """
+    from snapctl.cli.remote import agent_client
+
+    client = agent_client()
+    if client is not None:
+        from snapctl.cli.remote import capture_request, donor_through_agent
+
+        request = capture_request(image, force, lo_addresses, ready_timeout_s,
+                                  server_timeout_s, server_cmd, common, donor=True)  # fmt: skip
+        donor_through_agent(client, request, as_json=common.as_json, detach=common.detach)
+        return
     from snapctl.activation.donor import start_donor
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step

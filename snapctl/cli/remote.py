@@ -1,5 +1,5 @@
-"""The CLI as a thin client of the agent: whether to use it, and running a copy through it with
-the same progress, output and exit status as in-process.
+"""The CLI as a thin client of the agent: whether to use it, and running a copy, a donor or a
+bake through it with the same progress, output and exit status as in-process.
 
 Light on purpose (click, the standard library and :mod:`snapctl.agent.client`): rich is
 imported only to draw what a terminal shows, pydantic never.
@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 import threading
-from collections.abc import Iterator
-from types import SimpleNamespace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from snapctl.agent import NO_AGENT_ENV
-from snapctl.agent.client import AgentClient
+from snapctl.agent.client import AgentClient, AgentError
+from snapctl.thin import relay_report, signals_held, stop_interrupted
 
 if TYPE_CHECKING:
-    from snapctl.agent.client import AgentError
+    from snapctl.cli._activation_options import CommonOptions
 
 
 def agent_client() -> AgentClient | None:
@@ -69,13 +68,60 @@ def call(client: AgentClient, method: str, target: str, body: Any = None) -> Any
         raise as_cli_error(error) from None
 
 
+class Record(dict[str, Any]):
+    """A JSON object whose fields read as attributes too (``report.timings_s.items()``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 def namespace(value: Any) -> Any:
-    """A JSON record as attributes, for the renderers that read reports' fields."""
+    """A JSON record as attributes, for the renderers that read reports' fields (a mapping
+    field, such as ``timings_s``, still iterates as the mapping it is)."""
     if isinstance(value, dict):
-        return SimpleNamespace(**{key: namespace(item) for key, item in value.items()})
+        return Record({key: namespace(item) for key, item in value.items()})
     if isinstance(value, list):
         return [namespace(item) for item in value]
     return value
+
+
+def capture_request(
+    image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
+    server_timeout_s: float, server_cmd: tuple[str, ...], common: CommonOptions, *,
+    donor: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """The agent's ``DonorRequest`` (``donor``) or ``BakeRequest`` (see
+    :mod:`snapctl.pool.models`) for these options: paths made absolute, and this process's
+    working directory and whole environment, where the server command runs (the agent's are
+    not the caller's; the API key ``--api-key-env`` names travels among them)."""
+    request: dict[str, Any] = {
+        "image": str(image.absolute()),
+        "force": force,
+        "lo_addresses": list(lo_addresses),
+        "ready_timeout_s": ready_timeout_s,
+        "server_timeout_s": server_timeout_s,
+        "host": common.host,
+        "port": common.port,
+        "api_key_env": common.api_key_env,
+        "timeout_s": common.timeout_s,
+        "native": common.native,
+        "criu_path": None if common.criu_path is None else str(Path(common.criu_path).absolute()),
+        "server_argv": list(server_cmd) or None,
+        "cwd": os.getcwd(),
+        "environ": dict(os.environ),
+    }
+    if donor:
+        request.update({
+            "name": common.name,
+            "publish": None if common.publish is None else {
+                "address": common.publish[0], "port": common.publish[1]},
+            "expose": common.expose,
+            "detach": common.detach,
+        })  # fmt: skip
+    return request
 
 
 def copy_through_agent(
@@ -84,12 +130,57 @@ def copy_through_agent(
     """``snapctl copy`` served by the agent: its progress and notes (on a terminal), then its
     report as in-process (``--detach``: and return; else serve until Ctrl-C/SIGTERM or the
     copy exits, then stop it through the agent and report the cleanup)."""
+    serve_through_agent(client, "/copies", request, as_json=as_json, detach=detach)
+
+
+def donor_through_agent(
+    client: AgentClient, request: dict[str, Any], *, as_json: bool, detach: bool
+) -> None:
+    """``snapctl donor`` served by the agent (``POST /v1/donors``), as a copy is: the donor
+    lives in a supervisor the agent forked; without ``--detach`` this command stops it when
+    it ends."""
+    serve_through_agent(client, "/donors", request, as_json=as_json, detach=detach)
+
+
+def bake_through_agent(client: AgentClient, request: dict[str, Any], *, as_json: bool) -> Any:
+    """``snapctl bake`` served by the agent (``POST /v1/bakes``): its progress (on a terminal),
+    then its report (a dict). SIGINT/SIGTERM meanwhile are held: the bake runs in its own
+    supervisor and goes on (its original tree is stopped by it either way); once it reported,
+    the command fails as an interrupted in-process bake does (exit 130), naming what stays."""
+    from contextlib import ExitStack
+
+    with signals_held() as signalled, ExitStack() as stack:
+        lane_step: Any = None
+        if _terminal(as_json):
+            from snapctl.cli.output import Steps
+
+            steps = stack.enter_context(Steps(quiet=as_json))
+            lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
+        report = _relay(client, "/bakes", request, lane_step, as_json)
+    if signalled.is_set():
+        from snapctl.errors import ExitStatus
+
+        raise AgentError(
+            "interrupted while baking (SIGINT/SIGTERM); the bake ran on in its supervisor and "
+            f"published {report['image']} (remove it if it is not wanted)",
+            exit_status=ExitStatus.INTERRUPTED,
+        )
+    return report
+
+
+def serve_through_agent(
+    client: AgentClient, target: str, request: dict[str, Any], *, as_json: bool, detach: bool
+) -> None:
+    """An activation (``target``: ``/copies`` or ``/donors``) served by the agent: its
+    progress and notes (on a terminal), then its report as in-process (``--detach``: and
+    return; else serve until Ctrl-C/SIGTERM or it exits, then stop it through the agent and
+    report the cleanup)."""
     from contextlib import ExitStack
 
     # One set of handlers from the request to the last stop: a signal at any moment in
     # between either stops what started or asks the serving loop to stop, never kills the
     # command and leaves a copy serving with no one to stop it.
-    with _signals_held() as signalled:
+    with signals_held() as signalled:
         with ExitStack() as stack:
             lane_step: Any = None
             if _terminal(as_json):
@@ -97,7 +188,7 @@ def copy_through_agent(
 
                 steps = stack.enter_context(Steps(quiet=as_json))
                 lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
-            outcome = _stream_copy(client, request, lane_step, as_json, signalled)
+            outcome = _stream_start(client, target, request, lane_step, as_json, signalled)
         if as_json:
             from snapctl.plain import emit_json
 
@@ -114,64 +205,35 @@ def copy_through_agent(
         _serve_until_stopped(client, names, as_json=as_json, stop=signalled)
 
 
-@contextlib.contextmanager
-def _signals_held() -> Iterator[threading.Event]:
-    """SIGINT/SIGTERM only set the event while the body runs."""
-    event = threading.Event()
-    previous = {
-        signum: signal.signal(signum, lambda signum, frame: event.set())
-        for signum in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        yield event
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _stream_copy(
-    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool,
+def _stream_start(
+    client: AgentClient, target: str, request: dict[str, Any], lane_step: Any, as_json: bool,
     interrupted: threading.Event,
 ) -> dict[str, Any]:  # fmt: skip
-    """Relay the copy request's stream up to its report. SIGINT/SIGTERM while it starts do
-    not cut the stream (the copy would be left serving with no one to stop it): they only
-    set ``interrupted``, and once the report comes what started is stopped and the command
-    fails as an interrupted in-process start does (exit 130)."""
-    report = _relay_copy(client, request, lane_step, as_json)
+    """Relay the start request's stream up to its report. SIGINT/SIGTERM while it starts do
+    not cut the stream (the copy or donor would be left serving with no one to stop it): they
+    only set ``interrupted``, and once the report comes what started is stopped and the
+    command fails as an interrupted in-process start does (exit 130)."""
+    report = _relay(client, target, request, lane_step, as_json)
     if interrupted.is_set():
-        from snapctl.agent.client import AgentError
-        from snapctl.errors import ExitStatus
-
-        for copy in report.get("copies", [report]):
-            with contextlib.suppress(Exception):
-                AgentClient(client.path).call("POST", f"/activations/{copy['name']}/stop", {})
-        raise AgentError(
-            "interrupted while starting (SIGINT/SIGTERM); what had started was stopped",
-            exit_status=ExitStatus.INTERRUPTED,
-        )
+        raise stop_interrupted(client.path, report)
     return report
 
 
-def _relay_copy(
-    client: AgentClient, request: dict[str, Any], lane_step: Any, as_json: bool
+def _relay(
+    client: AgentClient, target: str, request: dict[str, Any], lane_step: Any, as_json: bool
 ) -> dict[str, Any]:
-    for message in client.stream("POST", "/copies", request):
-        if "progress" in message:
-            if lane_step is not None:
-                lane_step(message.get("lane", ""), message["progress"])
-        elif "note" in message:
-            if _terminal(as_json):
-                from snapctl.cli.output import note
+    """Relay ``POST target``'s stream: progress and notes as they come; its report."""
 
-                note(message["note"])
-        elif "report" in message:
-            report: dict[str, Any] = message["report"]
-            return report
-        elif "error" in message:
-            raise_for(message)
-    from snapctl.agent.client import AgentUnavailableError
+    def on_note(text: str) -> None:
+        if _terminal(as_json):
+            from snapctl.cli.output import note
 
-    raise AgentUnavailableError("the agent ended the copy request without a report")
+            note(text)
+
+    try:
+        return relay_report(client.stream("POST", target, request), lane_step, on_note)
+    except AgentError as error:  # refused before the stream began (a 4xx), or failed
+        raise as_cli_error(error) from None
 
 
 def _show(outcome: dict[str, Any]) -> None:

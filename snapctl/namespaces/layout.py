@@ -22,6 +22,8 @@ SANDBOX_LOG_FILE = f"{SANDBOX_LOGS_DIR}/server.log"
 SANDBOX_SHM_DIR = "/dev/shm"
 # ``.ID.creating``: an activation directory being made (see ActivationDirs.create).
 CREATING_SUFFIX = ".creating"
+# The module the launcher runs as the sandbox's first process (``python -m``, see ``init``).
+SANDBOX_INIT_MODULE = "snapctl.namespaces.init"
 
 # The control directory is a tmpfs of its own: the protocol fsyncs every file and the directory
 # on each write (five writes per handshake), which on a disk costs a journal commit each and
@@ -143,8 +145,35 @@ class ActivationDirs:
         return f"snapctl-control-{self.root.name}"
 
     def processes(self) -> list[int]:
-        """Every process inside this activation's sandbox (see ``mounts.processes_with_mount``)."""
-        return mounts.processes_with_mount(self.mount_source, SANDBOX_SHM_DIR)
+        """Every process inside this activation's sandbox (see ``mounts.processes_with_mount``),
+        and its launcher and init while they set the sandbox up (:meth:`launching`)."""
+        inside = mounts.processes_with_mount(self.mount_source, SANDBOX_SHM_DIR)
+        return sorted({*inside, *self.launching()})
+
+    def launching(self) -> list[int]:
+        """The launcher (``unshare``) and the sandbox's init until it execs the server: both
+        name this activation's sandbox spec in their argv.
+
+        Until the init has bound the activation's tmpfs at /dev/shm, its mount table shows that
+        tmpfs at its host path only, as any namespace being set up does, so only its argv finds
+        it. It must be found: it holds clones of the activation's directories, so once they are
+        removed it still binds them and execs the server, in a sandbox nothing can find by its
+        directory any more. The bind comes before the exec, so one of the two always holds.
+        """
+        spec = str(self.sandbox_spec).encode()
+        module = SANDBOX_INIT_MODULE.encode()
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                    argv = cmdline.read().split(b"\0")
+            except OSError:
+                continue  # exited while we looked
+            if module in argv and spec in argv:
+                found.append(int(entry.name))
+        return sorted(found)
 
     def binds(self) -> list[BindMount]:
         return [

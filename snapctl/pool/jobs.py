@@ -1,6 +1,8 @@
-"""What a supervisor forked by the spawner runs: a fresh copy (``copy``), or a parked one
-(``park``, see :mod:`snapctl.pool.parked`). Imported by the spawner before it forks, with
-everything a supervisor needs, so that a supervisor starts without importing anything."""
+"""What a supervisor forked by the spawner runs: a fresh copy (``copy``), a parked one
+(``park``, see :mod:`snapctl.pool.parked`), a donor (``donor``: captures, then serves and is
+supervised like a detached donor) or a bake (``bake``: captures, publishes, stops, exits).
+Imported by the spawner before it forks, with everything a supervisor needs, so that a
+supervisor starts without importing anything."""
 
 from __future__ import annotations
 
@@ -10,18 +12,22 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 # Imported here, before the spawner forks: a supervisor's start imports nothing more.
+import snapctl.activation.bake
 import snapctl.activation.copy
+import snapctl.activation.donor
 import snapctl.activation.supervise
 from snapctl.activation.launch import LaunchOptions
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool.models import CopyRequest
+from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
 from snapctl.statedir import StateDir
 
 assert snapctl.activation.copy and snapctl.activation.supervise
+assert snapctl.activation.donor and snapctl.activation.bake
 
 
 class Reporter:
@@ -132,6 +138,8 @@ def run_job(job: dict[str, Any], pipe_fd: int) -> None:
         from snapctl.pool.parked import run_parked
 
         os._exit(run_parked(job, Reporter(pipe_fd)))
+    if kind in ("donor", "bake"):
+        os._exit(run_capture(job, Reporter(pipe_fd)))
     Reporter(pipe_fd).send({"error": f"unknown job {kind!r}", "status": 1, "phase": None,
                             "path": None, "log_tail": None})  # fmt: skip
     os._exit(1)
@@ -191,6 +199,93 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     detach_stdio()
     try:
         run_all_until_stopped(sessions, stop=signals.requested)
+    finally:
+        stop_all_tracked()
+    return 0
+
+
+def adopt_client_context(request: BakeRequest) -> None:
+    """Become the client's process for the capture: its working directory and its whole
+    environment (this supervisor's own is the agent's), so that the server command, its
+    relative paths and the identity's env record are what the CLI in-process would give."""
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update({name: value.get_secret_value() for name, value in
+                       request.environ.items()})  # fmt: skip
+
+
+def capture_options(request: BakeRequest) -> LaunchOptions:
+    """The request's launch options, as ``snapctl donor``/``bake`` build them in-process."""
+    return LaunchOptions(
+        server_argv=None if request.server_argv is None else list(request.server_argv),
+        name=request.name if isinstance(request, DonorRequest) else None,
+        host=request.host,
+        port=request.port,
+        lo_addresses=list(request.lo_addresses),
+        api_key_env=request.api_key_env,
+        timeout_s=request.timeout_s,
+        ready_timeout_s=request.ready_timeout_s,
+        server_timeout_s=request.server_timeout_s,
+    )
+
+
+def run_capture(
+    job: dict[str, Any], reporter: Reporter, *,
+    adopt: Callable[[BakeRequest], None] = adopt_client_context,
+) -> int:  # fmt: skip
+    """A donor or a bake, in the client's directory and environment: capture (and for a donor
+    activate), report, then (a donor) supervise it like a detached donor until stopped.
+    ``adopt`` is the seam that makes this process the client's (tests: a fake)."""
+    from snapctl.activation.bake import bake_image
+    from snapctl.activation.donor import start_donor
+    from snapctl.activation.native import native_step
+    from snapctl.activation.supervise import run_all_until_stopped
+    from snapctl.criu import find_criu
+    from snapctl.supervision.signals import StopSignals, stop_all_tracked
+
+    signals = StopSignals().install()
+    state = StateDir(Path(job["state"]))
+    session = None
+    try:
+        try:
+            model = DonorRequest if job["kind"] == "donor" else BakeRequest
+            request = model.model_validate_json(json.dumps(job["request"]))
+            adopt(request)
+            options = capture_options(request)
+            criu = find_criu(request.criu_path)
+            native = native_step(request.native)
+
+            def progress(step: str) -> None:
+                reporter.progress("", step)
+
+            if isinstance(request, DonorRequest):
+                publish = None
+                if request.publish is not None:
+                    publish = (request.publish.address, request.publish.port)
+                session, donor = start_donor(
+                    options, image=Path(request.image), force=request.force, criu=criu,
+                    native=native, publish=publish, state=state, progress=progress,
+                )  # fmt: skip
+                report = donor.model_dump(mode="json")
+            else:
+                baked = bake_image(
+                    options, image=Path(request.image), force=request.force, criu=criu,
+                    native=native, state=state, progress=progress,
+                )  # fmt: skip
+                report = baked.model_dump(mode="json")
+        except BaseException:
+            stop_all_tracked()  # what a start interrupted at any point had started
+            raise
+    except BaseException as error:
+        return reporter.error(error)
+    signals.started()
+    reporter.send({"report": report})
+    reporter.close()
+    if session is None:
+        return 0  # a bake: its original was stopped, its image published
+    detach_stdio()
+    try:
+        run_all_until_stopped([session], stop=signals.requested)
     finally:
         stop_all_tracked()
     return 0

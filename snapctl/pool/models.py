@@ -1,5 +1,6 @@
 """The pool's wire and file formats: a copy request (everything ``snapctl copy`` takes), the
-rows of ``pool ls``, a parked copy's record, and what adoption found. Pydantic only: the
+capture requests (``snapctl donor``, ``snapctl bake``), the rows of ``pool ls``, a parked
+copy's record, and what adoption found. Pydantic only: the
 agent types its API with these, and nothing here starts anything."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
+from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
 from snapctl.models import StrictModel
 
 PARKED_ID_PATTERN = r"^pool-[0-9a-f]{12}$"
-ParkedState = Literal["restoring", "parked", "activating"]
+ParkedState = Literal["restoring", "parked"]
 DiscardReason = Literal[
     "removed", "replaced", "verification", "memory", "target", "closing", "unvouched", "died"
 ]
@@ -59,6 +61,56 @@ class CopyRequest(StrictModel):
         if not (math.isfinite(value) and value > 0):
             raise ValueError("timeout_s must be a positive, finite number of seconds")
         return value
+
+
+def _positive_seconds(value: float) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("must be a positive, finite number of seconds")
+    return value
+
+
+class BakeRequest(StrictModel):
+    """One ``snapctl bake``, as the CLI parsed it, with the client's working directory and
+    environment: the server command runs in them (not the agent's), exactly as in-process
+    (a relative SERVER_CMD or image path, ``VLLM_*`` settings, the identity's env record).
+
+    ``environ`` may hold any secret (the API key ``api_key_env`` names, tokens): every value
+    is a :class:`SecretStr`, masked in every dump, and never logged or echoed in a refusal.
+    """
+
+    version: Literal[1] = 1
+    image: str = Field(min_length=1, pattern=r"^/")
+    force: bool = False
+    lo_addresses: tuple[str, ...] = ()
+    ready_timeout_s: float = READY_TIMEOUT_S
+    server_timeout_s: float = SERVER_TIMEOUT_S
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    api_key_env: str | None = Field(default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    timeout_s: float = 300.0
+    native: Literal["none", "cuda-checkpoint"] = "none"
+    criu_path: str | None = Field(default=None, pattern=r"^/")
+    server_argv: tuple[str, ...] | None = None
+    cwd: str = Field(min_length=1, pattern=r"^/")
+    environ: dict[str, SecretStr]
+
+    _seconds = field_validator("ready_timeout_s", "server_timeout_s", "timeout_s")(
+        _positive_seconds
+    )
+
+
+class DonorRequest(BakeRequest):
+    """One ``snapctl donor``: a bake's fields, and how the donor serves after its capture
+    (``detach`` is the client's: the donor lives in its own supervisor either way, and
+    without it the client stops the donor when it ends)."""
+
+    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    publish: PublishTarget | None = None
+    expose: bool = False
+    detach: bool = False
+
+
+CaptureRequest = BakeRequest | DonorRequest
 
 
 class ParkedCopyRow(StrictModel):

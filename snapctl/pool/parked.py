@@ -33,6 +33,7 @@ from snapctl.pool.serve import ParkedCopyUnusableError
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import is_same_process
+from snapctl.supervision.sockets import bind_private
 
 # How often a parked copy looks whether its agent and its tree are still there.
 WATCH_INTERVAL_S = 0.5
@@ -122,11 +123,7 @@ class _Parked:
                 "the image changed during the restore", phase=HostPhase.POOL
             )
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        previous = os.umask(0o177)  # 0600 from its creation on
-        try:
-            listener.bind(self.record.socket)
-        finally:
-            os.umask(previous)
+        bind_private(listener, self.record.socket)
         listener.listen(4)
         listener.settimeout(WATCH_INTERVAL_S)
         self.listener = listener
@@ -147,6 +144,14 @@ class _Parked:
         if self.manifest_stat is not None and manifest_stat(self.image) == self.manifest_stat:
             return self.record.image_id, self.record.manifest_digest
         return published_identity(self.image)
+
+    def still_verified(self) -> bool:
+        """Every file of the image is still the one verified at parking: the same stat key
+        and no file added (no hashing; see :func:`snapctl.images.store.is_verified`)."""
+        from snapctl.images.store import is_verified
+
+        assert self.copy is not None
+        return is_verified(self.image, self.copy.manifest, self.state.verified)
 
     def discard(self) -> None:
         """Stop the parked copy (if it got that far) and remove its files."""
@@ -243,6 +248,9 @@ class _Parked:
             why = f"{self.request.image} is no longer a published image"
         elif why is None and now != (self.record.image_id, self.record.manifest_digest):
             why = f"{self.request.image} was replaced since this copy was parked"
+        if why is None and self.record.lazy and not self.still_verified():
+            why = (f"{self.request.image} changed since this copy was parked (a lazy copy "
+                   "still reads its pages from it)")  # fmt: skip
         if why is not None:
             raise ParkedCopyUnusableError(f"parked copy {self.id} cannot serve: {why}",
                                           phase=HostPhase.POOL)  # fmt: skip

@@ -1,6 +1,7 @@
 """Serving one copy request from the agent: with a parked copy (:func:`activate_taken`), or
 with a restore in a fresh supervisor (:func:`copy_via_supervisor`). Either way the copy lives
-in its own supervisor process, and this side only relays its progress and its report.
+in its own supervisor process, and this side only relays its progress and its report. A donor
+or a bake request is served the same way, in a fresh supervisor (:func:`capture_via_supervisor`).
 
 The report wire, from a supervisor (a pipe) or a parked copy (its socket): one JSON object a
 line, ``{"lane", "progress"}`` any number of times, then ``{"report": {...}}`` or
@@ -20,7 +21,7 @@ from typing import Any
 
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError
 from snapctl.phases import HostPhase
-from snapctl.pool.models import CopyRequest
+from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.models import Phase
 from snapctl.statedir import StateDir
@@ -30,7 +31,8 @@ LaneProgress = Callable[[str, str], None]
 
 
 class SupervisorError(RelayedError):
-    """The copy's supervisor could not start or activate it (its error, relayed)."""
+    """A supervisor (a copy's, a donor's, a bake's) could not start, capture or activate
+    (its error, relayed)."""
 
 
 class ParkedCopyUnusableError(SnapctlError):
@@ -67,7 +69,7 @@ def wire_phase(value: object) -> HostPhase | Phase | None:
     return None
 
 
-def relay(lines: Iterable[bytes], on_progress: LaneProgress) -> dict[str, Any]:
+def relay(lines: Iterable[bytes], on_progress: LaneProgress, what: str = "copy") -> dict[str, Any]:
     """Read a supervisor's report wire up to its outcome: the report, or its error raised."""
     for line in lines:
         message = json.loads(line)
@@ -85,7 +87,7 @@ def relay(lines: Iterable[bytes], on_progress: LaneProgress) -> dict[str, Any]:
         report: dict[str, Any] = message["report"]
         return report
     raise SupervisorError(
-        "the copy's supervisor exited before reporting", phase=HostPhase.SUPERVISE
+        f"the {what}'s supervisor exited before reporting", phase=HostPhase.SUPERVISE
     )
 
 
@@ -108,12 +110,39 @@ def copy_via_supervisor(
     return its report (``from_pool`` false; ``--count N``: the CopiesReport) once it serves,
     or raise its error (:class:`SupervisorError`, with the supervisor's exit status)."""
     job = {"kind": "copy", "state": str(state.root), "request": request_payload(request)}
+    return _run_in_supervisor(job, spawner, progress, "copy")
+
+
+def capture_payload(request: BakeRequest) -> dict[str, Any]:
+    """A donor or bake request as it travels to its supervisor: the environment's values
+    included (JSON's dump masks them; see :func:`request_payload`)."""
+    payload = request.model_dump(mode="json")
+    payload["environ"] = {name: value.get_secret_value() for name, value in
+                          request.environ.items()}  # fmt: skip
+    return payload
+
+
+def capture_via_supervisor(
+    request: BakeRequest, state: StateDir, progress: LaneProgress, *, spawner: Spawner
+) -> dict[str, Any]:
+    """Capture in a fresh supervisor forked by ``spawner``, in the client's directory and
+    environment: a :class:`DonorRequest` returns the donor's report once it serves (its
+    supervisor then supervises it, as ``donor --detach`` does), a :class:`BakeRequest` the
+    bake's report once its image is published; or raises the supervisor's error."""
+    kind = "donor" if isinstance(request, DonorRequest) else "bake"
+    job = {"kind": kind, "state": str(state.root), "request": capture_payload(request)}
+    return _run_in_supervisor(job, spawner, progress, kind)
+
+
+def _run_in_supervisor(
+    job: dict[str, Any], spawner: Spawner, progress: LaneProgress, what: str
+) -> dict[str, Any]:
     try:
         read_fd = spawner.spawn(job)
     except SpawnerGoneError as error:
         raise SupervisorError(str(error), phase=HostPhase.SUPERVISE) from error
     with os.fdopen(read_fd, "rb") as reader:
-        return relay(reader, progress)
+        return relay(reader, progress, what)
 
 
 def activate_taken(

@@ -132,6 +132,32 @@ class PinnedProcess:
         self.close()
 
 
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, parents before their children, from each task's
+    ``/proc/PID/task/TID/children`` (a few reads per process, where psutil scans every
+    process of the host). Like any scan of a running tree, a fork during it may be missed;
+    a process gone meanwhile is left out. Without that file (a kernel built without
+    CONFIG_PROC_CHILDREN), psutil's scan."""
+    found = [pid]
+    for parent in found:  # grows as children are found: breadth first
+        try:
+            tasks = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{parent}/task/{task}/children", "rb") as children:
+                    found.extend(int(child) for child in children.read().split())
+            except FileNotFoundError:
+                if not os.path.exists(f"/proc/{parent}/task/{task}"):
+                    continue  # the thread ended
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    return [pid, *(child.pid for child in psutil.Process(pid).children(True))]
+            except OSError:
+                continue
+    return list(dict.fromkeys(found))
+
+
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     """Wait until none of ``pids`` exists; return those still present at the deadline."""
     deadline = time.monotonic() + timeout_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ import pytest
 from snapctl.activation.core import new_session
 from snapctl.activation.session import criu_processes
 from snapctl.errors import SnapctlError
+from snapctl.namespaces import init
+from snapctl.namespaces.layout import SANDBOX_INIT_MODULE, ActivationDirs
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
 
@@ -58,6 +61,41 @@ def test_criu_processes_of_an_activation_include_a_held_lazy_pages_daemon(tmp_pa
         while len(criu_processes(work)) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)  # until both have exec'd
         assert criu_processes(work) == sorted(p.pid for p in ours)
+    finally:
+        for process in [*ours, *others]:
+            process.kill()
+            process.wait()
+
+
+def test_the_launcher_and_init_of_a_sandbox_being_set_up_are_found_by_their_argv(
+    tmp_path: Path,
+) -> None:
+    """Before the init binds the activation's tmpfs at /dev/shm, its argv alone says whose it is
+    (see ActivationDirs.launching); the launcher runs it by this module name."""
+    spec = importlib.util.find_spec(SANDBOX_INIT_MODULE)
+    assert spec is not None and spec.origin == init.__file__
+    dirs, other = (
+        ActivationDirs(root=tmp_path / "activations" / name, logs=tmp_path / "logs" / name)
+        for name in ("ours", "other")
+    )
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    as_init = ["-m", SANDBOX_INIT_MODULE]
+    ours = [
+        subprocess.Popen(
+            [*sleeper, "--pid", "--", sys.executable, *as_init, str(dirs.sandbox_spec)]
+        ),
+        subprocess.Popen([*sleeper, *as_init, str(dirs.sandbox_spec)]),
+    ]
+    # Another activation's init, and a program that merely names the spec, are not ours.
+    others = [
+        subprocess.Popen([*sleeper, *as_init, str(other.sandbox_spec)]),
+        subprocess.Popen([*sleeper, "cat", str(dirs.sandbox_spec)]),
+    ]
+    try:
+        deadline = time.monotonic() + 10
+        while len(dirs.launching()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)  # until both have exec'd
+        assert dirs.launching() == sorted(p.pid for p in ours)
     finally:
         for process in [*ours, *others]:
             process.kill()

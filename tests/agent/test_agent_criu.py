@@ -16,6 +16,8 @@ from typing import Any
 import psutil
 import pytest
 
+from snapctl.agent.client import connect
+from snapctl.errors import SnapctlError
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY_ENV, complete, leftovers
 from tests.agent.helpers import (
@@ -136,3 +138,102 @@ def test_the_agent_killed_a_copy_keeps_serving_and_a_new_agent_lists_it(
     assert not any(stopped["audit"].values())
     second.kill(signal.SIGTERM)
     assert leftovers(state) == []
+
+
+def capture_args(command: str, image: Path, *extra: str) -> list[str]:
+    return [command, "--image", str(image), "--api-key-env", API_KEY_ENV, "--timeout", "60",
+            "--json", *extra]  # fmt: skip
+
+
+def test_a_donor_through_the_agent_gives_the_same_json_and_outlives_the_agent(
+    tmp_path: Path, state: StateDir, agents: Started[AgentProcess]
+) -> None:
+    donor = ("--publish", "127.0.0.1:0", "--detach")
+    local = json.loads(cli(state, "--no-agent", *capture_args(
+        "donor", tmp_path / "local", "--name", "local", *donor)).stdout)  # fmt: skip
+    agent = agents.start()
+    through = json.loads(cli(state, *capture_args(
+        "donor", tmp_path / "through", "--name", "through", *donor)).stdout)  # fmt: skip
+    assert sorted(through) == sorted(local)
+    assert through["kind"] == local["kind"] == "donor" and through["name"] == "through"
+    assert through["image"] == str(tmp_path / "through")
+    expected = complete(local["published"])
+    assert complete(through["published"]) == expected
+    rows = json.loads(cli(state, "ps", "--json").stdout)
+    assert [(row["name"], row["running"]) for row in rows] == [("local", True), ("through", True)]
+
+    # The donor lives in the supervisor the agent's spawner forked, not in the agent.
+    agent.kill(signal.SIGKILL)
+    assert complete(through["published"]) == expected
+    row = next(row for row in json.loads(cli(state, "ps", "--json").stdout)
+               if row["name"] == "through")  # fmt: skip
+    assert row["running"] and row["supervised"] and row["supervisor_pid"] != agent.process.pid
+    # Its image is as good as an in-process donor's: a copy of it answers the same.
+    copy = json.loads(cli(state, *copy_args(tmp_path / "through", "from-through",
+                                            "--detach")).stdout)  # fmt: skip
+    assert complete(copy["published"]) == expected
+    for name in ("local", "through", "from-through"):
+        stopped = json.loads(cli(state, "stop", name, "--json").stdout)
+        assert not any(stopped["audit"].values()), stopped
+    assert state.load_records() == [] and leftovers(state) == []
+
+
+def test_a_bake_through_the_agent_publishes_a_verified_image_in_the_client_s_environment(
+    tmp_path: Path, state: StateDir, agents: Started[AgentProcess]
+) -> None:
+    from snapctl.images import load_manifest
+
+    local = json.loads(cli(state, "--no-agent", *capture_args("bake", tmp_path / "local")).stdout)
+    agents.start()  # its environment has no VLLM_CPU_KVCACHE_SPACE
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "snapctl", *capture_args("bake", Path("baked"))],
+        env=env_for(state, VLLM_CPU_KVCACHE_SPACE="1"), cwd=work, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    through = json.loads(done.stdout)
+    assert list(through) == list(local) and through["clean"] is True
+    assert through["image"] == str(work / "baked")  # relative to the client's directory
+    inspected = json.loads(cli(state, "inspect", "--verify", "--json", str(work / "baked")).stdout)
+    assert inspected["verified"] is True
+    # The identity records the client's environment, not the agent's.
+    baked = load_manifest(work / "baked").identity
+    unmarked = load_manifest(tmp_path / "local").identity
+    assert baked is not None and "VLLM_CPU_KVCACHE_SPACE" in baked.env
+    assert unmarked is not None and "VLLM_CPU_KVCACHE_SPACE" not in unmarked.env
+    copy = json.loads(cli(state, *copy_args(work / "baked", "from-bake", "--detach")).stdout)
+    assert copy["from_pool"] is False and complete(copy["published"])
+    cli(state, "stop", "from-bake")
+
+    # A bad request is refused before anything starts, with its reason.
+    client = connect(state.root / "agent.sock")
+    assert client is not None
+    with pytest.raises(SnapctlError, match="image: String should match"):
+        client.call("POST", "/bakes", {"image": "relative", "cwd": "/", "environ": {}})
+    assert leftovers(state) == []
+
+
+def test_a_foreground_donor_through_the_agent_stops_on_ctrl_c(
+    tmp_path: Path, state: StateDir, agents: Started[AgentProcess]
+) -> None:
+    def foreground(*args: str, image: str, name: str) -> dict[str, Any]:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "snapctl", *args, *capture_args(
+                "donor", tmp_path / image, "--name", name, "--publish", "127.0.0.1:0")],
+            env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert process.stdout is not None
+        report: dict[str, Any] = json.loads(process.stdout.readline())
+        assert report["name"] == name and report["kind"] == "donor"
+        assert complete(report["published"])
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 0, process.stderr.read() if process.stderr else ""
+        assert state.load_records() == [] and leftovers(state) == []
+        return report
+
+    local = foreground("--no-agent", image="local", name="local")
+    agents.start()
+    through = foreground(image="through", name="fg")
+    assert list(through) == list(local)  # the report model's field order, as in-process

@@ -195,6 +195,33 @@ def test_lazy_parked_copy_serves_the_donors_output(
     assert leftovers(state) == []
 
 
+def test_a_lazy_parked_copy_whose_image_changed_in_place_is_refused(
+    state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
+) -> None:
+    """A lazy copy still reads pages from its image after it activates: a page file changed
+    in place (same manifest, so not a replacement) since the parking must refuse it."""
+    image, _expected = donor_image
+    host = hosts.start()
+    host.fill(image, 1, lazy=True)
+    ((home, record),) = load_parked_records(state)
+    assert record is not None
+    parked_id = host(op="take", request=request(image, lazy=True))
+    assert parked_id == record.id
+    pages = max((image / "criu").glob("pages-*.img"), key=lambda path: path.stat().st_size)
+    try:
+        os.utime(pages, ns=(pages.stat().st_atime_ns, pages.stat().st_mtime_ns + 1))
+        answer = host.ask(op="activate", id=parked_id, request=request(image, name="changed"))
+        assert "ParkedCopyUnusableError" in answer["error"], answer
+        assert "changed since this copy was parked" in answer["error"]
+        until(lambda: gone(record.supervisor_pid, record.supervisor_start_time), timeout_s=10)
+        assert record.root_pid is not None and gone(record.root_pid, record.root_start_time)
+        assert not home.exists() and state.load_records() == []
+    finally:
+        host(op="rm", image=str(image))
+        host(op="close")
+    assert leftovers(state) == []
+
+
 def test_image_replaced_after_the_take_is_refused_before_activation(
     state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host], criu_binary: CriuBinary
 ) -> None:

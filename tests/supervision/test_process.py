@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import psutil
 
 from snapctl.namespaces.layout import ActivationOwner
-from snapctl.supervision.process import PinnedProcess, is_same_process, start_time
+from snapctl.supervision.process import PinnedProcess, descendants, is_same_process, start_time
 
 
 def test_same_process_only_with_its_own_start_time() -> None:
@@ -57,3 +57,24 @@ def test_a_zombie_owner_is_not_alive() -> None:
 def test_a_pinned_zombie_is_not_alive() -> None:
     with zombie() as pid, PinnedProcess(pid) as pinned:
         assert not pinned.alive()
+
+
+def test_descendants_lists_the_tree_parents_first_and_only_it() -> None:
+    tree = subprocess.Popen(["bash", "-c", "sleep 30 & (sleep 30 & wait) & wait"])
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(found := descendants(tree.pid)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        expected = [tree.pid, *(c.pid for c in psutil.Process(tree.pid).children(recursive=True))]
+        assert found[0] == tree.pid and sorted(found) == sorted(expected) and len(found) == 4
+        assert other.pid not in found
+        parents = {pid: psutil.Process(pid).ppid() for pid in found[1:]}
+        assert all(found.index(parent) < found.index(pid) for pid, parent in parents.items())
+    finally:
+        for process in (tree, other):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.wait()
+    assert descendants(tree.pid) == [tree.pid]  # gone: only what was asked for

@@ -1,0 +1,150 @@
+"""The click-free path of ``snapctl copy ... --detach --json`` (:mod:`snapctl.thin`): the
+request it builds is the full CLI's, it declines whatever it does not fully understand, and
+through an agent it prints what the full CLI prints, importing neither click nor anything
+heavy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from snapctl.cli import main as full_main
+from snapctl.entry import main
+from snapctl.errors import ExitStatus
+from snapctl.thin import parse_fast_copy
+from tests.agent.conftest import RunningAgent, make_report
+from tests.agent.test_server import HEAVY
+
+
+@pytest.fixture
+def image(tmp_path: Path) -> Path:
+    path = tmp_path / "image"
+    path.mkdir()
+    return path
+
+
+def click_request(args: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The request the full CLI (click) sends the agent for ``args``."""
+    sent: list[dict[str, Any]] = []
+    monkeypatch.setattr("snapctl.cli.remote.agent_client", lambda: object())
+    monkeypatch.setattr(
+        "snapctl.cli.remote.copy_through_agent",
+        lambda client, request, **_: sent.append(request),
+    )
+    assert full_main(args) == 0
+    (request,) = sent
+    return request
+
+
+ACCEPTED = [
+    [],
+    ["--publish", "18000"],
+    ["--publish=[::1]:18001", "--expose"],
+    ["--publish", "0.0.0.0:0", "--expose", "--name", "a.b-c_1"],
+    ["--lazy"],
+    ["--no-lazy", "--host", "0.0.0.0", "--port", "9000"],
+    ["--timeout", "12.5", "--api-key-env", "MY_KEY"],
+    ["--timeout=1e3", "--port=1"],
+]
+
+
+@pytest.mark.parametrize("extra", ACCEPTED)
+def test_its_request_is_the_full_cli_s(
+    extra: list[str], image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MY_KEY", "secret")
+    args = ["copy", "--image", str(image), *extra, "--detach", "--json"]
+    assert parse_fast_copy(args) == click_request(args, monkeypatch)
+
+
+DECLINED = [
+    ["--count", "2"],
+    ["--allow-mismatch", "kernel"],
+    ["--criu", "/bin/criu"],
+    ["--native", "none"],
+    ["--plain-http"],
+    ["--name", "bad/name"],
+    ["--name", "--json"],
+    ["--name="],
+    ["--publish", "nope"],
+    ["--publish", "70000"],
+    ["--port", "0"],
+    ["--port", "x"],
+    ["--timeout", "0"],
+    ["--timeout", "inf"],
+    ["--lazy", "--no-lazy"],
+    ["--publish", "1", "--publish", "2"],
+    ["--json=1"],
+    ["--help"],
+    ["--", "python", "server.py"],
+    ["server.py"],
+]
+
+
+@pytest.mark.parametrize("extra", DECLINED)
+def test_it_declines_what_it_does_not_fully_understand(extra: list[str], image: Path) -> None:
+    assert parse_fast_copy(["copy", "--image", str(image), "--detach", "--json", *extra]) is None
+
+
+def test_it_needs_detach_json_and_an_image_directory(image: Path, tmp_path: Path) -> None:
+    assert parse_fast_copy(["copy", "--image", str(image), "--json"]) is None
+    assert parse_fast_copy(["copy", "--image", str(image), "--detach"]) is None
+    assert parse_fast_copy(["copy", "--detach", "--json"]) is None
+    ref = ["copy", "--image", "registry.local/one:tag", "--detach", "--json"]
+    assert parse_fast_copy(ref) is None  # pulled in-process first
+    global_option = ["--no-agent", "copy", "--image", str(image), "--detach", "--json"]
+    assert parse_fast_copy(global_option) is None
+
+
+def test_through_the_agent_it_prints_what_the_full_cli_prints(
+    running_agent: RunningAgent, image: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["copy", "--image", str(image), "--no-lazy", "--detach", "--json"]
+    assert main(args) == 0
+    fast = capsys.readouterr()
+    assert full_main(args) == 0
+    assert capsys.readouterr() == fast and json.loads(fast.out) == make_report()
+    assert [job["request"]["lazy"] for job in running_agent.spawner.jobs] == [False, False]
+
+
+def test_a_failure_reads_as_the_full_cli_s(
+    running_agent: RunningAgent, image: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    failure = {"error": "restore failed", "status": int(ExitStatus.ACTIVATION_FAILED),
+               "phase": "restore", "path": None, "log_tail": "last line"}  # fmt: skip
+    args = ["copy", "--image", str(image), "--no-lazy", "--detach", "--json"]
+    running_agent.spawner.script = [dict(failure)]
+    fast = main(args), capsys.readouterr()
+    running_agent.spawner.script = [dict(failure)]
+    assert (full_main(args), capsys.readouterr()) == fast
+    assert fast[0] == ExitStatus.ACTIVATION_FAILED and "restore failed" in fast[1].err
+
+
+def test_without_an_agent_the_full_cli_runs(
+    image: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
+    ran: list[list[str]] = []
+    monkeypatch.setattr("snapctl.cli.main", lambda args: ran.append(args) or 0)
+    args = ["copy", "--image", str(image), "--detach", "--json"]
+    assert main(args) == 0 and ran == [args]
+
+
+def test_as_a_process_it_imports_no_click_and_ends_with_the_report(
+    running_agent: RunningAgent, image: Path
+) -> None:
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "snapctl", "copy", "--image", str(image),
+         "--no-lazy", "--detach", "--json", "--name", "light", "--publish", "127.0.0.1:0"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and json.loads(done.stdout) == make_report()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert {name for name in imported if name.split(".")[0] in HEAVY} == set()
