@@ -149,10 +149,9 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
     from snapctl.activation.copy import require_all, start_copies, start_copy
     from snapctl.activation.native import native_step
+    from snapctl.activation.precheck import lazy_default
     from snapctl.activation.supervise import run_all_until_stopped
     from snapctl.criu import find_criu
-    from snapctl.criu.lazy.transfer import lazy_by_default
-    from snapctl.images import load_manifest
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
     signals = StopSignals().install()
@@ -166,8 +165,8 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
             criu = find_criu(request.criu_path)
             native = native_step(request.native)
             lazy = request.lazy
-            if lazy is None:
-                lazy = lazy_by_default(load_manifest(image))
+            if lazy is None:  # the agent decides (and notes) it first: this is the same rule
+                lazy = lazy_default(image, lambda text: None)
             publish = None
             if request.publish is not None:
                 publish = (request.publish.address, request.publish.port)
