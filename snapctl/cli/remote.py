@@ -146,7 +146,9 @@ def _stream_copy(
     """Relay the copy request's stream up to its report. SIGINT/SIGTERM while it starts do
     not cut the stream (the copy would be left serving with no one to stop it): they only
     set ``interrupted``, and once the report comes what started is stopped and the command
-    fails as an interrupted in-process start does (exit 130)."""
+    fails as an interrupted in-process start does (exit 130): in the foreground as an
+    interrupt (click's Abort: no message), with ``--detach`` with the detached supervisor's
+    message."""
     report = _relay_copy(client, request, lane_step, as_json)
     if interrupted.is_set():
         from snapctl.agent.client import AgentError
@@ -155,6 +157,8 @@ def _stream_copy(
         for copy in report.get("copies", [report]):
             with contextlib.suppress(Exception):
                 AgentClient(client.path).call("POST", f"/activations/{copy['name']}/stop", {})
+        if not request.get("detach"):
+            raise KeyboardInterrupt
         raise AgentError(
             "interrupted while starting (SIGINT/SIGTERM); what had started was stopped",
             exit_status=ExitStatus.INTERRUPTED,

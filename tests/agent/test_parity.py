@@ -10,6 +10,10 @@ on a fake spawner (see conftest), and what the copy's supervisor kept when it st
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,3 +218,52 @@ def test_a_refused_publish_fails_the_same_either_way(
             assert through == run_cli(capsys, "--no-agent", *args)
             assert through[0] == status, through
     assert running_agent.spawner.jobs == []
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_an_interrupted_start_fails_the_same_either_way(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scenario: Scenario,
+    running_agent: RunningAgent, detach: bool,
+) -> None:  # fmt: skip
+    extra = ("--detach",) if detach else ()
+    # Through the agent: SIGINT while the agent starts the copy (it is stopped once started).
+    running_agent.spawner.delay_s = 1.0
+    stopped: list[str] = []
+    monkeypatch.setattr(
+        "snapctl.agent.service.AgentService.stop",
+        lambda self, name, timeout_s: stopped.append(name) or {"name": name},
+    )
+
+    def interrupt() -> None:
+        deadline = time.monotonic() + 10
+        while not running_agent.spawner.jobs and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGINT)  # to the command, which holds SIGINT by then
+
+    sender = threading.Thread(target=interrupt)
+    sender.start()
+    through = run_cli(capsys, *scenario.args(*extra))
+    sender.join(10)
+    assert stopped == ["copy-1"]
+    # In-process: the first signal interrupts the start where it is (the detached supervisor
+    # relays it as its error).
+    with monkeypatch.context() as patched:
+        if detach:
+            from snapctl.activation.supervise import DetachedStartError
+
+            def start(*args: Any, **kwargs: Any) -> Any:
+                raise DetachedStartError(
+                    "interrupted while starting (SIGINT/SIGTERM); what had started was stopped",
+                    exit_status=ExitStatus.INTERRUPTED,
+                )
+
+            patched.setattr("snapctl.activation.supervise.detach", start)
+        else:
+
+            def start(*args: Any, **kwargs: Any) -> Any:
+                raise KeyboardInterrupt
+
+            patched.setattr("snapctl.activation.copy.start_copy", start)
+        patched.setattr("snapctl.criu.find_criu", lambda path=None: None)
+        local = run_cli(capsys, "--no-agent", *scenario.args(*extra))
+    assert through == local and through[0] == ExitStatus.INTERRUPTED
