@@ -210,8 +210,9 @@ def _serve_until_stopped(
     each and report as in-process (:func:`snapctl.cli.serving.report_ended`: its cleanup line,
     and the command fails if it was stopped as unsafe or its cleanup is incomplete). A copy
     its supervisor stopped first is reported from what that kept (``stopped.json``). Through
-    the agent; if the agent is gone meanwhile, in-process from their records (the copies must
-    not outlive us)."""
+    the agent; if the agent stops meanwhile, the copies serve on (they live in their own
+    supervisors) and this waits on from their records, then stops them itself, in-process:
+    they live as long as the command, as in-process."""
     from snapctl.agent.client import AgentUnavailableError
     from snapctl.cli.serving import pages_complete_note, report_ended, show_ended
     from snapctl.errors import SnapctlError
@@ -220,14 +221,23 @@ def _serve_until_stopped(
     if not as_json:
         _dim("serving; press Ctrl-C to stop")
     noted: set[str] = set()
-    with contextlib.suppress(AgentUnavailableError):  # stop them ourselves, below
-        while not stop.wait(0.5):
-            rows = AgentClient(client.path).call("GET", "/activations")
-            mine = {row["name"]: row for row in rows if row["name"] in names}
-            if not as_json:
-                _note_pages(copies, mine, noted, pages_complete_note)
-            if not any(row["running"] for row in mine.values()):
-                break
+    through_agent = True
+    while not stop.wait(0.5):
+        rows = None
+        if through_agent:
+            try:
+                rows = AgentClient(client.path).call("GET", "/activations")
+            except AgentUnavailableError:
+                through_agent = False  # the agent stopped: the copies did not, nor do we
+        if rows is None:
+            from snapctl.cli.activations import activation_rows
+
+            rows = activation_rows()
+        mine = {row["name"]: row for row in rows if row["name"] in names}
+        if not as_json:
+            _note_pages(copies, mine, noted, pages_complete_note)
+        if not any(row["running"] for row in mine.values()):
+            break
     ended, failures = [], []
     for copy in copies:
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -267,3 +268,39 @@ def test_an_interrupted_start_fails_the_same_either_way(
         patched.setattr("snapctl.criu.find_criu", lambda path=None: None)
         local = run_cli(capsys, "--no-agent", *scenario.args(*extra))
     assert through == local and through[0] == ExitStatus.INTERRUPTED
+
+
+def test_a_foreground_copy_serves_on_when_the_agent_stops(
+    capsys: pytest.CaptureFixture[str], scenario: Scenario, running_agent: RunningAgent
+) -> None:
+    import psutil
+
+    # The copy's tree (a stand-in that runs), recorded as its supervisor records it.
+    tree = subprocess.Popen(["sleep", "60"])
+    try:
+        started = psutil.Process(tree.pid).create_time()
+        save_record(running_agent.state, "copy-1", root_pid=tree.pid, root_start_time=started)
+        alive_after_agent: list[bool] = []
+
+        def agent_stops_then_the_copy_exits() -> None:
+            deadline = time.monotonic() + 10
+            while not running_agent.spawner.jobs and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.7)  # the command waits, polling the agent
+            running_agent.agent.stop()
+            time.sleep(1.5)  # and goes on waiting without it
+            alive_after_agent.append(tree.poll() is None)
+            scenario.kept("exited", CLEAN, None)  # its supervisor's stop
+            running_agent.state.drop_record("copy-1")
+            tree.kill()
+
+        thread = threading.Thread(target=agent_stops_then_the_copy_exits)
+        thread.start()
+        code, _, err = run_cli(capsys, *scenario.args())
+        thread.join(10)
+    finally:
+        tree.kill()
+        tree.wait(10)
+    assert alive_after_agent == [True]  # the agent's stop did not end the command's copy
+    assert code == 0, err
+    assert err.splitlines()[-1] == "copy-1: stopped (exited); cleanup: clean"
