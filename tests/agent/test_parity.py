@@ -304,3 +304,88 @@ def test_a_foreground_copy_serves_on_when_the_agent_stops(
     assert alive_after_agent == [True]  # the agent's stop did not end the command's copy
     assert code == 0, err
     assert err.splitlines()[-1] == "copy-1: stopped (exited); cleanup: clean"
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_detached_copy_prints_the_same_either_way(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scenario: Scenario,
+    running_agent: RunningAgent, count: int, as_json: bool,
+) -> None:  # fmt: skip
+    if count == 1:
+        record = scenario.report
+    else:
+        copies = [{**scenario.report, "name": f"copy-{i}"} for i in (1, 2)]
+        record = {"copies": copies, "total_s": 0.25}
+    running_agent.spawner.script = [{"report": record}]
+    extra = ["--detach", "--count", str(count), *(["--json"] if as_json else [])]
+    through = run_cli(capsys, *scenario.args(*extra))
+    with monkeypatch.context() as patched:
+        patched.setattr("snapctl.activation.supervise.detach", lambda *a, **k: record)
+        patched.setattr("snapctl.criu.find_criu", lambda path=None: None)
+        local = run_cli(capsys, "--no-agent", *scenario.args(*extra))
+    assert through == local and through[0] == 0
+    if as_json:
+        assert json.loads(through[1]) == record
+    else:
+        assert "copy-1" in through[1]
+
+
+def test_a_lazy_copy_s_pages_complete_note_is_the_same_either_way(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scenario: Scenario,
+    running_agent: RunningAgent,
+) -> None:  # fmt: skip
+    import psutil
+
+    tree = subprocess.Popen(["sleep", "60"])
+    try:
+        state = running_agent.state
+        save_record(state, "copy-1", root_pid=tree.pid,
+                    root_start_time=psutil.Process(tree.pid).create_time())  # fmt: skip
+        record = state.load_records()[0]
+        state.save_record(record.model_copy(update={"lazy": True, "pages_complete": True,
+                                                    "pages_complete_s": 0.5}))  # fmt: skip
+
+        def the_copy_exits() -> None:
+            deadline = time.monotonic() + 10
+            while not running_agent.spawner.jobs and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(1.2)  # a poll or two
+            scenario.kept("exited", CLEAN, None)
+            state.drop_record("copy-1")
+            tree.kill()
+
+        thread = threading.Thread(target=the_copy_exits)
+        thread.start()
+        through = run_cli(capsys, *scenario.args())
+        thread.join(10)
+    finally:
+        tree.kill()
+        tree.wait(10)
+
+    @dataclass
+    class Pages:
+        state: str = "complete"
+        complete_s: float = 0.5
+
+    class Transfer:
+        def wait(self, timeout_s: float | None = None) -> Pages:
+            return Pages()
+
+    class LazySession(FakeSession):
+        ends_at = time.monotonic() + 0.5
+
+        def alive(self) -> bool:
+            return time.monotonic() < self.ends_at
+
+    session = LazySession("copy-1", "exited", CLEAN, lazy=Transfer())
+    with monkeypatch.context() as patched:
+        scenario.in_process(patched, session)
+        session.ends_at = time.monotonic() + 0.5
+        local = run_cli(capsys, "--no-agent", *scenario.args())
+    assert through == local and through[0] == 0
+    assert through[2].splitlines() == [
+        "serving; press Ctrl-C to stop",
+        "copy-1: pages complete 0.500 s after its restore",
+        "copy-1: stopped (exited); cleanup: clean",
+    ]
