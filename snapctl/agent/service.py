@@ -11,6 +11,7 @@ environment (:func:`snapctl.pool.serve.capture_via_supervisor`), and a donor ser
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -106,10 +107,18 @@ class AgentService:
             return log, None
         raise NotFoundError(f"no activation named {name!r} (see snapctl ps)")
 
-    def follow(self, log: Path, record: Path, write: Callable[[bytes], None]) -> None:
+    def follow(
+        self, log: Path, record: Path, write: Callable[[bytes], None],
+        until: threading.Event | None = None,
+    ) -> None:  # fmt: skip
+        """Pass on what ``log`` holds and gets until the activation stops (its ``record``
+        goes), or ``until`` is set."""
         from snapctl.supervision.logs import follow_log
 
-        follow_log(log, write, done=lambda: not record.exists())
+        def done() -> bool:
+            return not record.exists() or (until is not None and until.is_set())
+
+        follow_log(log, write, done=done)
 
     def gc(self, timeout_s: float) -> dict[str, Any]:
         from snapctl.activation.supervise import collect_garbage

@@ -13,16 +13,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from snapctl.statedir.layout import DEFAULT_STATE_DIR, StateDir, state_dir
-    from snapctl.statedir.records import ActivationRecord
+    from snapctl.statedir.records import ActivationRecord, StopOutcome
 
 _MODULES = {
     "DEFAULT_STATE_DIR": "layout",
     "StateDir": "layout",
     "state_dir": "layout",
     "ActivationRecord": "records",
+    "StopOutcome": "records",
 }
 
-__all__ = ["DEFAULT_STATE_DIR", "ActivationRecord", "StateDir", "state_dir"]
+# In an activation's kept logs (``logs/ID/``): how it ended (a StopOutcome), written before
+# its record is dropped. Here, not in records: the thin client reads it without pydantic.
+STOPPED_FILE = "stopped.json"
+
+__all__ = [
+    "DEFAULT_STATE_DIR",
+    "STOPPED_FILE",
+    "ActivationRecord",
+    "StateDir",
+    "StopOutcome",
+    "state_dir",
+]
 
 
 def __getattr__(name: str) -> Any:
