@@ -29,7 +29,13 @@ from snapctl.protocol.atomic import write_json_atomic
 from snapctl.protocol.controldir import ControlDir
 from snapctl.statedir import STOPPED_FILE, ActivationRecord, StateDir, StopOutcome
 from snapctl.statedir.names import NameReservation
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError, descendants, wait_gone
+from snapctl.supervision.process import (
+    PinnedProcess,
+    ProcessGoneError,
+    descendants,
+    each_argv,
+    wait_gone,
+)
 from snapctl.supervision.signals import cleaning, track, untrack
 
 
@@ -69,14 +75,13 @@ def criu_processes(work_dir: Path) -> list[int]:
     ``--work-dir`` (one per activation) names them instead.
     """
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        argv = process.info["cmdline"] or []
+    for pid, argv in each_argv():
         # Only CRIU: another program with a --work-dir argument there is none of ours. CRIU
         # runs as itself, through its loader, or under kdat's unshare + sh wrapper.
         if "--work-dir" in argv and any("criu" in os.path.basename(arg) for arg in argv):
             index = argv.index("--work-dir") + 1
             if index < len(argv) and Path(argv[index]).is_relative_to(work_dir):
-                found.append(process.pid)
+                found.append(pid)
     return sorted(found)
 
 
