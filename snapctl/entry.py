@@ -19,7 +19,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     for fast in (fast_ps, fast_copy):
-        status = fast(args)
+        try:
+            status = fast(args)
+        except KeyboardInterrupt:  # before its handlers hold signals, or while it reports
+            from snapctl.errors import ExitStatus
+
+            status = ExitStatus.INTERRUPTED  # as the full CLI exits
         if status is not None:
             if argv is None:
                 _end_now(status)

@@ -25,10 +25,17 @@ from snapctl.images.lock import ImageHold
 from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
+from snapctl.protocol.atomic import write_json_atomic
 from snapctl.protocol.controldir import ControlDir
-from snapctl.statedir import ActivationRecord, StateDir
+from snapctl.statedir import STOPPED_FILE, ActivationRecord, StateDir, StopOutcome
 from snapctl.statedir.names import NameReservation
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError, descendants, wait_gone
+from snapctl.supervision.process import (
+    PinnedProcess,
+    ProcessGoneError,
+    descendants,
+    each_argv,
+    wait_gone,
+)
 from snapctl.supervision.signals import cleaning, track, untrack
 
 
@@ -68,14 +75,13 @@ def criu_processes(work_dir: Path) -> list[int]:
     ``--work-dir`` (one per activation) names them instead.
     """
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        argv = process.info["cmdline"] or []
+    for pid, argv in each_argv():
         # Only CRIU: another program with a --work-dir argument there is none of ours. CRIU
         # runs as itself, through its loader, or under kdat's unshare + sh wrapper.
         if "--work-dir" in argv and any("criu" in os.path.basename(arg) for arg in argv):
             index = argv.index("--work-dir") + 1
             if index < len(argv) and Path(argv[index]).is_relative_to(work_dir):
-                found.append(process.pid)
+                found.append(pid)
     return sorted(found)
 
 
@@ -326,12 +332,6 @@ class Session:
         # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
         left = wait_gone(self.tree_pids, stop_timeout_s) + leftover_daemon
         audit = remove_activation(self.dirs, left, stop_timeout_s)
-        with self._lock:
-            if not self.stopped:
-                self.state = SessionState.FAILED if failed else SessionState.STOPPED
-            self.state_dir.drop_record(self.name)
-            if self.reservation is not None:
-                self.reservation.release()
         if self.failure is not None:
             # The logs outlive the activation: say there why it was stopped.
             with contextlib.suppress(OSError):
@@ -340,10 +340,26 @@ class Session:
             [f"{listening[0]}:{listening[1]}"] if listening and _port_open(listening) else []
         )
         shm_files = sorted(name for name in shm_names if os.path.lexists(HOST_SHM / name))
-        untrack(self)
         result = how, audit.model_copy(update={"listeners": listeners, "shm_files": shm_files})
+        # Before the record goes: whoever sees it gone (a foreground copy through the agent)
+        # finds how it ended.
+        self._keep_outcome(*result)
+        with self._lock:
+            if not self.stopped:
+                self.state = SessionState.FAILED if failed else SessionState.STOPPED
+            self.state_dir.drop_record(self.name)
+            if self.reservation is not None:
+                self.reservation.release()
+        untrack(self)
         self._stop_result = result
         return result
+
+    def _keep_outcome(self, how: str, audit: CleanupAudit) -> None:
+        outcome = StopOutcome(
+            name=self.name, stopped=how, audit=audit.model_dump(), failure=self.failure
+        )
+        with contextlib.suppress(OSError, SnapctlError):  # the stop itself went on regardless
+            write_json_atomic(self.dirs.logs / STOPPED_FILE, outcome)
 
     def stop_failed_start(self, error: BaseException) -> None:
         """Stop after a start failed with ``error`` and, for a :class:`SnapctlError`, add what

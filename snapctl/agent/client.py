@@ -31,6 +31,8 @@ class AgentError(RelayedError):
         super().__init__(message, exit_status=exit_status, **fields)
         # A refused option: its name ("" for the command as a whole), as the CLI reports it.
         self.usage = usage
+        # The answer's HTTP status (404: no such activation), when it came as one.
+        self.http_status: int | None = None
 
 
 class AgentUnavailableError(SnapctlError):
@@ -127,7 +129,9 @@ class AgentClient:
                             continue
                         message = json.loads(line)
                         if status >= 400:
-                            raise error_from(message if isinstance(message, dict) else {})
+                            error = error_from(message if isinstance(message, dict) else {})
+                            error.http_status = status
+                            raise error
                         yield message
             except (OSError, ValueError) as error:
                 raise AgentUnavailableError(

@@ -35,6 +35,8 @@ from snapctl.statedir import StateDir
 
 # How long a stopping agent lets the requests it is answering finish (a copy's restore).
 IN_FLIGHT_WAIT_S = 60.0
+# How long it lets ``logs -f`` streams, told to end, tell their clients so.
+FOLLOWERS_END_WAIT_S = 5.0
 
 
 class AgentRunningError(SnapctlError):
@@ -193,7 +195,9 @@ class Agent:
 
     def stop(self) -> None:
         """Close the listeners, discard parked copies, end the spawner, drop the lock.
-        Copies already served keep running."""
+        Copies already served keep running; ``logs -f`` streams are ended, not waited for."""
+        if self._router is not None:
+            self._router.stop_following()
         for server in self._servers:
             server.shutdown()
             server.server_close()
@@ -203,6 +207,9 @@ class Agent:
         if self._router is not None and not self._router.in_flight.wait_idle(IN_FLIGHT_WAIT_S):
             log(f"requests still running after {IN_FLIGHT_WAIT_S:.0f} s: stopping anyway (their "
                 "copies keep serving; their clients get no report)")  # fmt: skip
+        if self._router is not None:
+            # Told to end when the stop began: each within a poll of its log.
+            self._router.in_flight.wait_idle(FOLLOWERS_END_WAIT_S, followers=True)
         self._router = None
         with contextlib.suppress(FileNotFoundError):
             if self._socket_made:  # only the socket this agent made

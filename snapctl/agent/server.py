@@ -20,7 +20,7 @@ import struct
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
@@ -30,6 +30,7 @@ from pydantic import BaseModel, ValidationError
 
 from snapctl.agent import API_PREFIX
 from snapctl.agent.api import ErrorBody, GcRequest, PoolRemoveRequest, StopRequest
+from snapctl.agent.client import AgentUnavailableError
 from snapctl.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundError
 from snapctl.errors import ExitStatus, SnapctlError
@@ -52,9 +53,12 @@ class Answer:
 @dataclass(frozen=True)
 class Stream:
     """A streamed NDJSON answer: ``run(emit)`` emits messages; what it returns (or the error
-    it raises) is the last message."""
+    it raises) is the last message. ``drains``: a stopping agent waits for it to end (a copy's
+    report); False for one that would never end by itself (``logs -f``), which the agent ends
+    instead when it stops (see :meth:`Router.stop_following`)."""
 
     run: Callable[[Emit], Any]
+    drains: bool = True
 
 
 @dataclass(frozen=True)
@@ -122,24 +126,48 @@ class _Refused(Exception):
 
 class InFlight:
     """The requests being answered, so that a stopping agent lets them finish (a copy's
-    report reaches its client) before it discards the pool."""
+    report reaches its client) before it discards the pool; and the ``logs -f`` streams,
+    which it ends instead, and waits for only until their clients were told."""
 
     def __init__(self) -> None:
-        self._count = 0
+        self._draining = 0
+        self._following = 0
         self._idle = threading.Condition()
 
-    def __enter__(self) -> None:
+    @contextlib.contextmanager
+    def request(self) -> Iterator[Callable[[], None]]:
+        """Count one request while the block runs; it calls what it is given once it turns
+        out to be a follower (see :attr:`Stream.drains`)."""
         with self._idle:
-            self._count += 1
+            self._draining += 1
+        following = False
 
-    def __exit__(self, *exc: object) -> None:
-        with self._idle:
-            self._count -= 1
-            self._idle.notify_all()
+        def follower() -> None:
+            nonlocal following
+            with self._idle:
+                if not following:
+                    following = True
+                    self._draining -= 1
+                    self._following += 1
+                    self._idle.notify_all()
 
-    def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            yield follower
+        finally:
+            with self._idle:
+                if following:
+                    self._following -= 1
+                else:
+                    self._draining -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout_s: float, *, followers: bool = False) -> bool:
+        """Wait until no request is being answered (``followers``: no follower either)."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._count == 0, timeout_s)
+            return self._idle.wait_for(
+                lambda: self._draining == 0 and (not followers or self._following == 0),
+                timeout_s,
+            )
 
 
 class Router:
@@ -148,6 +176,8 @@ class Router:
     def __init__(self, service: AgentService) -> None:
         self.service = service
         self.in_flight = InFlight()
+        # Set when the agent stops: ``logs -f`` streams end (see stop_following).
+        self.stopping = threading.Event()
         s = service
         self.routes: list[tuple[str, re.Pattern[str], Callable[..., Result]]] = [
             ("GET", re.compile(r"/version"), lambda m, q, b: Answer(200, s.version())),
@@ -201,10 +231,20 @@ class Router:
 
         def follow(emit: Emit) -> None:
             self.service.follow(log, record, lambda chunk: emit({"text": chunk.decode(
-                errors="replace")}))  # fmt: skip
+                errors="replace")}), until=self.stopping)  # fmt: skip
+            if self.stopping.is_set() and record.exists():
+                raise AgentUnavailableError(
+                    f"the agent is stopping, so it stopped following {match['name']}, which "
+                    f"still runs: run snapctl logs -f {match['name']} again"
+                )
             return None
 
-        return Stream(follow)
+        return Stream(follow, drains=False)
+
+    def stop_following(self) -> None:
+        """The agent is stopping: end every ``logs -f`` stream (within a second; its client
+        fails with ``AgentUnavailableError``, exit 7), so that none holds up the stop."""
+        self.stopping.set()
 
     def _copy(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         request = _parse(CopyRequest, body)
@@ -276,8 +316,11 @@ class Handler(BaseHTTPRequestHandler):
         started = time.monotonic()
         status = 500
         try:
-            with self.router.in_flight:
-                status = self._answer(method, self._result(method))
+            with self.router.in_flight.request() as follower:
+                result = self._result(method)
+                if isinstance(result, Stream) and not result.drains:
+                    follower()  # a stopping agent ends it rather than waits for it
+                status = self._answer(method, result)
         except (BrokenPipeError, ConnectionResetError):
             status = 499  # the client went away; what it asked for goes on without it
         finally:

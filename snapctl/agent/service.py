@@ -3,7 +3,7 @@
 JSON-ready answers and raising :class:`~snapctl.errors.SnapctlError` on failure.
 
 Copies never run in the agent's process: each is served by a parked copy's supervisor
-(:func:`snapctl.pool.activate_taken`) or restored in a fresh one forked by the spawner
+(:func:`snapctl.pool.serve.activate_from_pool`) or restored in a fresh one forked by the spawner
 (:func:`snapctl.pool.copy_via_supervisor`), so every copy keeps serving when the agent ends.
 Donors and bakes neither: each captures in a fresh supervisor, in the client's directory and
 environment (:func:`snapctl.pool.serve.capture_via_supervisor`), and a donor serves on there.
@@ -11,6 +11,7 @@ environment (:func:`snapctl.pool.serve.capture_via_supervisor`), and a donor ser
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from snapctl.agent.api import StopAnswer, VersionInfo
 from snapctl.agent.metrics import AgentMetrics
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
-from snapctl.pool.serve import ParkedCopyUnusableError, activate_taken, copy_via_supervisor
+from snapctl.pool.serve import activate_from_pool, copy_via_supervisor
 from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
 
 if TYPE_CHECKING:
@@ -92,10 +93,18 @@ class AgentService:
         except UnknownActivationError as error:
             raise NotFoundError(error.message) from error
 
-    def follow(self, log: Path, record: Path, write: Callable[[bytes], None]) -> None:
+    def follow(
+        self, log: Path, record: Path, write: Callable[[bytes], None],
+        until: threading.Event | None = None,
+    ) -> None:  # fmt: skip
+        """Pass on what ``log`` holds and gets until the activation stops (its ``record``
+        goes), or ``until`` is set."""
         from snapctl.supervision.logs import follow_log
 
-        follow_log(log, write, done=lambda: not record.exists())
+        def done() -> bool:
+            return not record.exists() or (until is not None and until.is_set())
+
+        follow_log(log, write, done=done)
 
     def gc(self, timeout_s: float) -> dict[str, Any]:
         from snapctl.activation.supervise import collect_garbage
@@ -149,18 +158,10 @@ class AgentService:
 
             image = Path(request.image)
             if request.count == 1:
-                handle = self.pool.take(image, request)
-                if handle is not None:
-                    try:
-                        report = activate_taken(handle, request, progress)
-                    except ParkedCopyUnusableError as error:
-                        self.pool.forget(handle)  # still parked, maybe: it is nobody's now
-                        progress("", f"parked copy unusable ({error.message}): restoring")
-                    else:
-                        self.metrics.served(
-                            report, source="pool", seconds=time.monotonic() - started
-                        )
-                        return report
+                report = activate_from_pool(self.pool, request, progress)
+                if report is not None:
+                    self.metrics.served(report, source="pool", seconds=time.monotonic() - started)
+                    return report
             if request.lazy is None:
                 request = request.model_copy(update={"lazy": self._lazy_default(image, emit)})
             report = copy_via_supervisor(request, self.state, progress, spawner=self.spawner)

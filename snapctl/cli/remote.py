@@ -7,7 +7,6 @@ imported only to draw what a terminal shows, pydantic never.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -69,7 +68,8 @@ def call(client: AgentClient, method: str, target: str, body: Any = None) -> Any
 
 
 class Record(dict[str, Any]):
-    """A JSON object whose fields read as attributes too (``report.timings_s.items()``)."""
+    """A JSON object whose fields read as attributes too (``report.name``), while a field that
+    is a mapping stays one (``report.timings_s.items()``), as on the model it came from."""
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -201,8 +201,8 @@ def serve_through_agent(
             if not as_json:
                 _dim("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it")
             return
-        names = [copy["name"] for copy in outcome.get("copies", [outcome])]
-        _serve_until_stopped(client, names, as_json=as_json, stop=signalled)
+        copies = outcome.get("copies", [outcome])
+        _serve_until_stopped(client, copies, as_json=as_json, stop=signalled)
 
 
 def _stream_start(
@@ -212,10 +212,15 @@ def _stream_start(
     """Relay the start request's stream up to its report. SIGINT/SIGTERM while it starts do
     not cut the stream (the copy or donor would be left serving with no one to stop it): they
     only set ``interrupted``, and once the report comes what started is stopped and the
-    command fails as an interrupted in-process start does (exit 130)."""
+    command fails as an interrupted in-process start does (exit 130): in the foreground as an
+    interrupt (click's Abort: no message), with ``--detach`` with the detached supervisor's
+    message."""
     report = _relay(client, target, request, lane_step, as_json)
     if interrupted.is_set():
-        raise stop_interrupted(client.path, report)
+        error = stop_interrupted(client.path, report)
+        if not request.get("detach"):
+            raise KeyboardInterrupt
+        raise error
     return report
 
 
@@ -246,60 +251,124 @@ def _show(outcome: dict[str, Any]) -> None:
 
 
 def _dim(text: str) -> None:
-    if sys.stderr.isatty():
-        from snapctl.cli.output import stderr
+    from snapctl.cli.serving import stderr_line
 
-        stderr().print(text, style="dim", markup=False)
-    else:
-        sys.stderr.write(text + "\n")
+    stderr_line(text, "dim")
 
 
 def _serve_until_stopped(
-    client: AgentClient, names: list[str], *, as_json: bool, stop: threading.Event
+    client: AgentClient, copies: list[dict[str, Any]], *, as_json: bool, stop: threading.Event
 ) -> None:
     """The foreground's wait: until ``stop`` (Ctrl-C/SIGTERM) or every copy exited, then stop
-    each, report its cleanup, and fail if one was not clean. Through the agent; if the agent
-    is gone meanwhile, in-process from their records (the copies must not outlive us)."""
+    each and report as in-process (:func:`snapctl.cli.serving.report_ended`: its cleanup line,
+    and the command fails if it was stopped as unsafe or its cleanup is incomplete). A copy
+    its supervisor stopped first is reported from what that kept (``stopped.json``). Through
+    the agent; if the agent stops meanwhile, the copies serve on (they live in their own
+    supervisors) and this waits on from their records, then stops them itself, in-process:
+    they live as long as the command, as in-process."""
     from snapctl.agent.client import AgentUnavailableError
+    from snapctl.cli.serving import pages_complete_note, report_ended, show_ended
     from snapctl.errors import SnapctlError
-    from snapctl.plain import audit_clean, describe_audit
 
+    names = {copy["name"] for copy in copies}
     if not as_json:
         _dim("serving; press Ctrl-C to stop")
-    with contextlib.suppress(AgentUnavailableError):  # stop them ourselves, below
-        while not stop.wait(0.5):
-            rows = AgentClient(client.path).call("GET", "/activations")
-            running = {row["name"] for row in rows if row["running"]}
-            if not running & set(names):
-                break
-    dirty = []
-    for name in names:
-        try:
-            answer = _stop_one(client, name)
-        except SnapctlError:
-            continue  # already gone and cleaned up by its supervisor
+    noted: set[str] = set()
+    through_agent = True
+    while not stop.wait(0.5):
+        rows = None
+        if through_agent:
+            try:
+                rows = AgentClient(client.path).call("GET", "/activations")
+            except AgentUnavailableError:
+                through_agent = False  # the agent stopped: the copies did not, nor do we
+        if rows is None:
+            from snapctl.statedir import StateDir
+            from snapctl.supervision.listing import activation_rows
+
+            rows = activation_rows(StateDir())
+        mine = {row["name"]: row for row in rows if row["name"] in names}
         if not as_json:
-            text = f"{name}: stopped ({answer['stopped']}); cleanup: "
-            _dim(text + describe_audit(answer["audit"]))
-        if not audit_clean(answer["audit"]):
-            dirty.append(name)
-    if dirty:
-        raise SnapctlError(f"cleanup incomplete after stopping {', '.join(dirty)}")
+            _note_pages(copies, mine, noted, pages_complete_note)
+        if not any(row["running"] for row in mine.values()):
+            break
+    ended, failures = [], []
+    for copy in copies:
+        try:
+            end = _end_of(client, copy)
+        except SnapctlError as error:  # still stop the others, then fail with it
+            failures.append(error)
+            continue
+        if end is not None:
+            ended.append(end)
+    if failures:
+        show_ended(ended, as_json=as_json)
+        raise failures[0]
+    report_ended(ended, as_json=as_json)
 
 
-def _stop_one(client: AgentClient, name: str) -> dict[str, Any]:
-    """Stop ``name`` through the agent, or in-process from its record when no agent answers."""
-    from snapctl.agent.client import AgentUnavailableError
+def _note_pages(
+    copies: list[dict[str, Any]], rows: dict[str, dict[str, Any]], noted: set[str], note: Any
+) -> None:
+    """As in-process: say once when a lazy copy's last page arrived."""
+    for copy in copies:
+        row = rows.get(copy["name"])
+        if copy.get("lazy") and row and row.get("pages_complete") and copy["name"] not in noted:
+            noted.add(copy["name"])
+            _dim(note(copy["name"], row["pages_complete_s"]))
+
+
+def _end_of(client: AgentClient, copy: dict[str, Any]) -> Any:
+    """How ``copy`` ended (:class:`snapctl.cli.serving.Ended`): stopped now if it is still
+    recorded, and what its supervisor kept if it stopped it (the reason it was stopped as
+    unsafe, and its own stop if ours found nothing left); None if neither knows it."""
+    from snapctl.cli.serving import Ended
+
+    answer = _stop_one(client, copy["name"])
+    kept = _kept_outcome(copy)
+    if answer is None and kept is None:
+        return None  # stopped and cleaned up by someone else (snapctl stop, gc)
+    source = answer if answer is not None else kept
+    assert source is not None
+    failure = None if kept is None else kept.get("failure")
+    return Ended(copy["name"], source["stopped"], source["audit"], failure)
+
+
+def _kept_outcome(copy: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``StopOutcome`` the copy's supervisor kept in its logs, or None."""
+    import json
+    from pathlib import Path
+
+    from snapctl.statedir import STOPPED_FILE
+
+    try:
+        kept = json.loads((Path(copy["logs"]) / STOPPED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) else None
+
+
+def _stop_one(client: AgentClient, name: str) -> dict[str, Any] | None:
+    """Stop ``name`` through the agent, or in-process from its record when no agent answers;
+    None when it is recorded no more."""
+    from snapctl.agent.client import AgentError, AgentUnavailableError
 
     try:
         answer: dict[str, Any] = AgentClient(client.path).call(
             "POST", f"/activations/{name}/stop", {}
         )
         return answer
+    except AgentError as error:
+        if error.http_status == 404:
+            return None
+        raise
     except AgentUnavailableError:
         from snapctl.activation.supervise import stop_recorded
-        from snapctl.cli.activations import _find
         from snapctl.statedir import StateDir
 
-        how, audit = stop_recorded(_find(name), StateDir())
+        state = StateDir()
+        record = next((r for r in state.load_records() if r.name == name), None)
+        if record is None:
+            return None
+        how, audit = stop_recorded(record, state)
         return {"name": name, "stopped": how, "audit": audit.model_dump()}

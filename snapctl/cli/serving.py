@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from snapctl.phases import HostPhase
@@ -123,37 +124,32 @@ def run_detached(
     elif as_json:
         emit_json(outcome)
     else:
-        from snapctl.cli.output import stderr
-
         show(outcome)
-        stderr().print("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it",
-                       style="dim", markup=False)  # fmt: skip
+        stderr_line("running detached: `snapctl ps` lists it, `snapctl stop NAME` stops it", "dim")
 
 
 def wait_and_stop(sessions: list[Any], *, as_json: bool, stop: Any) -> None:
     """Supervise in the foreground until ``stop`` is set (Ctrl-C, SIGTERM) or every tree
-    exited, then report cleanup."""
+    exited, then report cleanup (see :func:`report_ended`)."""
     from snapctl.activation.supervise import run_all_until_stopped
-    from snapctl.cli.output import stderr
 
     if not as_json:
-        stderr().print("serving; press Ctrl-C to stop", style="dim")
+        stderr_line("serving; press Ctrl-C to stop", "dim")
         for session in sessions:
             note_pages_complete(session)
     results = run_all_until_stopped(sessions, stop=stop)
-    if not as_json:
-        for session, (how, audit) in zip(sessions, results, strict=True):
-            style = "green" if audit.clean and not session.failure else "bold red"
-            stderr().print(f"{session.name}: stopped ({how}); cleanup: {audit.describe()}",
-                           style=style, markup=False)  # fmt: skip
-    raise_if_failed(sessions)
+    report_ended(
+        [
+            Ended(session.name, how, audit.model_dump(), session.failure)
+            for session, (how, audit) in zip(sessions, results, strict=True)
+        ],
+        as_json=as_json,
+    )
 
 
 def note_pages_complete(session: Any) -> None:
     """For a lazy copy in the foreground: say on stderr when its last page arrived."""
     import threading
-
-    from snapctl.cli.output import stderr
 
     if session.lazy is None:
         return
@@ -161,16 +157,69 @@ def note_pages_complete(session: Any) -> None:
     def wait() -> None:
         status = session.lazy.wait()
         if status.state == "complete":
-            stderr().print(f"{session.name}: pages complete {status.complete_s:.3f} s after "
-                           "its restore", style="dim", markup=False)  # fmt: skip
+            stderr_line(pages_complete_note(session.name, status.complete_s), "dim")
 
     threading.Thread(target=wait, name="pages-note", daemon=True).start()
 
 
-def raise_if_failed(sessions: list[Any]) -> None:
-    """An activation stopped as unsafe (a lazy copy whose daemon died) fails the command."""
-    from snapctl.errors import SnapctlError
+def pages_complete_note(name: str, complete_s: float) -> str:
+    return f"{name}: pages complete {complete_s:.3f} s after its restore"
 
-    for session in sessions:
-        if session.failure is not None:
-            raise SnapctlError(f"{session.name}: {session.failure}", phase=HostPhase.LAZY_PAGES)
+
+@dataclass(frozen=True)
+class Ended:
+    """How one activation of a foreground command ended: how its tree stopped, its cleanup
+    audit (``CleanupAudit`` as JSON), and why it was stopped as unsafe (``Session.failure``)."""
+
+    name: str
+    stopped: str
+    audit: dict[str, Any]
+    failure: str | None = None
+
+
+def report_ended(ended: list[Ended], *, as_json: bool) -> None:
+    """The end of a foreground command, in-process or through the agent alike: a cleanup line
+    per activation (not under ``--json``), then the command fails if one was stopped as unsafe
+    (a lazy copy whose page transfer failed: its reason, phase lazy-pages) or, as ``snapctl
+    stop`` does, if a cleanup is incomplete."""
+    show_ended(ended, as_json=as_json)
+    fail_if_ended_badly(ended)
+
+
+def show_ended(ended: list[Ended], *, as_json: bool) -> None:
+    """The cleanup lines of :func:`report_ended`."""
+    from snapctl.plain import audit_clean, describe_audit
+
+    if not as_json:
+        for end in ended:
+            style = "green" if audit_clean(end.audit) and not end.failure else "bold red"
+            stderr_line(
+                f"{end.name}: stopped ({end.stopped}); cleanup: {describe_audit(end.audit)}", style
+            )
+
+
+def fail_if_ended_badly(ended: list[Ended]) -> None:
+    """The failure of :func:`report_ended`, if any."""
+    from snapctl.errors import SnapctlError
+    from snapctl.plain import audit_clean, describe_audit
+
+    for end in ended:
+        if end.failure is not None:
+            raise SnapctlError(f"{end.name}: {end.failure}", phase=HostPhase.LAZY_PAGES)
+    dirty = [f"{end.name}: {describe_audit(end.audit)}" for end in ended
+             if not audit_clean(end.audit)]  # fmt: skip
+    if dirty:
+        raise SnapctlError(f"cleanup incomplete after stopping {'; '.join(dirty)}")
+
+
+def stderr_line(text: str, style: str) -> None:
+    """One line on stderr, in ``style`` on a terminal; elsewhere as it is (never wrapped)."""
+    import sys
+
+    if sys.stderr.isatty():
+        from snapctl.cli.output import stderr
+
+        stderr().print(text, style=style, markup=False, soft_wrap=True)
+    else:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()

@@ -181,6 +181,24 @@ def is_verified(image: Path, manifest: Manifest, cache_dir: Path) -> bool:
     return _cache_hit(image, manifest, cache_dir)
 
 
+def file_keys(image: Path, manifest: Manifest) -> dict[str, StatKey] | None:
+    """The stat key of every file ``manifest`` lists, as ``image`` holds them now (None: one
+    cannot be stat'ed): compare with :func:`unchanged_since` later."""
+    return _listed_keys(image, manifest)
+
+
+def unchanged_since(image: Path, manifest: Manifest, keys: dict[str, StatKey] | None) -> bool:
+    """True when ``image`` holds exactly the files ``manifest`` lists, each with the stat key
+    :func:`file_keys` gave (no file changed, added or removed since; no hashing)."""
+    if keys is None:
+        return False
+    try:
+        check_image_tree(image, manifest)
+    except (ImageError, OSError):
+        return False
+    return _listed_keys(image, manifest) == keys
+
+
 REFETCH_HINT = "re-import the image from its archive or bake it again"
 # The directories every image has; empty ones are as published (a saved /dev/shm may be empty).
 IMAGE_DIRS = ("criu", "shm", "logs")

@@ -160,20 +160,12 @@ class ActivationDirs:
         removed it still binds them and execs the server, in a sandbox nothing can find by its
         directory any more. The bind comes before the exec, so one of the two always holds.
         """
-        spec = str(self.sandbox_spec).encode()
-        module = SANDBOX_INIT_MODULE.encode()
-        found = []
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
-                    argv = cmdline.read().split(b"\0")
-            except OSError:
-                continue  # exited while we looked
-            if module in argv and spec in argv:
-                found.append(int(entry.name))
-        return sorted(found)
+        from snapctl.supervision.process import each_argv
+
+        spec = str(self.sandbox_spec)
+        return sorted(
+            pid for pid, argv in each_argv() if SANDBOX_INIT_MODULE in argv and spec in argv
+        )
 
     def binds(self) -> list[BindMount]:
         return [

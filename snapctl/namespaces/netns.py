@@ -35,14 +35,19 @@ class NetnsConnector:
             target=self._serve, args=(ready,), name=f"netns-{pid}", daemon=True
         )
         self._thread.start()
-        ready.result(timeout=5)
+        try:
+            ready.result(timeout=5)
+        except BaseException:
+            self._requests.put(None)  # a thread that gets this far late ends at once
+            raise
 
     def _serve(self, ready: Future[None]) -> None:
-        if _libc.setns(self._ns_fd, CLONE_NEWNET) != 0:
-            errno = ctypes.get_errno()
+        failed = _libc.setns(self._ns_fd, CLONE_NEWNET) != 0
+        errno = ctypes.get_errno()
+        os.close(self._ns_fd)
+        if failed:
             ready.set_exception(OSError(errno, f"setns into netns: {os.strerror(errno)}"))
             return
-        os.close(self._ns_fd)
         ready.set_result(None)
         while (item := self._requests.get()) is not None:
             make, future = item

@@ -23,7 +23,9 @@ from typing import Any
 import psutil
 
 from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
+from snapctl.images.filecache import StatKey
 from snapctl.images.manifest import MANIFEST_NAME
+from snapctl.images.store import file_keys, unchanged_since
 from snapctl.phases import HostPhase
 from snapctl.pool.identity import manifest_digest, published_identity
 from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
@@ -78,6 +80,7 @@ class _Parked:
         self.copy: ParkedCopy | None = None
         self.image = Path(self.request.image)
         self.manifest_stat: tuple[int, ...] | None = None
+        self.file_keys: dict[str, StatKey] | None = None
         self.listener: socket.socket | None = None
         me = psutil.Process()
         self.record = ParkedRecord(
@@ -115,6 +118,7 @@ class _Parked:
         assert session.root is not None
         # Read after the restore verified the image: a change since shows as another stat.
         self.manifest_stat = manifest_stat(self.image)
+        self.file_keys = file_keys(self.image, self.copy.manifest)
         if published_identity(self.image) != (
             self.copy.manifest.image_id,
             manifest_digest(self.copy.manifest),
@@ -146,12 +150,10 @@ class _Parked:
         return published_identity(self.image)
 
     def still_verified(self) -> bool:
-        """Every file of the image is still the one verified at parking: the same stat key
-        and no file added (no hashing; see :func:`snapctl.images.store.is_verified`)."""
-        from snapctl.images.store import is_verified
-
+        """Every file of the image is still the one verified for the restore: the same stat
+        key as right after it and no file added or removed (no hashing)."""
         assert self.copy is not None
-        return is_verified(self.image, self.copy.manifest, self.state.verified)
+        return unchanged_since(self.image, self.copy.manifest, self.file_keys)
 
     def discard(self) -> None:
         """Stop the parked copy (if it got that far) and remove its files."""

@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError
 from snapctl.phases import HostPhase
@@ -25,6 +25,9 @@ from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.models import Phase
 from snapctl.statedir import StateDir
+
+if TYPE_CHECKING:
+    from snapctl.pool.warm import WarmPool
 
 # on_progress(lane, step): lane "" for a single copy, "copy N" for one of --count N.
 LaneProgress = Callable[[str, str], None]
@@ -187,3 +190,22 @@ def activate_taken(
     finally:
         with contextlib.suppress(OSError):
             conn.close()
+
+
+def activate_from_pool(
+    pool: WarmPool, request: CopyRequest, progress: LaneProgress
+) -> dict[str, Any] | None:
+    """Take a parked copy that fits ``request`` and activate it: its report (``from_pool``
+    true). None when none was ready, or the one taken could not serve (it is discarded and
+    the caller restores a fresh one); an activation that failed raises its error."""
+    handle = pool.take(Path(request.image), request)
+    if handle is None:
+        return None
+    try:
+        return activate_taken(handle, request, progress)
+    except ParkedCopyUnusableError as error:
+        pool.forget(handle)  # still parked, maybe: it is nobody's now
+        progress("", f"parked copy unusable ({error.message}): restoring")
+        return None
+    finally:
+        pool.settled(handle)  # served or not: refills may start

@@ -60,6 +60,9 @@ TICK_S = 0.5
 # At most this many restores for the pool at once, over all images: parking is background
 # work and must leave the host's CPUs to the copies being served.
 MAX_PARKING = 2
+# A refill waits while a taken copy activates (its restore would take the CPU the activation
+# needs on a small host), at most this long after the take.
+REFILL_HOLD_S = 5.0
 BACKOFF_MAX_S = 30.0
 # The memory of parked copies is read (PSS, a walk of each tree's smaps) this often.
 MEMORY_EVERY_S = 2.0
@@ -172,6 +175,8 @@ class WarmPool:
         self._closing = threading.Event()
         self._images: dict[str, _Image] = {}
         self._parking = 0
+        # Taken copies still activating: their id and until when they hold refills back.
+        self._activating: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
         me = psutil.Process()
@@ -317,17 +322,23 @@ class WarmPool:
                 entry.slots.remove(slot)
                 slot.taken = True
                 record = slot.record
+                self._activating[record.id] = time.monotonic() + REFILL_HOLD_S
                 break
             else:
                 return None
         self.events.taken(key)
-        self._wake.set()
         return ParkedHandle(
             id=record.id, image=record.image, image_id=record.image_id or "",
             manifest_digest=record.manifest_digest or "", lazy=record.lazy,
             socket=Path(record.socket), supervisor_pid=record.supervisor_pid,
             supervisor_start_time=record.supervisor_start_time, host="127.0.0.1", port=8000,
         )  # fmt: skip
+
+    def settled(self, handle: ParkedHandle) -> None:
+        """The taker is done activating ``handle`` (served or failed): refills may start."""
+        with self._lock:
+            self._activating.pop(handle.id, None)
+        self._wake.set()
 
     def forget(self, handle: ParkedHandle) -> None:
         """A taken copy its taker could not use: discard it (in the background), so that it
@@ -494,6 +505,11 @@ class WarmPool:
         if self._closing.is_set() or entry.identity is None or now < entry.retry_at:
             return
         with self._lock:
+            self._activating = {
+                key: until for key, until in self._activating.items() if until > now
+            }
+            if self._activating:
+                return  # settled() wakes the tick again
             live = [slot for slot in entry.slots if not slot.discarding]
             restoring = [slot for slot in live if slot.record is None]
             if len(live) >= entry.target.size or restoring or self._parking >= MAX_PARKING:

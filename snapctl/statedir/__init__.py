@@ -18,7 +18,7 @@ if TYPE_CHECKING:
         UnknownActivationError,
         state_dir,
     )
-    from snapctl.statedir.records import ActivationRecord
+    from snapctl.statedir.records import ActivationRecord, StopOutcome
 
 _MODULES = {
     "DEFAULT_STATE_DIR": "layout",
@@ -26,12 +26,19 @@ _MODULES = {
     "state_dir": "layout",
     "UnknownActivationError": "layout",
     "ActivationRecord": "records",
+    "StopOutcome": "records",
 }
+
+# In an activation's kept logs (``logs/ID/``): how it ended (a StopOutcome), written before
+# its record is dropped. Here, not in records: the thin client reads it without pydantic.
+STOPPED_FILE = "stopped.json"
 
 __all__ = [
     "DEFAULT_STATE_DIR",
+    "STOPPED_FILE",
     "ActivationRecord",
     "StateDir",
+    "StopOutcome",
     "UnknownActivationError",
     "state_dir",
 ]

@@ -34,3 +34,19 @@ class ActivationRecord(BaseModel):
     pages_complete: bool | None = None
     pages_complete_s: float | None = None
     pages_complete_at: str | None = None
+
+
+class StopOutcome(BaseModel):
+    """How an activation ended (``logs/ID/stopped.json``), kept by whichever process stopped
+    it, before its record is dropped: a foreground ``snapctl copy`` through the agent reads it
+    when the copy's own supervisor stopped it first (its tree exited, or was killed as unsafe),
+    to report as the in-process command reports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schema_version: int = 1
+    name: str
+    stopped: str  # how the tree ended: exited, terminated, killed (or why it could not be)
+    audit: dict[str, list[int] | list[str]]  # CleanupAudit as JSON
+    # Why it was stopped behind its user's back (Session.failure), or None.
+    failure: str | None = None

@@ -9,6 +9,7 @@ import os
 import select
 import signal
 import time
+from collections.abc import Iterator
 
 import psutil
 
@@ -130,6 +131,21 @@ class PinnedProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def each_argv() -> Iterator[tuple[int, list[str]]]:
+    """Every process's PID and argv (``/proc/PID/cmdline``; a process that exits while we
+    look, or a kernel thread, is left out)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as cmdline:
+                raw = cmdline.read()
+        except OSError:
+            continue
+        if raw:
+            yield int(entry.name), [os.fsdecode(arg) for arg in raw.rstrip(b"\0").split(b"\0")]
 
 
 def descendants(pid: int) -> list[int]:

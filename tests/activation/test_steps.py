@@ -15,7 +15,7 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.activation.states import SessionState, TransitionError, check_transition
 from snapctl.images import load_manifest
 from snapctl.images.lock import hold_image
-from snapctl.statedir import StateDir
+from snapctl.statedir import STOPPED_FILE, StateDir, StopOutcome
 from tests.activation.fake_tools import CAPTURE_ID, CRIU, InjectedFailure, Steps, fake_tools
 
 DONOR_STEPS = [
@@ -208,3 +208,26 @@ def test_a_second_stop_tears_nothing_down_again(
     dropped: list[str] = []  # its name may be another activation's record by now
     monkeypatch.setattr(session.state_dir, "drop_record", dropped.append)
     assert session.stop() == first and dropped == []
+
+
+def test_a_stop_keeps_how_it_ended_in_the_logs_before_the_record_goes(
+    state: StateDir, image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = Steps()
+    session, _ = copy(state, image, steps)  # type: ignore[misc]
+    session.failure = "lazy-pages daemon killed by SIGKILL before every page was copied"
+    kept = session.dirs.logs / STOPPED_FILE
+    seen_at_drop: list[bool] = []
+    drop = state.drop_record
+
+    def dropping(name: str) -> None:
+        seen_at_drop.append(kept.exists())  # a client that sees the record gone finds it
+        drop(name)
+
+    monkeypatch.setattr(session.state_dir, "drop_record", dropping)
+    how, audit = session.stop()
+    assert seen_at_drop == [True]
+    outcome = StopOutcome.model_validate_json(kept.read_text())
+    assert outcome == StopOutcome(
+        name=session.name, stopped=how, audit=audit.model_dump(), failure=session.failure
+    )

@@ -85,6 +85,7 @@ class FakePool:
         self.ready: list[ParkedHandle] = []
         self.taken_for: list[CopyRequest | None] = []
         self.forgotten: list[ParkedHandle] = []
+        self.settled_handles: list[ParkedHandle] = []
         self.closed = False
 
     def set(self, image: Path, size: int, *, lazy: bool | None = None,
@@ -109,6 +110,9 @@ class FakePool:
 
     def forget(self, handle: ParkedHandle) -> None:
         self.forgotten.append(handle)
+
+    def settled(self, handle: ParkedHandle) -> None:
+        self.settled_handles.append(handle)
 
     def adopt(self) -> AdoptionReport:
         return AdoptionReport(discarded=(), removed=())

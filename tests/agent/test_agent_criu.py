@@ -6,6 +6,7 @@ agent lists it, parked copies are discarded, nothing is left at the end)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,9 +18,10 @@ import psutil
 import pytest
 
 from snapctl.agent.client import connect
-from snapctl.errors import SnapctlError
-from snapctl.statedir import StateDir
-from tests.activation.criu_helpers import API_KEY_ENV, complete, leftovers
+from snapctl.criu import CriuBinary
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.statedir import STOPPED_FILE, StateDir
+from tests.activation.criu_helpers import API_KEY_ENV, complete, launch_donor, leftovers
 from tests.agent.helpers import (
     AgentProcess,
     Started,
@@ -111,6 +113,75 @@ def test_a_foreground_copy_through_the_agent_stops_on_ctrl_c(
     assert report["name"] == "fg" and complete(report["published"]) == expected
     process.send_signal(signal.SIGINT)
     assert process.wait(60) == 0, process.stderr.read() if process.stderr else ""
+    assert state.load_records() == [] and leftovers(state) == []
+
+
+def test_a_foreground_copy_through_the_agent_whose_tree_exits_ends_as_in_process(
+    state: StateDir, donor_image: tuple[Path, Any], agents: Started[AgentProcess]
+) -> None:
+    image, _ = donor_image
+    agents.start()
+    args = [a for a in copy_args(image, "gone") if a != "--json"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", *args], env=env_for(state),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    until(lambda: [r.name for r in state.load_records()] == ["gone"] or process.poll() is not None)
+    (record,) = state.load_records()
+    os.kill(record.root_pid, signal.SIGKILL)  # its supervisor sees it exit and cleans up
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert "copy gone" in out  # its report, drawn as in-process
+    # As in-process: the supervisor's stop, from what it kept in the copy's logs.
+    assert err.splitlines()[-2:] == [
+        "serving; press Ctrl-C to stop", "gone: stopped (exited); cleanup: clean"
+    ]  # fmt: skip
+    kept = json.loads((Path(record.logs_dir) / STOPPED_FILE).read_text())
+    assert kept["stopped"] == "exited" and kept["failure"] is None
+    assert state.load_records() == [] and leftovers(state) == []
+
+
+def pause_daemon(pid: int) -> bool:
+    """SIGSTOP the lazy-pages daemon ``pid``; False if its transfer is already over."""
+    try:
+        daemon = psutil.Process(pid)
+        if "lazy-pages" not in daemon.cmdline():
+            return False  # it finished, and the PID may name another process by now
+        daemon.send_signal(signal.SIGSTOP)
+        until(lambda: daemon.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE), 10)
+        return daemon.status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_foreground_lazy_copy_whose_transfer_fails_fails_as_in_process(
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, agents: Started[AgentProcess]
+) -> None:
+    image = tmp_path / "image"
+    # Enough pages that the transfer still runs when the client has the report.
+    session, _ = launch_donor(image, state, criu_binary, fixture_retained_mb=1024)
+    session.stop()
+    agents.start()
+    for attempt in range(3):
+        name = f"lazy-{attempt}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "snapctl", *copy_args(image, name, "--lazy")],
+            env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert process.stdout is not None
+        report = json.loads(process.stdout.readline())
+        if pause_daemon(report["lazy_pages_pid"]):
+            break
+        process.send_signal(signal.SIGINT)  # its pages were in already: again
+        assert process.wait(60) == 0
+    else:
+        pytest.fail("the transfer finished before the client had the report, 3 times")
+    os.kill(report["lazy_pages_pid"], signal.SIGKILL)  # the copy's memory is incomplete now
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == ExitStatus.ERROR, err
+    (line,) = err.splitlines()  # --json: the error line only
+    assert line.startswith(f"error: {name}: ") and line.endswith(" [phase: lazy-pages]")
+    assert "before every page was copied" in line
     assert state.load_records() == [] and leftovers(state) == []
 
 

@@ -275,7 +275,7 @@ def test_copy_takes_a_parked_copy_when_one_is_ready(
         progress("", "activating the copy")
         return make_report(from_pool=True)
 
-    monkeypatch.setattr("snapctl.agent.service.activate_taken", activate)
+    monkeypatch.setattr("snapctl.pool.serve.activate_taken", activate)
     code, out, _ = run_cli(capsys, "copy", "--image", str(image), "--detach", "--json")
     assert code == 0 and json.loads(out)["from_pool"] is True
     assert taken[0][0] is handle and running_agent.spawner.jobs == []
@@ -588,6 +588,6 @@ def test_a_parked_copy_that_cannot_be_used_is_discarded(
     def unusable(handle: ParkedHandle, request: Any, progress: Any) -> dict[str, Any]:
         raise ParkedCopyUnusableError("it does not answer")
 
-    monkeypatch.setattr("snapctl.agent.service.activate_taken", unusable)
+    monkeypatch.setattr("snapctl.pool.serve.activate_taken", unusable)
     run_cli(capsys, "copy", "--image", str(image), "--detach", "--json")
     assert running_agent.pool.forgotten == [handle]  # not left parked, holding memory

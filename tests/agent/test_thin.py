@@ -148,3 +148,14 @@ def test_as_a_process_it_imports_no_click_and_ends_with_the_report(
     assert done.returncode == 0 and json.loads(done.stdout) == make_report()
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
     assert {name for name in imported if name.split(".")[0] in HEAVY} == set()
+
+
+def test_a_usage_refusal_is_reported_by_the_full_cli_and_starts_nothing(
+    running_agent: RunningAgent, image: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["copy", "--image", str(image), "--detach", "--json", "--expose"]
+    assert parse_fast_copy(args) is not None  # the agent refuses it, not the parser
+    fast = main(args), capsys.readouterr()
+    assert fast[0] == ExitStatus.USAGE and "--expose only widens --publish" in fast[1].err
+    assert (full_main(args), capsys.readouterr()) == fast
+    assert running_agent.spawner.jobs == []

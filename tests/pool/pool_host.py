@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from snapctl.pool import CopyRequest, Spawner, WarmPool, activate_taken, copy_via_supervisor
-from snapctl.pool.serve import ParkedCopyUnusableError, ParkedHandle
+from snapctl.pool.serve import ParkedHandle, activate_from_pool
 from snapctl.statedir import StateDir
 
 
@@ -67,17 +67,10 @@ def main() -> None:
         if op in ("copy", "fresh"):
             request = CopyRequest.model_validate_json(json.dumps(command["request"]))
             started = time.monotonic()
-            handle = pool.take(Path(request.image), request) if op == "copy" else None
-            if handle is not None:
-                try:
-                    report = activate_taken(handle, request, progress)
-                    return {"report": report, "wall_s": time.monotonic() - started}
-                except ParkedCopyUnusableError as error:
-                    fallback = str(error)
-            else:
-                fallback = None
-            report = copy_via_supervisor(request, state, progress, spawner=spawner)
-            return {"report": report, "wall_s": time.monotonic() - started, "fallback": fallback}
+            report = activate_from_pool(pool, request, progress) if op == "copy" else None
+            if report is None:
+                report = copy_via_supervisor(request, state, progress, spawner=spawner)
+            return {"report": report, "wall_s": time.monotonic() - started}
         if op == "take":
             request = CopyRequest.model_validate_json(json.dumps(command["request"]))
             handle = pool.take(Path(request.image), request)
@@ -87,7 +80,11 @@ def main() -> None:
             return handle.id
         if op == "activate":
             request = CopyRequest.model_validate_json(json.dumps(command["request"]))
-            return activate_taken(taken.pop(command["id"]), request, progress)
+            handle = taken.pop(command["id"])
+            try:
+                return activate_taken(handle, request, progress)
+            finally:
+                pool.settled(handle)
         if op == "close":
             pool.close()
             spawner.close()

@@ -22,6 +22,7 @@ from snapctl.pool import CopyRequest, WarmPool
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import ParkedRecord
 from snapctl.pool.records import RECORD_NAME, parked_home
+from snapctl.pool.warm import TICK_S
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
 from tests.images.factories import publish_sample
@@ -148,11 +149,27 @@ def test_fill_take_refill(pool: tuple[WarmPool, Events], image: Path, spawner: F
     first = set(parked(warm))
     handle = warm.take(image, CopyRequest(image=str(image)))
     assert handle is not None and handle.id in first
+    time.sleep(3 * TICK_S)  # while the taken copy activates, no restore competes with it
+    assert len(spawner.jobs) == 2 and len(parked(warm)) == 1
+    warm.settled(handle)
     until(lambda: len(parked(warm)) == 2)  # refilled
     assert handle.id not in parked(warm)
     assert len(spawner.jobs) == 3
     assert all(job["kind"] == "park" and job["owner_pid"] == os.getpid() for job in spawner.jobs)
     assert ("taken", str(image)) in events.seen
+
+
+def test_a_taker_that_never_settles_holds_refills_back_only_so_long(
+    pool: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("snapctl.pool.warm.REFILL_HOLD_S", 1.0)
+    warm, _events = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    taken_at = time.monotonic()
+    assert warm.take(image) is not None
+    until(lambda: len(parked(warm)) == 1)  # refilled once the hold expired
+    assert time.monotonic() - taken_at >= 1.0
 
 
 def test_take_skips_copies_restored_for_other_options(

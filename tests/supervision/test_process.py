@@ -7,8 +7,10 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
+import pytest
 
 from snapctl.namespaces.layout import ActivationOwner
 from snapctl.supervision.process import PinnedProcess, descendants, is_same_process, start_time
@@ -78,3 +80,26 @@ def test_descendants_lists_the_tree_parents_first_and_only_it() -> None:
             process.kill()
             process.wait()
     assert descendants(tree.pid) == [tree.pid]  # gone: only what was asked for
+
+
+def test_descendants_falls_back_to_psutil_without_the_children_files(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import snapctl.supervision.process as process
+
+    def no_children_file(path: str, mode: str = "r") -> Any:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(process, "open", no_children_file, raising=False)
+    tree = subprocess.Popen(["bash", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while not psutil.Process(tree.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (child,) = psutil.Process(tree.pid).children()
+        assert descendants(tree.pid) == [tree.pid, child.pid]
+    finally:
+        for child in psutil.Process(tree.pid).children(recursive=True):
+            child.kill()
+        tree.kill()
+        tree.wait()

@@ -7,10 +7,16 @@ import socket
 import stat
 from pathlib import Path
 
+import pytest
+
 from snapctl.supervision.sockets import bind_private
 
 
-def test_bound_0600_whatever_the_umask_and_the_umask_untouched(tmp_path: Path) -> None:
+def test_0600_from_the_bind_whatever_the_umask_and_the_umask_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without the chmod after the bind: the mode must come from the bind itself.
+    monkeypatch.setattr("snapctl.supervision.sockets.os.chmod", lambda path, mode: None)
     previous = os.umask(0)
     try:
         with socket.socket(socket.AF_UNIX) as sock:
@@ -22,7 +28,7 @@ def test_bound_0600_whatever_the_umask_and_the_umask_untouched(tmp_path: Path) -
 
 
 def test_a_plain_bind_under_that_umask_would_be_open(tmp_path: Path) -> None:
-    """What the test above guards against (so it can fail): the umask alone decides."""
+    """What the test above guards against: without the fchmod the umask alone decides."""
     previous = os.umask(0)
     try:
         with socket.socket(socket.AF_UNIX) as sock:
