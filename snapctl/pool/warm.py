@@ -53,7 +53,7 @@ from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
-from snapctl.supervision.process import is_same_process
+from snapctl.supervision.process import is_same_process, same_start
 
 TARGETS_NAME = "targets.json"
 TICK_S = 0.5
@@ -118,7 +118,7 @@ def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
     for pid, start_time in pids:
         try:
             root = psutil.Process(pid)
-            if start_time is not None and abs(root.create_time() - start_time) > 0.01:
+            if start_time is not None and not same_start(root.create_time(), start_time):
                 continue
             members = [root, *root.children(recursive=True)]
         except psutil.Error:
@@ -653,5 +653,5 @@ def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
     # It answered and removed its files; its exit follows.
     with contextlib.suppress(psutil.Error):
         process = psutil.Process(record.supervisor_pid)
-        if abs(process.create_time() - record.supervisor_start_time) < 0.01:
+        if same_start(process.create_time(), record.supervisor_start_time):
             process.wait(timeout_s)

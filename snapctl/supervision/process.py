@@ -43,13 +43,26 @@ def start_time(pid: int) -> float:
 DEAD_STATUSES = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
 
 
+def same_start(now: float, recorded: float) -> bool:
+    """Whether a start time read now and one recorded earlier are the same process's.
+
+    psutil adds the kernel's boot time to the process's ticks, and the kernel gives that boot
+    time in whole seconds (``btime``, the wall clock less the time since boot): when an NTP
+    adjustment of a few milliseconds moves it across a second, every start time read from
+    then on is one second off what was recorded. A process that reuses the PID starts far
+    more than a second later (the PID space must wrap first), so both are the same process.
+    """
+    difference = abs(now - recorded)
+    return min(difference, abs(difference - 1.0)) <= START_TIME_TOLERANCE_S
+
+
 def is_same_process(pid: int, expected_start: float) -> bool:
     """True while ``pid`` is still the process that started at ``expected_start`` and still
     runs (a zombie with that start time does not)."""
     try:
         process = psutil.Process(pid)
         with process.oneshot():
-            same = abs(process.create_time() - expected_start) <= START_TIME_TOLERANCE_S
+            same = same_start(process.create_time(), expected_start)
             return same and process.status() not in DEAD_STATUSES
     except psutil.NoSuchProcess:
         return False
@@ -67,10 +80,7 @@ class PinnedProcess:
         # Read the start time after the pidfd exists: if it still matches, the pidfd
         # refers to the recorded process and not to a later one with the same PID.
         self.start_time = start_time(pid)
-        if (
-            expected_start is not None
-            and abs(self.start_time - expected_start) > START_TIME_TOLERANCE_S
-        ):
+        if expected_start is not None and not same_start(self.start_time, expected_start):
             self.close()
             raise ProcessGoneError(
                 f"pid {pid} now belongs to another process (start time differs)", pid=pid
