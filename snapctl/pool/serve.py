@@ -48,19 +48,14 @@ class ParkedCopyUnusableError(SnapctlError):
 
 @dataclass(frozen=True)
 class ParkedHandle:
-    """A parked copy that :meth:`WarmPool.take` handed out: only its order socket is needed
-    to activate it; the rest identifies it for reports and metrics."""
+    """A parked copy that :meth:`WarmPool.take` handed out: its order socket (all its
+    activation needs), its id and image, and its supervisor."""
 
     id: str
     image: str
-    image_id: str
-    manifest_digest: str
-    lazy: bool
     socket: Path
     supervisor_pid: int
     supervisor_start_time: float
-    host: str
-    port: int
 
 
 def wire_phase(value: object) -> HostPhase | Phase | None:

@@ -328,10 +328,9 @@ class WarmPool:
                 return None
         self.events.taken(key)
         return ParkedHandle(
-            id=record.id, image=record.image, image_id=record.image_id or "",
-            manifest_digest=record.manifest_digest or "", lazy=record.lazy,
-            socket=Path(record.socket), supervisor_pid=record.supervisor_pid,
-            supervisor_start_time=record.supervisor_start_time, host="127.0.0.1", port=8000,
+            id=record.id, image=record.image, socket=Path(record.socket),
+            supervisor_pid=record.supervisor_pid,
+            supervisor_start_time=record.supervisor_start_time,
         )  # fmt: skip
 
     def settled(self, handle: ParkedHandle) -> None:

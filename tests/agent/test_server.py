@@ -34,6 +34,11 @@ from tests.images.factories import publish_sample
 HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client"}
 
 
+def parked_handle(image: Path, socket_path: Path) -> ParkedHandle:
+    return ParkedHandle(id="pool-0123456789ab", image=str(image), socket=socket_path,
+                        supervisor_pid=1, supervisor_start_time=1.0)  # fmt: skip
+
+
 def raw(path: Path, request: bytes) -> tuple[int, bytes]:
     """Send ``request`` as is; the status and the body of the answer."""
     with socket.socket(socket.AF_UNIX) as sock:
@@ -262,11 +267,7 @@ def test_copy_takes_a_parked_copy_when_one_is_ready(
 ) -> None:  # fmt: skip
     image = tmp_path / "image"
     image.mkdir()
-    handle = ParkedHandle(
-        id="pool-0123456789ab", image=str(image), image_id="sha256:abc", manifest_digest="d",
-        lazy=False, socket=tmp_path / "order.sock", supervisor_pid=1, supervisor_start_time=1.0,
-        host="127.0.0.1", port=8000,
-    )  # fmt: skip
+    handle = parked_handle(image, tmp_path / "order.sock")
     running_agent.pool.ready.append(handle)
     taken: list[Any] = []
 
@@ -520,11 +521,7 @@ def test_a_name_in_use_is_refused_before_a_parked_copy_is_taken(
 ) -> None:
     image = tmp_path / "image"
     image.mkdir()
-    handle = ParkedHandle(
-        id="pool-0123456789ab", image=str(image), image_id="sha256:abc", manifest_digest="d",
-        lazy=False, socket=tmp_path / "order.sock", supervisor_pid=1, supervisor_start_time=1.0,
-        host="127.0.0.1", port=8000,
-    )  # fmt: skip
+    handle = parked_handle(image, tmp_path / "order.sock")
     running_agent.pool.ready.append(handle)
     held = running_agent.state.reserve_name("web")
     try:
@@ -578,11 +575,7 @@ def test_a_parked_copy_that_cannot_be_used_is_discarded(
 
     image = tmp_path / "image"
     image.mkdir()
-    handle = ParkedHandle(
-        id="pool-0123456789ab", image=str(image), image_id="sha256:abc", manifest_digest="d",
-        lazy=False, socket=tmp_path / "order.sock", supervisor_pid=1, supervisor_start_time=1.0,
-        host="127.0.0.1", port=8000,
-    )  # fmt: skip
+    handle = parked_handle(image, tmp_path / "order.sock")
     running_agent.pool.ready.append(handle)
 
     def unusable(handle: ParkedHandle, request: Any, progress: Any) -> dict[str, Any]:
