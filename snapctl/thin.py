@@ -125,9 +125,9 @@ def parse_fast_copy(args: list[str]) -> dict[str, Any] | None:
 
 def _copy_fields(seen: dict[str, str | bool]) -> dict[str, Any] | None:
     """The options' values, or None where one is not what the full CLI would accept as is."""
-    import math
     from pathlib import Path
 
+    from snapctl.activation.timeouts import is_positive_seconds
     from snapctl.statedir.names import NAME_PATTERN
 
     values = {key: value for key, value in seen.items() if isinstance(value, str)}
@@ -152,8 +152,7 @@ def _copy_fields(seen: dict[str, str | bool]) -> dict[str, Any] | None:
         return None
     if not 1 <= fields.get("port", DEFAULT_PORT) <= 65535:
         return None
-    timeout_s = fields.get("timeout_s", DEFAULT_TIMEOUT_S)
-    if not (math.isfinite(timeout_s) and timeout_s > 0):
+    if not is_positive_seconds(fields.get("timeout_s", DEFAULT_TIMEOUT_S)):
         return None
     return fields
 

@@ -1,7 +1,10 @@
 """The limits on starting a server for capture: their defaults, the CLI options that set them,
-and the hints the errors of their timeouts give (imports nothing, so ``--help`` stays light)."""
+and the hints the errors of their timeouts give, and what a limit in seconds may be (imports
+only ``math``, so ``--help`` stays light)."""
 
 from __future__ import annotations
+
+import math
 
 # The server's own limit on its prepare stage and on each wait at the barrier (snapshot-config
 # ``timeout_s``; vLLM's default), and snapctl's wait for capture-ready: a real model loads,
@@ -23,3 +26,15 @@ def server_timeout_hint(error_type: str, error: str) -> str:
 
 def ready_timeout_hint() -> str:
     return f" (raise {READY_TIMEOUT_OPTION} for a server that takes longer to start)"
+
+
+def is_positive_seconds(value: float) -> bool:
+    """A usable limit in seconds: positive and finite (``inf``, ``nan``, 0 and negatives not)."""
+    return math.isfinite(value) and value > 0
+
+
+def positive_seconds(value: float) -> float:
+    """``value``, or ValueError unless :func:`is_positive_seconds` (a pydantic validator)."""
+    if not is_positive_seconds(value):
+        raise ValueError("must be a positive, finite number of seconds")
+    return value

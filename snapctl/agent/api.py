@@ -6,11 +6,11 @@ are strict (unknown fields, wrong types and out-of-range values are refused with
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from snapctl.activation.timeouts import positive_seconds
 from snapctl.statedir import ActivationRecord
 
 
@@ -20,12 +20,6 @@ class _Request(BaseModel):
 
 class _Answer(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def _seconds(value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError("must be a positive, finite number of seconds")
-    return value
 
 
 class VersionInfo(_Answer):
@@ -55,7 +49,7 @@ class StopRequest(_Request):
 
     timeout_s: float = 10.0
 
-    _check = field_validator("timeout_s")(_seconds)
+    _check = field_validator("timeout_s")(positive_seconds)
 
 
 class StopAnswer(_Answer):
@@ -71,7 +65,7 @@ class GcRequest(_Request):
 
     timeout_s: float = 10.0
 
-    _check = field_validator("timeout_s")(_seconds)
+    _check = field_validator("timeout_s")(positive_seconds)
 
 
 class PoolRemoveRequest(_Request):

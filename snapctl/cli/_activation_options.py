@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
+from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S, is_positive_seconds
 from snapctl.thin import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S, split_publish
 
 if TYPE_CHECKING:
@@ -56,7 +55,7 @@ class Seconds(click.ParamType[float, Any]):
             seconds = float(value)
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if not (math.isfinite(seconds) and seconds > 0):
+        if not is_positive_seconds(seconds):
             self.fail(f"{value!r} is not a positive, finite number of seconds", param, ctx)
         return seconds
 

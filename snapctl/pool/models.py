@@ -5,12 +5,11 @@ agent types its API with these, and nothing here starts anything."""
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
+from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S, positive_seconds
 from snapctl.models import StrictModel
 
 PARKED_ID_PATTERN = r"^pool-[0-9a-f]{12}$"
@@ -55,18 +54,7 @@ class CopyRequest(StrictModel):
     server_argv: tuple[str, ...] | None = None
     detach: bool = False
 
-    @field_validator("timeout_s")
-    @classmethod
-    def _positive_finite(cls, value: float) -> float:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError("timeout_s must be a positive, finite number of seconds")
-        return value
-
-
-def _positive_seconds(value: float) -> float:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError("must be a positive, finite number of seconds")
-    return value
+    _seconds = field_validator("timeout_s")(positive_seconds)
 
 
 class BakeRequest(StrictModel):
@@ -94,9 +82,7 @@ class BakeRequest(StrictModel):
     cwd: str = Field(min_length=1, pattern=r"^/")
     environ: dict[str, SecretStr]
 
-    _seconds = field_validator("ready_timeout_s", "server_timeout_s", "timeout_s")(
-        _positive_seconds
-    )
+    _seconds = field_validator("ready_timeout_s", "server_timeout_s", "timeout_s")(positive_seconds)
 
 
 class DonorRequest(BakeRequest):
