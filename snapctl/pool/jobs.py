@@ -20,7 +20,9 @@ from typing import Any
 import snapctl.activation.bake
 import snapctl.activation.copy
 import snapctl.activation.donor
+import snapctl.activation.precheck
 import snapctl.activation.supervise
+import snapctl.registry.source  # the pre-start checks' image lookup
 from snapctl.activation.launch import LaunchOptions
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
@@ -28,6 +30,7 @@ from snapctl.statedir import StateDir
 
 assert snapctl.activation.copy and snapctl.activation.supervise
 assert snapctl.activation.donor and snapctl.activation.bake
+assert snapctl.activation.precheck and snapctl.registry.source
 
 
 class Reporter:

@@ -37,6 +37,9 @@ from snapctl.statedir import StateDir
 from snapctl.supervision.process import is_same_process
 from snapctl.supervision.sockets import bind_private
 
+# Parking is background work: its restore runs this much nicer than the copies being served
+# (CRIU gives the restored tree back its own dumped niceness), until the copy is ordered.
+PARK_NICENESS = 10
 # How often a parked copy looks whether its agent and its tree are still there.
 WATCH_INTERVAL_S = 0.5
 # A client that connected has this long to send its order line.
@@ -62,6 +65,18 @@ def restore_fits(parked: CopyRequest, request: CopyRequest) -> str | None:
     if request.count != 1:
         return "a parked copy serves one copy"
     return None
+
+
+def set_niceness(pid: int, niceness: int) -> None:
+    """Every thread of ``pid`` at ``niceness`` (Linux keeps one per thread); a thread that
+    ends meanwhile is skipped, and a failure only leaves the old niceness."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for thread in threads:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, int(thread), niceness)
 
 
 class _Parked:
@@ -202,6 +217,10 @@ class _Parked:
             self.discard()
             return 0
         assert order.request is not None
+        # Ordered: it is no background work any more (nor is its lazy-pages daemon).
+        set_niceness(os.getpid(), 0)
+        if self.record.lazy_pages_pid is not None:
+            set_niceness(self.record.lazy_pages_pid, 0)
         try:
             session = self.activate(order.request, reporter)
         except BaseException as error:
@@ -288,6 +307,7 @@ def run_parked(job: dict[str, Any], reporter: Reporter) -> int:
     for the order on the socket; return the exit status."""
     from snapctl.supervision.signals import stop_all_tracked
 
+    set_niceness(os.getpid(), PARK_NICENESS)
     parked = _Parked(job, reporter)
     try:
         try:
