@@ -8,6 +8,7 @@ JSON (``Content-Length``) or, for long operations, NDJSON in chunks, one message
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from collections.abc import Iterator
@@ -51,6 +52,28 @@ def error_from(body: dict[str, Any]) -> AgentError:
         log_tail=body.get("log_tail"),
         usage=body.get("usage"),
     )
+
+
+class Hangup:
+    """Hanging up on a streamed request: its request side is shut (the answer still reads to
+    its end), which the agent takes as its client leaving and cancels what the request
+    started (a capture's supervisor is interrupted; see ``snapctl.pool.cancel``). Safe from a
+    signal handler; a hang-up before the request went out happens as soon as it has."""
+
+    def __init__(self) -> None:
+        self._sock: socket.socket | None = None
+        self.wanted = False
+
+    def hang_up(self) -> None:
+        self.wanted = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):  # closed already: nothing left to hang up
+                self._sock.shutdown(socket.SHUT_WR)
+
+    def attach(self, sock: socket.socket | None) -> None:
+        self._sock = sock
+        if sock is not None and self.wanted:
+            self.hang_up()
 
 
 class AgentClient:
@@ -108,12 +131,15 @@ class AgentClient:
 
     def stream(
         self, method: str, target: str, body: Any = None,
-        read_timeout_s: float | None = READ_TIMEOUT_S,
+        read_timeout_s: float | None = READ_TIMEOUT_S, hangup: Hangup | None = None,
     ) -> Iterator[Any]:  # fmt: skip
         """One request; each JSON message of its answer as it arrives (one for a plain JSON
         answer). An error status raises :class:`AgentError` with the agent's reason.
-        ``read_timeout_s`` None: wait as long as it takes (``logs -f`` of a quiet server)."""
+        ``read_timeout_s`` None: wait as long as it takes (``logs -f`` of a quiet server).
+        ``hangup``: how the caller hangs up on it while it streams (see :class:`Hangup`)."""
         sock, reader = self._send(method, target, body, read_timeout_s)
+        if hangup is not None:
+            hangup.attach(sock)
         try:
             try:
                 status, headers = _read_head(reader)
@@ -138,6 +164,8 @@ class AgentClient:
                     f"the agent stopped answering {method} {target}: {error}"
                 ) from error
         finally:
+            if hangup is not None:
+                hangup.attach(None)
             reader.close()
             sock.close()
 

@@ -13,7 +13,9 @@ import contextlib
 import hmac
 import json
 import logging
+import os
 import re
+import select
 import socket
 import socketserver
 import struct
@@ -35,11 +37,15 @@ from snapctl.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundError
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolTarget
+from snapctl.pool.cancel import Cancel
 from snapctl.pool.models import BakeRequest, DonorRequest
 from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
 _NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
+# They run the server command in the environment and directory the client sends: only a
+# local root client (the unix socket's peer check) may ask for that, never the TCP listener.
+_UNIX_SOCKET_ONLY = frozenset({f"{API_PREFIX}/donors", f"{API_PREFIX}/bakes"})
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,11 @@ class Stream:
 
     run: Callable[[Emit], Any]
     drains: bool = True
+    # Its client hanging up, or gone, cancels it (a capture: see snapctl.pool.cancel).
+    cancel: Cancel | None = None
+    # Called with the report when its client is gone by the time it came: what started has
+    # no owner (a foreground copy or donor, which its client would have stopped).
+    orphaned: Callable[[dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -248,17 +259,34 @@ class Router:
 
     def _copy(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         request = _parse(CopyRequest, body)
-        return Stream(lambda emit: {"report": self.service.copy(request, emit)})
+        return Stream(lambda emit: {"report": self.service.copy(request, emit)},
+                      orphaned=None if request.detach else self._stop_orphaned)  # fmt: skip
 
     def _donor(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         request = _parse(DonorRequest, body)
         self.service.check_capture(request)  # refused: a 4xx, before the stream's 200
-        return Stream(lambda emit: {"report": self.service.donor(request, emit)})
+        cancel = Cancel()
+        return Stream(lambda emit: {"report": self.service.donor(request, emit, cancel)},
+                      cancel=cancel,
+                      orphaned=None if request.detach else self._stop_orphaned)  # fmt: skip
 
     def _bake(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         request = _parse(BakeRequest, body)
         self.service.check_capture(request)
-        return Stream(lambda emit: {"report": self.service.bake(request, emit)})
+        cancel = Cancel()
+        return Stream(lambda emit: {"report": self.service.bake(request, emit, cancel)},
+                      cancel=cancel)  # fmt: skip
+
+    def _stop_orphaned(self, report: dict[str, Any]) -> None:
+        """A foreground start whose client left before its report: stop what started, as its
+        client would have when it ended."""
+        for started in report.get("copies", [report]):
+            name = started.get("name")
+            try:
+                self.service.stop(name, StopRequest().timeout_s)
+                log(f"stopped {name}: its client left before its report")
+            except Exception as error:  # stopped meanwhile (its supervisor saw the signal)
+                log(f"stopping {name}, whose client left: {type(error).__name__}: {error}")
 
     def _images(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         return Answer(200, self.service.images(query.get("root"), query.get("default_root")))
@@ -347,7 +375,7 @@ class Handler(BaseHTTPRequestHandler):
                                          f"{error}", status=int(ExitStatus.ERROR)))  # fmt: skip
 
     def _refuse_before_body(self) -> Answer | None:
-        refusal = self._refuse_peer()
+        refusal = self._refuse_peer() or self._refuse_remote_capture()
         if refusal is not None:
             return refusal
         try:
@@ -374,6 +402,19 @@ class Handler(BaseHTTPRequestHandler):
             if uid is not None and uid not in self.allowed_uids:
                 return _refusal(403, f"uid {uid} may not use the agent (root only)")
         return None
+
+    def _refuse_remote_capture(self) -> Answer | None:
+        if self.connection.family == socket.AF_UNIX or self.metrics_only:
+            return None
+        path = urlsplit(self.path).path
+        if path not in _UNIX_SOCKET_ONLY:
+            return None
+        return _refusal(
+            403,
+            f"{path} runs the server command in the environment and working directory the "
+            "request carries: the agent takes it only on its unix socket (run snapctl on the "
+            "agent's host), never over TCP",
+        )
 
     def _answer(self, method: str, result: Result) -> int:
         if isinstance(result, Text):
@@ -403,6 +444,12 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
         lock = threading.Lock()
         gone = threading.Event()
+        left = threading.Event()
+
+        def client_left() -> None:
+            left.set()
+            if stream.cancel is not None:
+                stream.cancel.request()
 
         def emit(message: Any) -> None:
             data = json.dumps(_json_ready(message), separators=(",", ":")).encode() + b"\n"
@@ -413,11 +460,15 @@ class Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
                     self.wfile.flush()
                 except OSError:
-                    gone.set()  # the client left: the operation still finishes
+                    gone.set()  # the client left: the operation still finishes, or is cancelled
+                    client_left()
 
         status = 200
+        watching = stream.cancel is not None or stream.orphaned is not None
+        watch = HangupWatch(self.connection, client_left) if watching else None
         try:
-            last = stream.run(emit)
+            with watch or contextlib.nullcontext():
+                last = stream.run(emit)
         except SnapctlError as error:
             status = http_status(error)
             last = error_body(error)
@@ -428,11 +479,50 @@ class Handler(BaseHTTPRequestHandler):
                              status=int(ExitStatus.ERROR))  # fmt: skip
         if last is not None:
             emit(last)
+        report = last.get("report") if isinstance(last, dict) else None
+        if left.is_set() and stream.orphaned is not None and isinstance(report, dict):
+            stream.orphaned(report)
         with lock, contextlib.suppress(OSError):
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
         self.close_connection = True
         return status
+
+
+class HangupWatch:
+    """While the body runs, a thread watches ``connection`` and calls ``on_hangup`` once its
+    client shut its side (an interrupted ``snapctl donor``/``bake`` hangs up on purpose) or
+    the connection broke. Our client sends nothing after its request, so any of these means
+    it is gone or wants out."""
+
+    _HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
+
+    def __init__(self, connection: socket.socket, on_hangup: Callable[[], None]) -> None:
+        self._fd = connection.fileno()
+        self._on_hangup = on_hangup
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC)
+        self._thread = threading.Thread(target=self._watch, name="hangup-watch", daemon=True)
+
+    def __enter__(self) -> HangupWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.eventfd_write(self._wake, 1)
+        self._thread.join()
+        os.close(self._wake)
+
+    def _watch(self) -> None:
+        poller = select.poll()
+        poller.register(self._fd, select.POLLRDHUP)
+        poller.register(self._wake, select.POLLIN)
+        while True:
+            for fd, mask in poller.poll():
+                if fd == self._wake or mask & select.POLLNVAL:
+                    return
+                if mask & self._HUNG_UP:
+                    self._on_hangup()
+                    return
 
 
 def _peer_uid(connection: socket.socket) -> int | None:

@@ -26,6 +26,7 @@ from snapctl.pool.serve import activate_from_pool, copy_via_supervisor
 from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
 
 if TYPE_CHECKING:
+    from snapctl.pool.cancel import Cancel
     from snapctl.pool.models import BakeRequest, DonorRequest
 
 # One message of a streamed answer: {"lane", "progress"}, {"note"}, then the outcome.
@@ -214,26 +215,33 @@ class AgentService:
         if isinstance(request, DonorRequest):
             self._check_donor_publish(request)
 
-    def donor(self, request: DonorRequest, emit: Emit) -> dict[str, Any]:
+    def donor(
+        self, request: DonorRequest, emit: Emit, cancel: Cancel | None = None
+    ) -> dict[str, Any]:
         """Serve one ``snapctl donor`` (checked: :meth:`check_capture`): capture in a fresh
         supervisor, which activates the donor and supervises it (it keeps serving when the
-        agent ends); the donor's report once it serves."""
-        return self._capture("donor", request, emit)
+        agent ends); the donor's report once it serves. ``cancel`` interrupts the start (its
+        client is gone, or hung up on Ctrl-C)."""
+        return self._capture("donor", request, emit, cancel)
 
-    def bake(self, request: BakeRequest, emit: Emit) -> dict[str, Any]:
+    def bake(
+        self, request: BakeRequest, emit: Emit, cancel: Cancel | None = None
+    ) -> dict[str, Any]:
         """Serve one ``snapctl bake`` (checked: :meth:`check_capture`) in a fresh supervisor
         (a slow bake never holds the agent); its report once the image is published and the
-        original stopped."""
-        return self._capture("bake", request, emit)
+        original stopped. ``cancel`` interrupts it before it publishes (see :meth:`donor`)."""
+        return self._capture("bake", request, emit, cancel)
 
-    def _capture(self, kind: str, request: BakeRequest, emit: Emit) -> dict[str, Any]:
+    def _capture(
+        self, kind: str, request: BakeRequest, emit: Emit, cancel: Cancel | None
+    ) -> dict[str, Any]:
         from snapctl.pool.serve import capture_via_supervisor
 
         started = time.monotonic()
         try:
             report = capture_via_supervisor(
                 request, self.state, lambda lane, step: emit({"lane": lane, "progress": step}),
-                spawner=self.spawner,
+                spawner=self.spawner, cancel=cancel,
             )  # fmt: skip
         except SnapctlError as error:
             self.metrics.capture_failed(kind, error.phase)

@@ -7,16 +7,19 @@ imported only to draw what a terminal shows, pydantic never.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from snapctl.agent import NO_AGENT_ENV
-from snapctl.agent.client import AgentClient, AgentError
+from snapctl.agent.client import AgentClient, AgentError, Hangup
 from snapctl.thin import relay_report, signals_held, stop_interrupted
 
 if TYPE_CHECKING:
@@ -144,11 +147,13 @@ def donor_through_agent(
 
 def bake_through_agent(client: AgentClient, request: dict[str, Any], *, as_json: bool) -> Any:
     """``snapctl bake`` served by the agent (``POST /v1/bakes``): its progress (on a terminal),
-    then its report (a dict). SIGINT/SIGTERM meanwhile are held: the bake runs in its own
-    supervisor and goes on (its original tree is stopped by it either way); once it reported,
-    the command fails as an interrupted in-process bake does (exit 130), naming what stays."""
+    then its report (a dict). SIGINT/SIGTERM meanwhile hang up on the request, and the agent
+    interrupts the bake in its supervisor, as the signal does in-process: its tree is stopped,
+    nothing is published, and the command fails as an interrupted in-process bake (exit 130,
+    no message). A bake that published before the interrupt reached it is named instead."""
     from contextlib import ExitStack
 
+    hangup = Hangup()
     with signals_held() as signalled, ExitStack() as stack:
         lane_step: Any = None
         if _terminal(as_json):
@@ -156,7 +161,13 @@ def bake_through_agent(client: AgentClient, request: dict[str, Any], *, as_json:
 
             steps = stack.enter_context(Steps(quiet=as_json))
             lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
-        report = _relay(client, "/bakes", request, lane_step, as_json)
+        try:
+            with hanging_up_on_signal(signalled, hangup):
+                report = _relay(client, "/bakes", request, lane_step, as_json, hangup)
+        except AgentError as error:
+            if cancelled_by(error, signalled):
+                raise KeyboardInterrupt from None
+            raise
     if signalled.is_set():
         from snapctl.errors import ExitStatus
 
@@ -205,17 +216,54 @@ def serve_through_agent(
         _serve_until_stopped(client, copies, as_json=as_json, stop=signalled)
 
 
+@contextlib.contextmanager
+def hanging_up_on_signal(signalled: threading.Event, hangup: Hangup) -> Iterator[None]:
+    """While the body streams a capture's start: SIGINT/SIGTERM set ``signalled`` (as
+    :func:`snapctl.thin.signals_held` does) and hang up on the request, so that the agent
+    interrupts the capture in its supervisor (as the signal does in-process) instead of this
+    command waiting for the whole capture. The previous handlers come back after."""
+
+    def handle(signum: int, frame: Any) -> None:
+        signalled.set()
+        hangup.hang_up()
+
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT,
+                                                                     signal.SIGTERM)}  # fmt: skip
+    if signalled.is_set():
+        hangup.hang_up()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def cancelled_by(error: AgentError, signalled: threading.Event) -> bool:
+    """Whether ``error`` is the interrupted start our own hang-up (on a signal) caused."""
+    from snapctl.errors import ExitStatus
+
+    return signalled.is_set() and error.exit_status == ExitStatus.INTERRUPTED
+
+
 def _stream_start(
     client: AgentClient, target: str, request: dict[str, Any], lane_step: Any, as_json: bool,
     interrupted: threading.Event,
 ) -> dict[str, Any]:  # fmt: skip
     """Relay the start request's stream up to its report. SIGINT/SIGTERM while it starts do
     not cut the stream (the copy or donor would be left serving with no one to stop it): they
-    only set ``interrupted``, and once the report comes what started is stopped and the
-    command fails as an interrupted in-process start does (exit 130): in the foreground as an
-    interrupt (click's Abort: no message), with ``--detach`` with the detached supervisor's
-    message."""
-    report = _relay(client, target, request, lane_step, as_json)
+    set ``interrupted``, and the command fails as an interrupted in-process start does (exit
+    130): in the foreground as an interrupt (click's Abort: no message), with ``--detach``
+    with the detached supervisor's message. A donor's start (a capture: minutes) is hung up
+    on, and the agent interrupts it where it is; a copy's (short) runs on to its report, and
+    what started is stopped then."""
+    hangup = Hangup() if target == "/donors" else None
+    try:
+        with hanging_up_on_signal(interrupted, hangup) if hangup else contextlib.nullcontext():
+            report = _relay(client, target, request, lane_step, as_json, hangup)
+    except AgentError as failure:
+        if cancelled_by(failure, interrupted) and not request.get("detach"):
+            raise KeyboardInterrupt from None
+        raise
     if interrupted.is_set():
         error = stop_interrupted(client.path, report)
         if not request.get("detach"):
@@ -225,8 +273,9 @@ def _stream_start(
 
 
 def _relay(
-    client: AgentClient, target: str, request: dict[str, Any], lane_step: Any, as_json: bool
-) -> dict[str, Any]:
+    client: AgentClient, target: str, request: dict[str, Any], lane_step: Any, as_json: bool,
+    hangup: Hangup | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Relay ``POST target``'s stream: progress and notes as they come; its report."""
 
     def on_note(text: str) -> None:
@@ -236,7 +285,8 @@ def _relay(
             note(text)
 
     try:
-        return relay_report(client.stream("POST", target, request), lane_step, on_note)
+        messages = client.stream("POST", target, request, hangup=hangup)
+        return relay_report(messages, lane_step, on_note)
     except AgentError as error:  # refused before the stream began (a 4xx), or failed
         raise as_cli_error(error) from None
 

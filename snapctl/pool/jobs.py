@@ -40,10 +40,15 @@ class Reporter:
         self._file = os.fdopen(fd, "w")
         self._lock = threading.Lock()
 
-    def send(self, message: dict[str, Any]) -> None:
-        with self._lock, contextlib.suppress(OSError, ValueError):  # a reader gone early
-            self._file.write(json.dumps(message) + "\n")
-            self._file.flush()
+    def send(self, message: dict[str, Any]) -> bool:
+        """Write ``message``; whether it was delivered (False: its reader is gone)."""
+        with self._lock:
+            try:
+                self._file.write(json.dumps(message) + "\n")
+                self._file.flush()
+            except (OSError, ValueError):  # a reader gone early
+                return False
+        return True
 
     def progress(self, lane: str, step: str) -> None:
         self.send({"lane": lane, "progress": step})
@@ -132,6 +137,17 @@ def detach_stdio() -> None:
     os.close(null)
 
 
+def abandon_undelivered(delivered: bool, detach: bool) -> bool:
+    """A foreground start whose report reached no one has no owner (its client stops it
+    when it ends, and there is none): stop what started; True when it did."""
+    if delivered or detach:
+        return False
+    from snapctl.supervision.signals import stop_all_tracked
+
+    stop_all_tracked()
+    return True
+
+
 def run_job(job: dict[str, Any], pipe_fd: int) -> None:
     """Run ``job`` in this (freshly forked) supervisor, reporting on ``pipe_fd``; exits."""
     kind = job.get("kind")
@@ -190,14 +206,16 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
                 )  # fmt: skip
                 sessions, many = require_all(results, time.monotonic() - started)
                 report = many.model_dump(mode="json")
+            signals.started()
         except BaseException:
             stop_all_tracked()  # what a start interrupted at any point had started
             raise
     except BaseException as error:
         return reporter.error(error)
-    signals.started()
-    reporter.send({"report": report})
+    delivered = reporter.send({"report": report})
     reporter.close()
+    if abandon_undelivered(delivered, request.detach):
+        return int(ExitStatus.ERROR)
     detach_stdio()
     try:
         run_all_until_stopped(sessions, stop=signals.requested)
@@ -275,16 +293,18 @@ def run_capture(
                     native=native, state=state, progress=progress,
                 )  # fmt: skip
                 report = baked.model_dump(mode="json")
+            signals.started()
         except BaseException:
             stop_all_tracked()  # what a start interrupted at any point had started
             raise
     except BaseException as error:
         return reporter.error(error)
-    signals.started()
-    reporter.send({"report": report})
+    delivered = reporter.send({"report": report})
     reporter.close()
     if session is None:
         return 0  # a bake: its original was stopped, its image published
+    if abandon_undelivered(delivered, isinstance(request, DonorRequest) and request.detach):
+        return int(ExitStatus.ERROR)
     detach_stdio()
     try:
         run_all_until_stopped([session], stop=signals.requested)

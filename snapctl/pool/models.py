@@ -84,6 +84,19 @@ class BakeRequest(StrictModel):
 
     _seconds = field_validator("ready_timeout_s", "server_timeout_s", "timeout_s")(positive_seconds)
 
+    @field_validator("environ")
+    @classmethod
+    def _settable_environ(cls, environ: dict[str, SecretStr]) -> dict[str, SecretStr]:
+        # What os.environ refuses, refused here, before anything starts (the supervisor sets
+        # them after it cleared its own). Names only in the reason: values may be secrets.
+        for name, value in environ.items():
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"{name!r} is not an environment variable name (empty, or "
+                                 "holds '=' or NUL)")  # fmt: skip
+            if "\0" in value.get_secret_value():
+                raise ValueError(f"the value of {name} holds NUL")
+        return environ
+
 
 class DonorRequest(BakeRequest):
     """One ``snapctl donor``: a bake's fields, and how the donor serves after its capture

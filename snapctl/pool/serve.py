@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError
 from snapctl.phases import HostPhase
+from snapctl.pool.cancel import Cancel
 from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.models import Phase
@@ -121,26 +122,46 @@ def capture_payload(request: BakeRequest) -> dict[str, Any]:
 
 
 def capture_via_supervisor(
-    request: BakeRequest, state: StateDir, progress: LaneProgress, *, spawner: Spawner
-) -> dict[str, Any]:
+    request: BakeRequest, state: StateDir, progress: LaneProgress, *, spawner: Spawner,
+    cancel: Cancel | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Capture in a fresh supervisor forked by ``spawner``, in the client's directory and
     environment: a :class:`DonorRequest` returns the donor's report once it serves (its
     supervisor then supervises it, as ``donor --detach`` does), a :class:`BakeRequest` the
-    bake's report once its image is published; or raises the supervisor's error."""
+    bake's report once its image is published; or raises the supervisor's error. ``cancel``
+    (its client gone) interrupts the capture: it then raises the interrupted start's error."""
     kind = "donor" if isinstance(request, DonorRequest) else "bake"
     job = {"kind": kind, "state": str(state.root), "request": capture_payload(request)}
-    return _run_in_supervisor(job, spawner, progress, kind)
+    return _run_in_supervisor(job, spawner, progress, kind, cancel)
+
+
+INTERRUPTED_MESSAGE = "interrupted while starting (SIGINT/SIGTERM); what had started was stopped"
 
 
 def _run_in_supervisor(
-    job: dict[str, Any], spawner: Spawner, progress: LaneProgress, what: str
-) -> dict[str, Any]:
+    job: dict[str, Any], spawner: Spawner, progress: LaneProgress, what: str,
+    cancel: Cancel | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    cancel = cancel or Cancel()
+    if cancel.requested:  # its client left before it began: nothing starts
+        raise SupervisorError(INTERRUPTED_MESSAGE, exit_status=ExitStatus.INTERRUPTED)
     try:
-        read_fd = spawner.spawn(job)
+        spawned = spawner.launch(job)
     except SpawnerGoneError as error:
         raise SupervisorError(str(error), phase=HostPhase.SUPERVISE) from error
-    with os.fdopen(read_fd, "rb") as reader:
-        return relay(reader, progress, what)
+    try:
+        with cancel.supervising(spawned.pidfd), os.fdopen(spawned.read_fd, "rb") as reader:
+            return relay(reader, progress, what)
+    except SupervisorError as error:
+        if cancel.requested and error.phase == HostPhase.SUPERVISE:
+            # Terminated before its signal handlers were in place: nothing had started.
+            raise SupervisorError(
+                INTERRUPTED_MESSAGE, exit_status=ExitStatus.INTERRUPTED
+            ) from error
+        raise
+    finally:
+        if spawned.pidfd is not None:
+            os.close(spawned.pidfd)
 
 
 def activate_taken(

@@ -5,8 +5,11 @@ child once, before it starts any thread (with snapctl's activation code already 
 each supervisor starts without importing anything), and asks it for supervisors over a
 socket pair. Each job comes with the write end of a pipe, passed as a file descriptor: the
 supervisor writes its progress and its outcome there, one JSON object a line, and the
-agent's thread that asked reads them. Supervisors are reaped by the kernel (SIGCHLD ignored
-here) and outlive the spawner; the spawner exits when the agent closes its end or dies.
+agent's thread that asked reads them. The acknowledgement carries a pidfd of the supervisor
+(opened while it was certainly this spawner's child), so that the agent can signal that very
+process later (cancel a request whose client left) and never a pid reused since. Supervisors
+are reaped by the kernel (SIGCHLD ignored here) and outlive the spawner; the spawner exits
+when the agent closes its end or dies.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import signal
 import socket
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 Job = dict[str, Any]
@@ -32,6 +36,15 @@ _MAX_JOB_BYTES = 4 << 20
 
 class SpawnerGoneError(RuntimeError):
     """The spawner exited (or was killed): no supervisor can be started any more."""
+
+
+@dataclass(frozen=True)
+class SpawnedJob:
+    """A supervisor just forked: the read end of its report pipe, and a pidfd that pins it
+    (None if it was gone before it could be pinned). The caller closes both."""
+
+    read_fd: int
+    pidfd: int | None
 
 
 class Spawner:
@@ -71,24 +84,43 @@ class Spawner:
     def spawn(self, job: Job) -> int:
         """Fork a supervisor for ``job``; return the read end of its report pipe (the caller
         closes it). Raises :class:`SpawnerGoneError` if the spawner is gone."""
+        spawned = self.launch(job)
+        if spawned.pidfd is not None:
+            os.close(spawned.pidfd)
+        return spawned.read_fd
+
+    def launch(self, job: Job) -> SpawnedJob:
+        """Fork a supervisor for ``job``: its report pipe and its pidfd (see
+        :class:`SpawnedJob`). Raises :class:`SpawnerGoneError` if the spawner is gone."""
         read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        fd_size = array.array("i").itemsize
+        pidfds = array.array("i")
         try:
             payload = json.dumps(job).encode()
             with self._lock:
                 try:
                     fds = array.array("i", [write_fd])
                     self._channel.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-                    ack = self._channel.recv(64)
+                    ack, ancillary, _flags, _address = self._channel.recvmsg(
+                        64, socket.CMSG_SPACE(fd_size)
+                    )
                 except OSError as error:
                     raise SpawnerGoneError(f"the spawner is gone: {error}") from error
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    pidfds.frombytes(data[: len(data) - len(data) % fd_size])
             if not ack:
                 raise SpawnerGoneError("the spawner is gone (it closed its end)")
         except BaseException:
             os.close(read_fd)
+            for fd in pidfds:
+                os.close(fd)
             raise
         finally:
             os.close(write_fd)
-        return read_fd
+        for extra in pidfds[1:]:
+            os.close(extra)
+        return SpawnedJob(read_fd, pidfds[0] if pidfds else None)
 
     def close(self) -> None:
         """End the spawner (supervisors it forked keep running) and reap it."""
@@ -147,4 +179,29 @@ def _serve(channel: socket.socket, runner: JobRunner) -> None:
             finally:
                 os._exit(code)
         os.close(pipe_fd)
-        channel.send(b"ok")
+        pidfd = _pin_child(pid)
+        if pidfd is None:
+            channel.send(b"ok")
+            continue
+        try:
+            channel.sendmsg(
+                [b"ok"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))]
+            )
+        finally:
+            os.close(pidfd)
+
+
+def _pin_child(pid: int) -> int | None:
+    """A pidfd of the child ``pid`` just forked, or None if it is gone already. SIGCHLD is
+    ignored here, so a child that exited is reaped at once and its pid free for reuse: the
+    pidfd counts only if ``waitid`` on it still finds a child of this process."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except OSError:  # ECHILD: the pid is someone else's now
+        os.close(pidfd)
+        return None
+    return pidfd

@@ -24,6 +24,7 @@ from snapctl.pool import (
     PoolListing,
     PoolTarget,
 )
+from snapctl.pool.spawner import SpawnedJob
 from snapctl.statedir import StateDir
 
 
@@ -72,6 +73,9 @@ class FakeSpawner:
 
         threading.Thread(target=finish, daemon=True).start()
         return read_fd
+
+    def launch(self, job: dict[str, Any]) -> SpawnedJob:
+        return SpawnedJob(self.spawn(job), None)  # no process to pin: nothing to cancel
 
     def close(self) -> None:
         self.closed = True

@@ -308,3 +308,41 @@ def test_a_foreground_donor_through_the_agent_stops_on_ctrl_c(
     agents.start()
     through = foreground(image="through", name="fg")
     assert list(through) == list(local)  # the report model's field order, as in-process
+
+
+@pytest.mark.parametrize("command", ["bake", "donor"])
+def test_ctrl_c_interrupts_a_capture_through_the_agent_and_leaves_nothing(
+    tmp_path: Path, state: StateDir, agents: list[Agent], command: str
+) -> None:
+    """The signal reaches the capture in the agent's supervisor, as it does in-process: the
+    command ends within seconds (not when the capture would have), exit 130 and no message,
+    no image published, the server's tree stopped."""
+    agents.append(Agent(state))
+    image = tmp_path / "captured"
+    marker = f"never-ready-{tmp_path.name}"
+    server = [sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", command, "--image", str(image), "--ready-timeout",
+         "120", "--", *server],
+        env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+    def servers() -> list[psutil.Process]:  # observed only: never signalled by name
+        # The server itself: the command's own argv holds the marker too.
+        return [found for found in psutil.process_iter(["cmdline"])
+                if (found.info["cmdline"] or [])[: len(server)] == server]  # fmt: skip
+
+    try:
+        until(lambda: bool(servers()), timeout_s=60)  # launched: the capture waits on it
+        started = time.monotonic()
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)
+    assert process.returncode == ExitStatus.INTERRUPTED, err
+    assert time.monotonic() - started < 30 and out == "" and err.strip() == ""
+    assert not (image / "manifest.json").exists()
+    until(lambda: not servers(), timeout_s=30)
+    assert state.load_records() == [] and leftovers(state) == []

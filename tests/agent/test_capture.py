@@ -149,6 +149,14 @@ def test_a_failed_capture_exits_with_its_status_and_message(
         ("/v1/bakes", b'{"image": "/i", "cwd": "/", "environ": {}, "name": "x"}', 422,
          "name: Extra inputs"),
         ("/v1/donors", b'{"image": "/i", "cwd": "/", "environ": {"A": 1}}', 422, "environ.A"),
+        ("/v1/donors", b'{"image": "/i", "cwd": "/", "environ": {"A=B": "v"}}', 422,
+         "'A=B' is not an environment variable name"),
+        ("/v1/bakes", b'{"image": "/i", "cwd": "/", "environ": {"": "v"}}', 422,
+         "'' is not an environment variable name"),
+        ("/v1/bakes", b'{"image": "/i", "cwd": "/", "environ": {"A\\u0000": "v"}}', 422,
+         "is not an environment variable name"),
+        ("/v1/donors", b'{"image": "/i", "cwd": "/", "environ": {"K": "s\\u0000x"}}', 422,
+         "the value of K holds NUL"),
         ("/v1/donors", b'{"image": "/i", "cwd": "/", "environ": {}, "ready_timeout_s": 0}',
          422, "positive, finite"),
         ("/v1/donors", b'{"image": "/i", "cwd": "/", "environ": {}, "expose": true}', 400,
@@ -240,11 +248,13 @@ def test_donor_through_the_agent_imports_nothing_heavy(
 
 
 class _Reporter:
-    def __init__(self) -> None:
+    def __init__(self, *, reader: bool = True) -> None:
         self.sent: list[dict[str, Any]] = []
+        self.reader = reader  # False: its reader is gone (the agent, or the client)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: dict[str, Any]) -> bool:
         self.sent.append(message)
+        return self.reader
 
     def progress(self, lane: str, step: str) -> None:
         self.send({"lane": lane, "progress": step})
@@ -366,3 +376,51 @@ def test_the_text_report_through_the_agent_is_drawn_as_in_process(
     code, out, err = run_cli(capsys, "donor", "--image", str(tmp_path / "img"), "--detach")
     assert code == 0, err
     assert "donor d" in out and "time activate" in out and "running detached" in err
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_donor_whose_report_reached_no_one_is_stopped_unless_detached(
+    supervisor_seams: list[Any], monkeypatch: pytest.MonkeyPatch, detach: bool
+) -> None:
+    monkeypatch.setattr("snapctl.activation.donor.start_donor",
+                        lambda options, **kwargs: ("session", _Report(name="d")))  # fmt: skip
+    reporter = _Reporter(reader=False)
+    job = _job("donor", detach=detach)
+    code = jobs.run_capture(job, reporter, adopt=lambda request: None)  # type: ignore[arg-type]
+    if detach:  # its own: `snapctl ps` lists it, `snapctl stop` stops it
+        assert code == 0
+        assert supervisor_seams == ["detach-stdio", ("supervise", ["session"]), "stop-all-tracked"]
+    else:  # no client will stop it: it must not serve on with no owner
+        assert code == ExitStatus.ERROR and supervisor_seams == ["stop-all-tracked"]
+
+
+@pytest.mark.parametrize("detach", [False, True])
+def test_a_copy_whose_report_reached_no_one_is_stopped_unless_detached(
+    supervisor_seams: list[Any], monkeypatch: pytest.MonkeyPatch, detach: bool
+) -> None:
+    from snapctl.pool.models import CopyRequest
+
+    monkeypatch.setattr(jobs, "check_request", lambda request: None)
+    monkeypatch.setattr(
+        "snapctl.activation.copy.start_copy",
+        lambda image, options, **kwargs: ("session", _Report(name="c")),
+    )
+    request = CopyRequest(image="/images/x", lazy=False, detach=detach)
+    job = {"kind": "copy", "state": "/state", "request": request.model_dump(mode="json")}
+    code = jobs.run_copy(job, _Reporter(reader=False))  # type: ignore[arg-type]
+    if detach:
+        assert code == 0
+        assert supervisor_seams == ["detach-stdio", ("supervise", ["session"]), "stop-all-tracked"]
+    else:
+        assert code == ExitStatus.ERROR and supervisor_seams == ["stop-all-tracked"]
+
+
+def test_the_reporter_says_whether_its_message_was_delivered() -> None:
+    read_fd, write_fd = os.pipe()
+    reporter = jobs.Reporter(write_fd)
+    try:
+        assert reporter.send({"lane": "", "progress": "one"}) is True
+        os.close(read_fd)  # the agent (or its relay) is gone
+        assert reporter.send({"report": {}}) is False
+    finally:
+        reporter.close()

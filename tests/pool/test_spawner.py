@@ -41,4 +41,6 @@ def test_jobs_run_in_supervisors_of_their_own() -> None:
         assert entry["sid"] == entry["pid"]  # its own session: the agent's signals are not its
         assert entry["stdin"] == "/dev/null"
     assert len({entry["pid"] for entry in said}) == 2
+    # The agent's handle on a supervisor is a pidfd of that very process (a cancel signals it).
+    assert out["pinned"] and out["ended"]
     assert not psutil.pid_exists(out["spawner"])  # closed and reaped
