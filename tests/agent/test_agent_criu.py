@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -312,12 +313,12 @@ def test_a_foreground_donor_through_the_agent_stops_on_ctrl_c(
 
 @pytest.mark.parametrize("command", ["bake", "donor"])
 def test_ctrl_c_interrupts_a_capture_through_the_agent_and_leaves_nothing(
-    tmp_path: Path, state: StateDir, agents: list[Agent], command: str
+    tmp_path: Path, state: StateDir, agents: Started[AgentProcess], command: str
 ) -> None:
     """The signal reaches the capture in the agent's supervisor, as it does in-process: the
     command ends within seconds (not when the capture would have), exit 130 and no message,
     no image published, the server's tree stopped."""
-    agents.append(Agent(state))
+    agents.start()
     image = tmp_path / "captured"
     marker = f"never-ready-{tmp_path.name}"
     server = [sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"]
