@@ -400,7 +400,7 @@ def test_a_copy_whose_report_reached_no_one_is_stopped_unless_detached(
 ) -> None:
     from snapctl.pool.models import CopyRequest
 
-    monkeypatch.setattr(jobs, "check_request", lambda request: None)
+    monkeypatch.setattr(jobs, "check_request", lambda request, state=None: None)
     monkeypatch.setattr(
         "snapctl.activation.copy.start_copy",
         lambda image, options, **kwargs: ("session", _Report(name="c")),
