@@ -50,6 +50,7 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     from snapctl.cli.output import Steps, emit_json
     from snapctl.criu import find_criu
     from snapctl.statedir import StateDir
+    from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
     options = LaunchOptions(
         server_argv=list(server_cmd) or None,
@@ -61,11 +62,17 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
         ready_timeout_s=ready_timeout_s,
         server_timeout_s=server_timeout_s,
     )
-    with Steps(quiet=common.as_json) as steps:
-        report = bake_image(
-            options, image=image, force=force, criu=find_criu(common.criu_path),
-            native=native_step(common.native), state=StateDir(), progress=steps,
-        )  # fmt: skip
+    # SIGTERM as SIGINT: either interrupts the bake, whose cleanup stops what it launched.
+    with StopSignals() as signals:
+        try:
+            with Steps(quiet=common.as_json) as steps:
+                report = bake_image(
+                    options, image=image, force=force, criu=find_criu(common.criu_path),
+                    native=native_step(common.native), state=StateDir(), progress=steps,
+                )  # fmt: skip
+        finally:
+            signals.cleaning()
+            stop_all_tracked()
     if common.as_json:
         emit_json(report)
     else:

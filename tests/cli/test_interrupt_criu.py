@@ -15,6 +15,7 @@ import pytest
 
 from snapctl.errors import ExitStatus
 from snapctl.namespaces import mounts
+from snapctl.supervision.process import each_argv
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
@@ -85,3 +86,43 @@ def test_an_interrupted_foreground_copy_leaves_nothing(
         assert copy.returncode != -signum, "the default action killed it"
     assert b"Traceback" not in errors
     assert left_behind(root / "state") == []
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_interrupted_bake_stops_what_it_launched(
+    tmp_path: Path, signum: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In-process (``--no-agent``): its server never gets ready, the signal comes while the
+    bake waits for it; the bake ends as interrupted and its sandbox and server are gone."""
+    state = tmp_path / "state"
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(state)}
+    marker = f"never-ready-{tmp_path.name}"
+    server = [sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"]
+    bake = subprocess.Popen(
+        [sys.executable, "-m", "snapctl", "--no-agent", "bake", "--image",
+         str(tmp_path / "image"), "--ready-timeout", "120", "--", *server],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+
+    def servers() -> list[int]:  # observed only: never signalled by name
+        return [pid for pid, argv in each_argv() if argv[: len(server)] == server]
+
+    try:
+        deadline = time.monotonic() + 60
+        while not servers():
+            assert time.monotonic() < deadline and bake.poll() is None
+            time.sleep(0.05)
+        bake.send_signal(signum)
+        _, errors = bake.communicate(timeout=60)
+    finally:
+        if bake.poll() is None:
+            bake.kill()
+            bake.wait()
+    assert bake.returncode == ExitStatus.INTERRUPTED, errors
+    assert b"Traceback" not in errors
+    deadline = time.monotonic() + 30
+    while servers():
+        assert time.monotonic() < deadline, f"left running: {servers()}"
+        time.sleep(0.05)
+    assert not (tmp_path / "image" / "manifest.json").exists()
+    assert list((state / "activations").glob("*")) == [] and mounts.mounts_under(state) == []
