@@ -137,6 +137,28 @@ def detach_stdio() -> None:
     os.close(null)
 
 
+def report_then_supervise(
+    reporter: Reporter, report: dict[str, Any], sessions: list[Any], signals: Any, *,
+    detach: bool,
+) -> int:  # fmt: skip
+    """The end of a job that serves: send its report, then supervise its sessions until
+    they are stopped (or, a foreground start whose report reached no one, stop them now:
+    :func:`abandon_undelivered`); the supervisor's exit status."""
+    from snapctl.activation.supervise import run_all_until_stopped
+    from snapctl.supervision.signals import stop_all_tracked
+
+    delivered = reporter.send({"report": report})
+    reporter.close()
+    if abandon_undelivered(delivered, detach):
+        return int(ExitStatus.ERROR)
+    detach_stdio()
+    try:
+        run_all_until_stopped(sessions, stop=signals.requested)
+    finally:
+        stop_all_tracked()
+    return 0
+
+
 def abandon_undelivered(delivered: bool, detach: bool) -> bool:
     """A foreground start whose report reached no one has no owner (its client stops it
     when it ends, and there is none): stop what started; True when it did."""
@@ -169,7 +191,6 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     from snapctl.activation.copy import require_all, start_copies, start_copy
     from snapctl.activation.native import native_step
     from snapctl.activation.precheck import lazy_default
-    from snapctl.activation.supervise import run_all_until_stopped
     from snapctl.criu import find_criu
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
@@ -212,16 +233,7 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
             raise
     except BaseException as error:
         return reporter.error(error)
-    delivered = reporter.send({"report": report})
-    reporter.close()
-    if abandon_undelivered(delivered, request.detach):
-        return int(ExitStatus.ERROR)
-    detach_stdio()
-    try:
-        run_all_until_stopped(sessions, stop=signals.requested)
-    finally:
-        stop_all_tracked()
-    return 0
+    return report_then_supervise(reporter, report, sessions, signals, detach=request.detach)
 
 
 def adopt_client_context(request: BakeRequest) -> None:
@@ -259,7 +271,6 @@ def run_capture(
     from snapctl.activation.bake import bake_image
     from snapctl.activation.donor import start_donor
     from snapctl.activation.native import native_step
-    from snapctl.activation.supervise import run_all_until_stopped
     from snapctl.criu import find_criu
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
@@ -299,15 +310,9 @@ def run_capture(
             raise
     except BaseException as error:
         return reporter.error(error)
-    delivered = reporter.send({"report": report})
-    reporter.close()
-    if session is None:
-        return 0  # a bake: its original was stopped, its image published
-    if abandon_undelivered(delivered, isinstance(request, DonorRequest) and request.detach):
-        return int(ExitStatus.ERROR)
-    detach_stdio()
-    try:
-        run_all_until_stopped([session], stop=signals.requested)
-    finally:
-        stop_all_tracked()
-    return 0
+    if session is None:  # a bake: its original was stopped, its image published
+        reporter.send({"report": report})
+        reporter.close()
+        return 0
+    detach = isinstance(request, DonorRequest) and request.detach
+    return report_then_supervise(reporter, report, [session], signals, detach=detach)

@@ -480,23 +480,6 @@ def test_ctrl_c_while_the_agent_starts_a_copy_stops_it_once_it_started(
     assert stopped == ["copy-1"]  # the report's name, stopped once it had started
 
 
-def test_copy_through_the_agent_imports_nothing_heavy(
-    running_agent: RunningAgent, tmp_path: Path
-) -> None:
-    image = tmp_path / "image"
-    image.mkdir()
-    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root)}
-    done = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "snapctl", "copy", "--image", str(image),
-         "--no-lazy", "--detach", "--json", "--name", "light", "--publish", "127.0.0.1:0"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0 and json.loads(done.stdout) == make_report()
-    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
-    heavy = {name for name in imported if name.split(".")[0] in HEAVY - {"click"}}
-    assert heavy == set(), heavy
-
-
 def test_an_address_in_use_is_a_listen_error_and_undoes_the_start(
     running_agent: RunningAgent, tmp_path: Path
 ) -> None:
