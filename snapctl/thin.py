@@ -246,20 +246,21 @@ def fast_copy(args: list[str]) -> int | None:
     client = connect()
     if client is None:
         return None
+    from snapctl.plain import emit_json
+
     try:
         with signals_held() as interrupted:
             report = relay_report(client.stream("POST", "/copies", request), None, lambda _: None)
             if interrupted.is_set():
                 raise stop_interrupted(client.path, report)
+            # Inside the held signals: a copy that started is never left unprinted.
+            emit_json(report)  # sorted keys, as the detached in-process start prints its record
     except AgentError as error:
         if error.usage is not None:
             return None  # refused before anything started: the full CLI reports it as click
         return _report_failure(error)
     except Exception as error:
         return _report_failure(error)
-    from snapctl.plain import emit_json
-
-    emit_json(report)  # sorted keys, as the detached in-process start prints its record
     return 0
 
 

@@ -23,12 +23,19 @@ from typing import Any
 import psutil
 
 from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
+from snapctl.errors import ExitStatus
 from snapctl.images.filecache import StatKey
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.images.store import file_keys, unchanged_since
 from snapctl.phases import HostPhase
 from snapctl.pool.identity import manifest_digest, published_identity
-from snapctl.pool.jobs import Reporter, check_request, detach_stdio, launch_options
+from snapctl.pool.jobs import (
+    Reporter,
+    abandon_undelivered,
+    check_request,
+    detach_stdio,
+    launch_options,
+)
 from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
 from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
 from snapctl.pool.serve import ParkedCopyUnusableError
@@ -222,7 +229,7 @@ class _Parked:
         if self.record.lazy_pages_pid is not None:
             set_niceness(self.record.lazy_pages_pid, 0)
         try:
-            session = self.activate(order.request, reporter)
+            session, delivered = self.activate(order.request, reporter)
         except BaseException as error:
             self.discard()  # first: once answered, nothing of it is left
             status = reporter.error(error)
@@ -230,6 +237,8 @@ class _Parked:
             return status
         reporter.close()
         conn.close()
+        if abandon_undelivered(delivered, order.request.detach):
+            return int(ExitStatus.ERROR)  # a foreground copy whose report reached no one
         return self.supervise(session)
 
     def read_order(self, conn: socket.socket) -> ActivationOrder:
@@ -258,8 +267,9 @@ class _Parked:
             )
         return order
 
-    def activate(self, request: CopyRequest, reporter: Reporter) -> Any:
-        """Check the image is still the one restored, then activate; return the session."""
+    def activate(self, request: CopyRequest, reporter: Reporter) -> tuple[Any, bool]:
+        """Check the image is still the one restored, then activate; return the session and
+        whether its report was delivered."""
         assert self.copy is not None and self.listener is not None
         self.listener.close()  # one order only
         self.listener = None
@@ -286,9 +296,9 @@ class _Parked:
         )  # fmt: skip
         self.signals.started()
         report = report.model_copy(update={"from_pool": True})
-        reporter.send({"report": report.model_dump(mode="json")})
+        delivered = reporter.send({"report": report.model_dump(mode="json")})
         shutil.rmtree(self.home, ignore_errors=True)  # it is an ordinary activation now
-        return session
+        return session, delivered
 
     def supervise(self, session: Any) -> int:
         from snapctl.activation.supervise import run_all_until_stopped
