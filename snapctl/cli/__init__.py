@@ -151,8 +151,8 @@ def load_command(name: str, target: str) -> click.Command:
 def snapctl(ctx: click.Context, traceback: bool, no_agent: bool) -> None:
     """Capture an initialized inference server once with CRIU, then start copies of it fast.
 
-    When an agent runs (snapctl agent), ps, stop, logs, gc, images, inspect, copy and pool
-    go through it (same output and exit codes); --no-agent keeps them in this process.
+    When an agent runs (snapctl agent), ps, stop, logs, gc, images, inspect, copy, donor, bake
+    and pool go through it (same output and exit codes); --no-agent keeps them in this process.
     """
     state = ctx.ensure_object(CliState)
     state.traceback = traceback
