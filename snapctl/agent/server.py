@@ -465,7 +465,9 @@ class Handler(BaseHTTPRequestHandler):
 
         status = 200
         watching = stream.cancel is not None or stream.orphaned is not None
-        watch = HangupWatch(self.connection, client_left) if watching else None
+        watch = None
+        if watching:  # a half-close asks to cancel only where there is something to cancel
+            watch = HangupWatch(self.connection, client_left, half_close=stream.cancel is not None)
         try:
             with watch or contextlib.nullcontext():
                 last = stream.run(emit)
@@ -490,16 +492,18 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class HangupWatch:
-    """While the body runs, a thread watches ``connection`` and calls ``on_hangup`` once its
-    client shut its side (an interrupted ``snapctl donor``/``bake`` hangs up on purpose) or
-    the connection broke. Our client sends nothing after its request, so any of these means
-    it is gone or wants out."""
+    """While the body runs, a thread watches ``connection`` and calls ``on_hangup`` once the
+    connection broke, or (``half_close``) once its client shut its sending side: an
+    interrupted ``snapctl donor``/``bake`` hangs up that way on purpose. Without
+    ``half_close`` a client that shuts its side after its request (some HTTP clients do)
+    is still there to read the answer."""
 
-    _HUNG_UP = select.POLLRDHUP | select.POLLHUP | select.POLLERR
-
-    def __init__(self, connection: socket.socket, on_hangup: Callable[[], None]) -> None:
+    def __init__(
+        self, connection: socket.socket, on_hangup: Callable[[], None], *, half_close: bool
+    ) -> None:
         self._fd = connection.fileno()
         self._on_hangup = on_hangup
+        self._events = select.POLLRDHUP if half_close else 0
         self._wake = os.eventfd(0, os.EFD_CLOEXEC)
         self._thread = threading.Thread(target=self._watch, name="hangup-watch", daemon=True)
 
@@ -514,13 +518,14 @@ class HangupWatch:
 
     def _watch(self) -> None:
         poller = select.poll()
-        poller.register(self._fd, select.POLLRDHUP)
+        # POLLHUP and POLLERR come whatever is asked for.
+        poller.register(self._fd, self._events)
         poller.register(self._wake, select.POLLIN)
         while True:
             for fd, mask in poller.poll():
                 if fd == self._wake or mask & select.POLLNVAL:
                     return
-                if mask & self._HUNG_UP:
+                if mask & (self._events | select.POLLHUP | select.POLLERR):
                     self._on_hangup()
                     return
 

@@ -193,6 +193,29 @@ def test_a_foreground_copy_whose_client_left_is_stopped_by_the_agent(
     assert stopped == ["copy-1"]
 
 
+def test_a_foreground_copy_whose_client_only_half_closed_is_served_and_kept(
+    running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An HTTP client may shut its sending side once its request is out: it still reads the
+    answer, and its copy is not an orphan (only captures are cancelled by a half-close)."""
+    stopped: list[str] = []
+    monkeypatch.setattr("snapctl.agent.service.AgentService.check_copy",
+                        lambda self, request, emit: None)  # fmt: skip
+    monkeypatch.setattr(
+        "snapctl.agent.service.AgentService.stop",
+        lambda self, name, timeout_s: stopped.append(name) or {"name": name},
+    )
+    running_agent.spawner.delay_s = 0.5
+    sock = _start_stream(running_agent.socket, "/v1/copies",
+                         {"image": "/images/x", "lazy": False, "detach": False})  # fmt: skip
+    with sock:
+        sock.shutdown(socket.SHUT_WR)
+        answer = _read_all(sock)
+    assert b'"report"' in answer
+    time.sleep(0.5)
+    assert stopped == []
+
+
 def test_the_tcp_listener_refuses_captures(tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text("t" * 32 + "\n")
