@@ -22,6 +22,7 @@ from snapctl.agent.api import StopAnswer, VersionInfo
 from snapctl.agent.metrics import AgentMetrics
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
+from snapctl.pool.models import publish_pair
 from snapctl.pool.serve import activate_from_pool, copy_via_supervisor
 from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
 
@@ -182,8 +183,8 @@ class AgentService:
         try:
             check_copy_start(
                 image=request.image, allow_mismatch=request.allow_mismatch, name=request.name,
-                count=request.count, publish=_publish_of(request), expose=request.expose,
-                state=self.state, note=lambda text: emit({"note": text}),
+                count=request.count, publish=publish_pair(request.publish),
+                expose=request.expose, state=self.state, note=lambda text: emit({"note": text}),
             )  # fmt: skip
         except CopyUsageError as error:
             raise BadRequestError(error.message, usage=error.option) from error
@@ -255,10 +256,6 @@ class AgentService:
         from snapctl.activation.precheck import CopyUsageError, check_publish_target
 
         try:
-            check_publish_target(_publish_of(request), request.expose, 1)
+            check_publish_target(publish_pair(request.publish), request.expose, 1)
         except CopyUsageError as error:
             raise BadRequestError(error.message, usage=error.option) from error
-
-
-def _publish_of(request: CopyRequest | DonorRequest) -> tuple[str, int] | None:
-    return None if request.publish is None else (request.publish.address, request.publish.port)

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import click
 
 from snapctl.agent import NO_AGENT_ENV
 from snapctl.agent.client import AgentClient, AgentError, Hangup
-from snapctl.thin import relay_report, signals_held, stop_interrupted
+from snapctl.thin import LaneProgress, relay_report, signals_held, stop_interrupted
 
 if TYPE_CHECKING:
     from snapctl.cli._activation_options import CommonOptions
@@ -145,22 +146,26 @@ def donor_through_agent(
     serve_through_agent(client, "/donors", request, as_json=as_json, detach=detach)
 
 
+def _lane_progress(stack: ExitStack, as_json: bool) -> LaneProgress | None:
+    """Progress by lane drawn on the terminal (its display entered on ``stack``), or None
+    when nothing is drawn (``--json``, or stderr is no terminal)."""
+    if not _terminal(as_json):
+        return None
+    from snapctl.cli.output import Steps
+
+    steps = stack.enter_context(Steps(quiet=as_json))
+    return lambda lane, step: steps.lane(lane)(step)
+
+
 def bake_through_agent(client: AgentClient, request: dict[str, Any], *, as_json: bool) -> Any:
     """``snapctl bake`` served by the agent (``POST /v1/bakes``): its progress (on a terminal),
     then its report (a dict). SIGINT/SIGTERM meanwhile hang up on the request, and the agent
     interrupts the bake in its supervisor, as the signal does in-process: its tree is stopped,
     nothing is published, and the command fails as an interrupted in-process bake (exit 130,
     no message). A bake that published before the interrupt reached it is named instead."""
-    from contextlib import ExitStack
-
     hangup = Hangup()
     with signals_held() as signalled, ExitStack() as stack:
-        lane_step: Any = None
-        if _terminal(as_json):
-            from snapctl.cli.output import Steps
-
-            steps = stack.enter_context(Steps(quiet=as_json))
-            lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
+        lane_step = _lane_progress(stack, as_json)
         try:
             with hanging_up_on_signal(signalled, hangup):
                 report = _relay(client, "/bakes", request, lane_step, as_json, hangup)
@@ -186,19 +191,12 @@ def serve_through_agent(
     progress and notes (on a terminal), then its report as in-process (``--detach``: and
     return; else serve until Ctrl-C/SIGTERM or it exits, then stop it through the agent and
     report the cleanup)."""
-    from contextlib import ExitStack
-
     # One set of handlers from the request to the last stop: a signal at any moment in
     # between either stops what started or asks the serving loop to stop, never kills the
     # command and leaves a copy serving with no one to stop it.
     with signals_held() as signalled:
         with ExitStack() as stack:
-            lane_step: Any = None
-            if _terminal(as_json):
-                from snapctl.cli.output import Steps
-
-                steps = stack.enter_context(Steps(quiet=as_json))
-                lane_step = lambda lane, step: steps.lane(lane)(step)  # noqa: E731
+            lane_step = _lane_progress(stack, as_json)
             outcome = _stream_start(client, target, request, lane_step, as_json, signalled)
         if as_json:
             from snapctl.plain import emit_json

@@ -25,7 +25,7 @@ import snapctl.activation.supervise
 import snapctl.registry.source  # the pre-start checks' image lookup
 from snapctl.activation.launch import LaunchOptions
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
+from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest, publish_pair
 from snapctl.statedir import StateDir
 
 assert snapctl.activation.copy and snapctl.activation.supervise
@@ -121,7 +121,7 @@ def check_request(request: CopyRequest, state: StateDir | None = None) -> None:
     activation's own reservation); their notes were shown already."""
     from snapctl.activation.precheck import check_copy_start
 
-    publish = None if request.publish is None else (request.publish.address, request.publish.port)
+    publish = publish_pair(request.publish)
     check_copy_start(
         image=request.image, allow_mismatch=request.allow_mismatch, name=request.name,
         count=request.count, publish=publish, expose=request.expose, state=state,
@@ -207,9 +207,7 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
             lazy = request.lazy
             if lazy is None:  # the agent decides (and notes) it first: this is the same rule
                 lazy = lazy_default(image, lambda text: None)
-            publish = None
-            if request.publish is not None:
-                publish = (request.publish.address, request.publish.port)
+            publish = publish_pair(request.publish)
             sessions: list[Any]
             if request.count == 1:
                 session, single = start_copy(
@@ -290,9 +288,7 @@ def run_capture(
                 reporter.progress("", step)
 
             if isinstance(request, DonorRequest):
-                publish = None
-                if request.publish is not None:
-                    publish = (request.publish.address, request.publish.port)
+                publish = publish_pair(request.publish)
                 session, donor = start_donor(
                     options, image=Path(request.image), force=request.force, criu=criu,
                     native=native, publish=publish, state=state, progress=progress,

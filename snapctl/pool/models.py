@@ -26,6 +26,11 @@ class PublishTarget(StrictModel):
     port: int = Field(ge=0, le=65535)
 
 
+def publish_pair(target: PublishTarget | None) -> tuple[str, int] | None:
+    """``target`` as the ``(address, port)`` the activation code takes; None for none."""
+    return None if target is None else (target.address, target.port)
+
+
 class CopyRequest(StrictModel):
     """One ``snapctl copy``, as the CLI parsed it (a registry reference already pulled:
     ``image`` is a published image directory, absolute).

@@ -36,7 +36,7 @@ from snapctl.pool.jobs import (
     detach_stdio,
     launch_options,
 )
-from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
+from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord, publish_pair
 from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
 from snapctl.pool.serve import ParkedCopyUnusableError
 from snapctl.protocol.atomic import write_json_atomic
@@ -140,7 +140,8 @@ class _Parked:
         assert session.root is not None
         # Read after the restore verified the image: a change since shows as another stat.
         self.manifest_stat = manifest_stat(self.image)
-        self.file_keys = file_keys(self.image, self.copy.manifest)
+        if self.record.lazy:  # only a lazy copy reads its image after the restore
+            self.file_keys = file_keys(self.image, self.copy.manifest)
         if published_identity(self.image) != (
             self.copy.manifest.image_id,
             manifest_digest(self.copy.manifest),
@@ -287,8 +288,7 @@ class _Parked:
                                           phase=HostPhase.POOL)  # fmt: skip
         check_request(request)
         options = launch_options(request)
-        publish = None if request.publish is None else (request.publish.address,
-                                                          request.publish.port)  # fmt: skip
+        publish = publish_pair(request.publish)
         copy, self.copy = self.copy, None  # activate_copy cleans up after its own failure
         session, report = activate_copy(
             copy, options, publish=publish, name=request.name,

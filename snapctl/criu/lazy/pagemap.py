@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
 from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
+from snapctl.criu.wire import encode_varint, read_varint
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import replace_file
@@ -141,37 +142,12 @@ def _fields(message: bytes) -> list[tuple[int, int]]:
     fields: list[tuple[int, int]] = []
     at = 0
     while at < len(message):
-        key, at = _varint(message, at)
+        key, at = read_varint(message, at)
         if key & 7:
             raise PagemapError(f"field {key >> 3} is not a varint")
-        value, at = _varint(message, at)
+        value, at = read_varint(message, at)
         fields.append((key >> 3, value))
     return fields
-
-
-def _varint(data: bytes, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[at]
-        at += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-
-
-def _encode_varint(value: int) -> bytes:
-    if value < 0x80:
-        return _ONE_BYTE[value]
-    out = bytearray()
-    while value >= 0x80:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-_ONE_BYTE = [bytes((value,)) for value in range(0x80)]
 
 
 def _piece(
@@ -190,8 +166,8 @@ def _piece(
             value = flags
         elif number == count_field:
             value = count
-        body += _ONE_BYTE[number << 3] if number < 16 else _encode_varint(number << 3)
-        body += _encode_varint(value)
+        body += encode_varint(number << 3)
+        body += encode_varint(value)
     return struct.pack("<I", len(body)) + bytes(body)
 
 
