@@ -164,16 +164,22 @@ def test_ctrl_c_interrupts_a_capture_through_the_agent_as_in_process(
     assert err.strip() == message
 
 
-def test_a_foreground_copy_whose_client_left_is_stopped_by_the_agent(
-    running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    stopped: list[str] = []
+@pytest.fixture
+def stopped(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The activations the agent stops (its copy checks and stops stood in for)."""
+    names: list[str] = []
     monkeypatch.setattr("snapctl.agent.service.AgentService.check_copy",
                         lambda self, request, emit: None)  # fmt: skip
     monkeypatch.setattr(
         "snapctl.agent.service.AgentService.stop",
-        lambda self, name, timeout_s: stopped.append(name) or {"name": name},
+        lambda self, name, timeout_s: names.append(name) or {"name": name},
     )
+    return names
+
+
+def test_a_foreground_copy_whose_client_left_is_stopped_by_the_agent(
+    running_agent: RunningAgent, stopped: list[str]
+) -> None:
     running_agent.spawner.delay_s = 0.5
     for detach in (True, False):
         sock = _start_stream(running_agent.socket, "/v1/copies",
@@ -194,17 +200,10 @@ def test_a_foreground_copy_whose_client_left_is_stopped_by_the_agent(
 
 
 def test_a_foreground_copy_whose_client_only_half_closed_is_served_and_kept(
-    running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+    running_agent: RunningAgent, stopped: list[str]
 ) -> None:
     """An HTTP client may shut its sending side once its request is out: it still reads the
     answer, and its copy is not an orphan (only captures are cancelled by a half-close)."""
-    stopped: list[str] = []
-    monkeypatch.setattr("snapctl.agent.service.AgentService.check_copy",
-                        lambda self, request, emit: None)  # fmt: skip
-    monkeypatch.setattr(
-        "snapctl.agent.service.AgentService.stop",
-        lambda self, name, timeout_s: stopped.append(name) or {"name": name},
-    )
     running_agent.spawner.delay_s = 0.5
     sock = _start_stream(running_agent.socket, "/v1/copies",
                          {"image": "/images/x", "lazy": False, "detach": False})  # fmt: skip

@@ -34,9 +34,15 @@ from tests.images.factories import publish_sample
 HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client"}
 
 
-def parked_handle(image: Path, socket_path: Path) -> ParkedHandle:
-    return ParkedHandle(id="pool-0123456789ab", image=str(image), socket=socket_path,
-                        supervisor_pid=1, supervisor_start_time=1.0)  # fmt: skip
+def ready_parked(running_agent: RunningAgent, tmp_path: Path) -> tuple[Path, ParkedHandle]:
+    """An image directory, and a parked copy of it the fake pool hands out on a take."""
+    image = tmp_path / "image"
+    image.mkdir()
+    handle = ParkedHandle(id="pool-0123456789ab", image=str(image),
+                          socket=tmp_path / "order.sock", supervisor_pid=1,
+                          supervisor_start_time=1.0)  # fmt: skip
+    running_agent.pool.ready.append(handle)
+    return image, handle
 
 
 def raw(path: Path, request: bytes) -> tuple[int, bytes]:
@@ -265,10 +271,7 @@ def test_copy_takes_a_parked_copy_when_one_is_ready(
     running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    image = tmp_path / "image"
-    image.mkdir()
-    handle = parked_handle(image, tmp_path / "order.sock")
-    running_agent.pool.ready.append(handle)
+    image, handle = ready_parked(running_agent, tmp_path)
     taken: list[Any] = []
 
     def activate(handle: ParkedHandle, request: Any, progress: Any) -> dict[str, Any]:
@@ -502,10 +505,7 @@ def test_an_address_in_use_is_a_listen_error_and_undoes_the_start(
 def test_a_name_in_use_is_refused_before_a_parked_copy_is_taken(
     running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    image = tmp_path / "image"
-    image.mkdir()
-    handle = parked_handle(image, tmp_path / "order.sock")
-    running_agent.pool.ready.append(handle)
+    image, handle = ready_parked(running_agent, tmp_path)
     held = running_agent.state.reserve_name("web")
     try:
         code, _, err = run_cli(capsys, "copy", "--image", str(image), "--name", "web", "--json")
@@ -556,10 +556,7 @@ def test_a_parked_copy_that_cannot_be_used_is_discarded(
 ) -> None:  # fmt: skip
     from snapctl.pool.serve import ParkedCopyUnusableError
 
-    image = tmp_path / "image"
-    image.mkdir()
-    handle = parked_handle(image, tmp_path / "order.sock")
-    running_agent.pool.ready.append(handle)
+    image, handle = ready_parked(running_agent, tmp_path)
 
     def unusable(handle: ParkedHandle, request: Any, progress: Any) -> dict[str, Any]:
         raise ParkedCopyUnusableError("it does not answer")
