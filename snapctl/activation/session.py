@@ -13,7 +13,6 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.memory import InPlace, Memory
@@ -34,6 +33,7 @@ from snapctl.supervision.process import (
     ProcessGoneError,
     descendants,
     each_argv,
+    start_time,
     wait_gone,
 )
 from snapctl.supervision.signals import cleaning, track, untrack
@@ -267,7 +267,7 @@ class Session:
 
     def _write_record(self) -> None:
         root = self.tree
-        me = psutil.Process()
+        me = os.getpid()
         transfer = self.memory.transfer
         self.state_dir.save_record(
             ActivationRecord(
@@ -277,8 +277,8 @@ class Session:
                 image=str(self.image) if self.image else None,
                 root_pid=root.pid,
                 root_start_time=root.start_time,
-                supervisor_pid=me.pid,
-                supervisor_start_time=me.create_time(),
+                supervisor_pid=me,
+                supervisor_start_time=start_time(me),
                 activation_dir=str(self.dirs.root),
                 logs_dir=str(self.dirs.logs),
                 host=self.host,

@@ -8,13 +8,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.models import StrictModel
 from snapctl.namespaces import mounts
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.supervision.process import is_same_process
+from snapctl.supervision.process import is_same_process, start_time
 
 SANDBOX_CONTROL_DIR = "/run/snapctl/control"
 SANDBOX_LOGS_DIR = "/run/snapctl/logs"
@@ -74,7 +73,7 @@ class ActivationOwner(BaseModel):
 
     @classmethod
     def current(cls) -> ActivationOwner:
-        return cls(pid=os.getpid(), start_time=psutil.Process().create_time())
+        return cls(pid=os.getpid(), start_time=start_time(os.getpid()))
 
     def alive(self) -> bool:
         return is_same_process(self.pid, self.start_time)

@@ -20,8 +20,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
 from snapctl.errors import ExitStatus
 from snapctl.images.filecache import StatKey
@@ -41,7 +39,7 @@ from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
 from snapctl.pool.serve import ParkedCopyUnusableError
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
-from snapctl.supervision.process import is_same_process
+from snapctl.supervision.process import is_same_process, start_time
 from snapctl.supervision.sockets import bind_private
 
 # Parking is background work: its restore runs this much nicer than the copies being served
@@ -104,11 +102,11 @@ class _Parked:
         self.manifest_stat: tuple[int, ...] | None = None
         self.file_keys: dict[str, StatKey] | None = None
         self.listener: socket.socket | None = None
-        me = psutil.Process()
+        me = os.getpid()
         self.record = ParkedRecord(
             id=self.id, state="restoring", image=self.request.image, image_id=None,
             manifest_digest=None, lazy=bool(self.request.lazy), activation_id=None,
-            supervisor_pid=me.pid, supervisor_start_time=me.create_time(), root_pid=None,
+            supervisor_pid=me, supervisor_start_time=start_time(me), root_pid=None,
             root_start_time=None, owner_pid=self.owner[0], owner_start_time=self.owner[1],
             socket=str(self.home / SOCKET_NAME),
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -53,7 +53,7 @@ from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
-from snapctl.supervision.process import is_same_process, same_start
+from snapctl.supervision.process import is_same_process, same_start, start_time
 
 TARGETS_NAME = "targets.json"
 TICK_S = 0.5
@@ -115,10 +115,10 @@ class _Image:
 def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
     """PSS (RSS where PSS is unreadable) of these processes and all their descendants."""
     total, seen, found = 0, set(), False
-    for pid, start_time in pids:
+    for pid, recorded in pids:
         try:
             root = psutil.Process(pid)
-            if start_time is not None and not same_start(root.create_time(), start_time):
+            if recorded is not None and not same_start(start_time(pid), recorded):
                 continue
             members = [root, *root.children(recursive=True)]
         except psutil.Error:
@@ -179,8 +179,7 @@ class WarmPool:
         self._activating: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
-        me = psutil.Process()
-        self._owner = (me.pid, me.create_time())
+        self._owner = (os.getpid(), start_time(os.getpid()))
         self._memory_at = 0.0
         for target in self._load_targets():
             self._images[target.image] = _Image(target)
@@ -652,5 +651,5 @@ def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
     # It answered and removed its files; its exit follows.
     with contextlib.suppress(psutil.Error):
         process = psutil.Process(record.supervisor_pid)
-        if same_start(process.create_time(), record.supervisor_start_time):
+        if same_start(start_time(process.pid), record.supervisor_start_time):
             process.wait(timeout_s)

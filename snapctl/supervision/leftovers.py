@@ -18,13 +18,12 @@ import time
 import uuid
 from pathlib import Path
 
-import psutil
 from pydantic import ValidationError
 
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import TMP_SUFFIX, write_json_atomic
 from snapctl.statedir.names import LOCK_SUFFIX, NAME_PATTERN, lock_name
-from snapctl.supervision.process import is_same_process
+from snapctl.supervision.process import is_same_process, start_time
 
 # Only what these name patterns match is ever removed on a claim's word.
 LEFTOVER_NAME = re.compile(r"\..+\.(staging|replaced)-[0-9a-f]{8}", re.DOTALL)
@@ -57,10 +56,8 @@ def claim(claims_dir: Path, paths: list[Path]) -> ClaimHandle:
         if not path.is_absolute() or not LEFTOVER_NAME.fullmatch(path.name):
             raise ValueError(f"not a claimable leftover path: {path}")
     claims_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
-    me = psutil.Process()
-    record = Claim(
-        paths=[str(p) for p in paths], owner_pid=me.pid, owner_start_time=me.create_time()
-    )
+    me = os.getpid()
+    record = Claim(paths=[str(p) for p in paths], owner_pid=me, owner_start_time=start_time(me))
     handle = ClaimHandle(claims_dir / f"{uuid.uuid4().hex}.json")
     write_json_atomic(handle.path, record)
     return handle

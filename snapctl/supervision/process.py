@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import psutil
 
 from snapctl.errors import SnapctlError
+from snapctl.supervision import clock
 
 PR_SET_CHILD_SUBREAPER = 36
-# psutil derives a start time from boot time and clock ticks: the same process can read a few
-# milliseconds apart, while a PID reused by another process differs by far more.
+# The same process reads the same start time (snapctl.supervision.clock), or one a few
+# milliseconds off where psutil wrote it; a PID reused by another process differs by far more.
 START_TIME_TOLERANCE_S = 0.05
 
 
@@ -31,10 +32,11 @@ def become_subreaper() -> None:
 
 
 def start_time(pid: int) -> float:
-    """When ``pid`` started (seconds since the epoch, as psutil reads it)."""
+    """When ``pid`` started (seconds since the epoch, fixed against clock steps: see
+    :mod:`snapctl.supervision.clock`)."""
     try:
-        return psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess as error:
+        return clock.start_time(pid)
+    except (FileNotFoundError, ProcessLookupError) as error:
         raise ProcessGoneError(f"process {pid} does not exist", pid=pid) from error
 
 
@@ -46,11 +48,11 @@ DEAD_STATUSES = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
 def same_start(now: float, recorded: float) -> bool:
     """Whether a start time read now and one recorded earlier are the same process's.
 
-    psutil adds the kernel's boot time to the process's ticks, and the kernel gives that boot
-    time in whole seconds (``btime``, the wall clock less the time since boot): when an NTP
-    adjustment of a few milliseconds moves it across a second, every start time read from
-    then on is one second off what was recorded. A process that reuses the PID starts far
-    more than a second later (the PID space must wrap first), so both are the same process.
+    A record written before snapctl fixed one ``btime`` per boot (:mod:`snapctl.supervision.
+    clock`) holds psutil's start time, which adds the ``btime`` its process read: whole
+    seconds, which an NTP adjustment of a few milliseconds can move across a second, so such
+    a record may be one second off. A process that reuses the PID starts far more than a
+    second later (the PID space must wrap first), so both are the same process.
     """
     difference = abs(now - recorded)
     return min(difference, abs(difference - 1.0)) <= START_TIME_TOLERANCE_S
@@ -60,11 +62,10 @@ def is_same_process(pid: int, expected_start: float) -> bool:
     """True while ``pid`` is still the process that started at ``expected_start`` and still
     runs (a zombie with that start time does not)."""
     try:
-        process = psutil.Process(pid)
-        with process.oneshot():
-            same = same_start(process.create_time(), expected_start)
-            return same and process.status() not in DEAD_STATUSES
-    except psutil.NoSuchProcess:
+        return same_start(start_time(pid), expected_start) and (
+            psutil.Process(pid).status() not in DEAD_STATUSES
+        )
+    except (ProcessGoneError, psutil.NoSuchProcess):
         return False
 
 

@@ -15,12 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import psutil
-
 from snapctl.agent.client import connect
 from snapctl.criu import CriuBinary
 from snapctl.errors import SnapctlError
 from snapctl.statedir import StateDir
+from snapctl.supervision.process import is_same_process
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, launch_donor
 
 T = TypeVar("T")
@@ -52,11 +51,7 @@ def until(
 def gone(pid: int, start_time: float | None) -> bool:
     """Not running: exited (a zombie counts: a test process that is a subreaper gets the
     orphans of a killed agent as its children), or the PID is another process's now."""
-    try:
-        process = psutil.Process(pid)
-        return process.create_time() != start_time or process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    return start_time is None or not is_same_process(pid, start_time)
 
 
 def clean_up(state: StateDir) -> None:

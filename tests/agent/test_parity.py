@@ -26,6 +26,7 @@ from snapctl.activation.session import CleanupAudit
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
 from snapctl.statedir import STOPPED_FILE, ActivationRecord, StateDir, StopOutcome
+from snapctl.supervision.process import start_time
 from tests.agent.conftest import RunningAgent, make_report
 
 pytestmark = pytest.mark.timeout(60)
@@ -273,12 +274,10 @@ def test_an_interrupted_start_fails_the_same_either_way(
 def test_a_foreground_copy_serves_on_when_the_agent_stops(
     capsys: pytest.CaptureFixture[str], scenario: Scenario, running_agent: RunningAgent
 ) -> None:
-    import psutil
-
     # The copy's tree (a stand-in that runs), recorded as its supervisor records it.
     tree = subprocess.Popen(["sleep", "60"])
     try:
-        started = psutil.Process(tree.pid).create_time()
+        started = start_time(tree.pid)
         save_record(running_agent.state, "copy-1", root_pid=tree.pid, root_start_time=started)
         alive_after_agent: list[bool] = []
 
@@ -335,13 +334,11 @@ def test_a_lazy_copy_s_pages_complete_note_is_the_same_either_way(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scenario: Scenario,
     running_agent: RunningAgent,
 ) -> None:  # fmt: skip
-    import psutil
-
     tree = subprocess.Popen(["sleep", "60"])
     try:
         state = running_agent.state
         save_record(state, "copy-1", root_pid=tree.pid,
-                    root_start_time=psutil.Process(tree.pid).create_time())  # fmt: skip
+                    root_start_time=start_time(tree.pid))  # fmt: skip
         record = state.load_records()[0]
         state.save_record(record.model_copy(update={"lazy": True, "pages_complete": True,
                                                     "pages_complete_s": 0.5}))  # fmt: skip

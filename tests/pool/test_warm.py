@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from snapctl.pool import CopyRequest, WarmPool
@@ -25,6 +24,7 @@ from snapctl.pool.records import RECORD_NAME, parked_home
 from snapctl.pool.warm import TICK_S
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
+from snapctl.supervision.process import start_time
 from tests.images.factories import publish_sample
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,7 +94,7 @@ def make_record(
     fields: dict[str, Any] = dict(
         id=parked_id, state="parked", image=image, image_id=identity[0],
         manifest_digest=identity[1], lazy=False, activation_id=None, supervisor_pid=pid,
-        supervisor_start_time=psutil.Process(pid).create_time(), root_pid=None,
+        supervisor_start_time=start_time(pid), root_pid=None,
         root_start_time=None, owner_pid=owner_pid, owner_start_time=owner_start_time,
         socket=f"/nonexistent/{parked_id}.sock",
         created=datetime.datetime.now(datetime.UTC).isoformat(),
@@ -353,9 +353,9 @@ def test_adopt_discards_what_another_agent_parked(
     assert identity is not None
     other = subprocess.Popen(["sleep", "60"])
     spawner.children.append(other)
-    old_agent = psutil.Process(os.getppid())
-    record = make_record("pool-0123456789ab", str(image), identity, other.pid, old_agent.pid,
-                         old_agent.create_time())  # fmt: skip
+    old_agent = os.getppid()
+    record = make_record("pool-0123456789ab", str(image), identity, other.pid, old_agent,
+                         start_time(old_agent))  # fmt: skip
     parked_home(state, record.id).mkdir(parents=True)
     write_json_atomic(parked_home(state, record.id) / RECORD_NAME, record)
     torn = parked_home(state, "pool-ba9876543210")

@@ -116,18 +116,3 @@ def test_start_times_one_kernel_boot_second_apart_are_the_same_process() -> None
     assert same_start(1000.0, 1000.0) and same_start(1000.03, 1000.0)
     assert same_start(1001.0, 1000.0) and same_start(999.02, 1000.0)  # btime moved a second
     assert not same_start(1000.5, 1000.0) and not same_start(1002.0, 1000.0)
-
-
-def test_a_process_stays_itself_when_the_kernel_s_boot_second_moves(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """/proc/stat's btime is whole seconds of the wall clock less the time since boot: an NTP
-    adjustment of milliseconds can move it by one, and every start time psutil reads then."""
-    import psutil._pslinux as pslinux
-
-    recorded = start_time(os.getpid())
-    btime = pslinux.boot_time()
-    monkeypatch.setattr(pslinux, "boot_time", lambda: btime - 1.0)
-    assert abs(psutil.Process(os.getpid()).create_time() - recorded) > 0.9  # what psutil says
-    assert is_same_process(os.getpid(), recorded)
-    PinnedProcess(os.getpid(), recorded).close()

@@ -16,14 +16,13 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import psutil
-
 from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.pagemap import link_relative, relative_dir_of
 from snapctl.criu.lazy.relay import TransferHold
 from snapctl.criu.locate import CriuBinary
 from snapctl.criu.ops import INVENTORY, RESTORE_LOG_LEVEL, restore_args
 from snapctl.criu.run import CriuError, CriuProcess, CriuResult, spawn_criu, start_criu
+from snapctl.supervision.process import start_time
 
 
 class LazyPagesDaemon:
@@ -46,7 +45,7 @@ class LazyPagesDaemon:
         # Pinned before anyone can reap it: the watcher thread reaps it in ``wait`` while
         # ``kill`` may run in another, and a signal by PID in between could hit a reused PID.
         self._pidfd: int | None = os.pidfd_open(process.pid)
-        self.start_time = psutil.Process(process.pid).create_time()
+        self.start_time = start_time(process.pid)
 
     def wait_ready(self, timeout_s: float) -> None:
         """Return once the daemon listens; otherwise kill it and raise :class:`CriuError`."""
