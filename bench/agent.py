@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine
+from bench.machine import compile_bytecode, machine
 from bench.workload import Answer, ColdServer, ensure_model, first_correct, free_port, host_connect
 from bench.workload import launch_options as fixture_options
 from snapctl.activation.donor import start_donor
@@ -164,9 +164,10 @@ class Bench:
                 self.measure_copies(image, size)
                 if size != self.sizes[0]:
                     self.snapctl("image", "rm", str(image), check=False)
-            self.measure_concurrent(
-                self.work / "images" / f"retained-{self.sizes[0]}mb", self.requests, self.pool
-            )
+            if self.requests:  # --requests 0: no concurrent round
+                self.measure_concurrent(
+                    self.work / "images" / f"retained-{self.sizes[0]}mb", self.requests, self.pool
+                )
         finally:
             self.stop_agent()
         return {"machine": machine(find_criu().version).model_dump(), "results": self.results,
@@ -301,10 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path("/var/tmp"))
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
-    parser.add_argument("--requests", type=int, default=16, help="concurrent copy requests")
+    parser.add_argument(
+        "--requests", type=int, default=16, help="concurrent copy requests (0: none)"
+    )
     parser.add_argument("--pool", type=int, default=4, help="pool size for --requests")
     args = parser.parse_args(argv)
     sizes = [int(part) for part in args.sizes.split(",")]
+    compile_bytecode()
     with workdir(args.work_dir, args.keep) as work:
         results = Bench(work, sizes, args.reps, requests=args.requests, pool=args.pool).run()
     text = json.dumps(results, indent=2, default=str)

@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.geteuid() != 0:
             say("error: needs root (CRIU restores into new namespaces)")
             return 2
+        from bench.machine import compile_bytecode
         from bench.run import Runner, full, quick, workdir
+
+        compile_bytecode()
 
         if args.vllm:
             return _vllm(args)
