@@ -47,13 +47,14 @@ def read_btime() -> float:
     raise OSError("/proc/stat has no btime line")
 
 
-def start_ticks(pid: int) -> int:
-    """Clock ticks from boot to ``pid``'s start (FileNotFoundError or ProcessLookupError when
-    there is no such process)."""
+def read_stat(pid: int) -> tuple[str, int]:
+    """``pid``'s state letter (``Z`` a zombie, ``X`` dead, ...) and its start in clock ticks
+    since boot, from one read of ``/proc/PID/stat`` (FileNotFoundError or ProcessLookupError
+    when there is no such process)."""
     stat = Path(f"/proc/{pid}/stat").read_bytes()
     # Fields after the command name, which may itself hold spaces and parentheses.
     fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
+    return fields[0].decode(), int(fields[19])
 
 
 _lock = threading.Lock()
@@ -77,12 +78,21 @@ def forget_btime() -> None:
         _btime = None
 
 
-def _fixed_btime(path: Path) -> float:
-    boot_id = BOOT_ID.read_text().strip()
+def _recorded_btime(path: Path, boot_id: str) -> float | None:
+    """The ``btime`` fixed in ``path`` for this boot; None when there is none (no file, another
+    boot's, unreadable)."""
     with contextlib.suppress(OSError, ValidationError):
         recorded = BootClock.model_validate_json(path.read_bytes())
         if recorded.boot_id == boot_id:
             return recorded.btime
+    return None
+
+
+def _fixed_btime(path: Path) -> float:
+    boot_id = BOOT_ID.read_text().strip()
+    recorded = _recorded_btime(path, boot_id)
+    if recorded is not None:
+        return recorded
     mine = BootClock(boot_id=boot_id, btime=read_btime())
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -92,10 +102,9 @@ def _fixed_btime(path: Path) -> float:
             # The first writer this boot wins: link() never replaces a file another wrote.
             os.link(f.name, path)
         except FileExistsError:
-            with contextlib.suppress(OSError, ValidationError):
-                recorded = BootClock.model_validate_json(path.read_bytes())
-                if recorded.boot_id == boot_id:
-                    return recorded.btime
+            recorded = _recorded_btime(path, boot_id)
+            if recorded is not None:
+                return recorded
             os.replace(f.name, path)  # another boot's (a /run kept across boots), or unreadable
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -105,6 +114,11 @@ def _fixed_btime(path: Path) -> float:
     return mine.btime
 
 
+def since_boot(ticks: int) -> float:
+    """Clock ticks since boot as seconds since the epoch, as of this boot's fixed ``btime``."""
+    return boot_btime() + ticks / CLOCK_TICKS
+
+
 def start_time(pid: int) -> float:
     """When ``pid`` started, in seconds since the epoch as of this boot's fixed ``btime``."""
-    return boot_btime() + start_ticks(pid) / CLOCK_TICKS
+    return since_boot(read_stat(pid)[1])

@@ -42,7 +42,8 @@ def start_time(pid: int) -> float:
 
 # A zombie (killed, not yet reaped: where PID 1 never reaps, never) keeps its PID and start
 # time, but runs nothing and cleans up nothing: it is as dead as a process that is gone.
-DEAD_STATUSES = frozenset({psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD})
+# /proc/PID/stat's state letters for a zombie and a dead process ("x" on kernels before 4.14).
+DEAD_STATES = frozenset({"Z", "X", "x"})
 
 
 def same_start(now: float, recorded: float) -> bool:
@@ -62,11 +63,10 @@ def is_same_process(pid: int, expected_start: float) -> bool:
     """True while ``pid`` is still the process that started at ``expected_start`` and still
     runs (a zombie with that start time does not)."""
     try:
-        return same_start(start_time(pid), expected_start) and (
-            psutil.Process(pid).status() not in DEAD_STATUSES
-        )
-    except (ProcessGoneError, psutil.NoSuchProcess):
+        state, ticks = clock.read_stat(pid)
+    except (FileNotFoundError, ProcessLookupError):
         return False
+    return same_start(clock.since_boot(ticks), expected_start) and state not in DEAD_STATES
 
 
 class PinnedProcess:

@@ -65,7 +65,7 @@ def test_the_first_btime_fixed_this_boot_wins(boot_clock: Path) -> None:
     earlier = clock.read_btime() - 3.0
     boot_clock.write_text(clock.BootClock(boot_id=boot_id(), btime=earlier).model_dump_json())
     me = os.getpid()
-    assert start_time(me) == pytest.approx(earlier + clock.start_ticks(me) / clock.CLOCK_TICKS)
+    assert start_time(me) == pytest.approx(earlier + clock.read_stat(me)[1] / clock.CLOCK_TICKS)
 
 
 @pytest.mark.parametrize("content", ['{"boot_id": "another-boot", "btime": 5.0}', "{not json"])
@@ -75,7 +75,7 @@ def test_another_boot_s_or_an_unreadable_clock_file_is_replaced(
     boot_clock.parent.mkdir(parents=True)
     boot_clock.write_text(content)
     me = os.getpid()
-    expected = clock.read_btime() + clock.start_ticks(me) / clock.CLOCK_TICKS
+    expected = clock.read_btime() + clock.read_stat(me)[1] / clock.CLOCK_TICKS
     assert start_time(me) == pytest.approx(expected)
     recorded = clock.BootClock.model_validate_json(boot_clock.read_text())
     assert recorded.boot_id == boot_id() and recorded.btime == clock.read_btime()
@@ -110,7 +110,7 @@ def test_a_record_psutil_wrote_is_still_the_process_a_boot_second_later(
     assert is_same_process(me, recorded)
 
 
-def test_start_ticks_read_past_a_command_name_with_spaces_and_parentheses() -> None:
+def test_the_start_is_read_past_a_command_name_with_spaces_and_parentheses() -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", "open('/proc/self/comm', 'w').write('a) b (c'); input()"],
         stdin=subprocess.PIPE,
@@ -121,14 +121,14 @@ def test_start_ticks_read_past_a_command_name_with_spaces_and_parentheses() -> N
             assert time.monotonic() < deadline
             time.sleep(0.01)
         since_boot = psutil.Process(child.pid).create_time() - psutil.boot_time()
-        assert clock.start_ticks(child.pid) / clock.CLOCK_TICKS == pytest.approx(since_boot)
+        assert clock.read_stat(child.pid)[1] / clock.CLOCK_TICKS == pytest.approx(since_boot)
     finally:
         child.kill()
         child.wait()
 
 
-def test_a_process_that_is_gone_has_no_start_ticks() -> None:
+def test_a_process_that_is_gone_has_no_stat() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     with pytest.raises(FileNotFoundError):
-        clock.start_ticks(child.pid)
+        clock.read_stat(child.pid)[1]
