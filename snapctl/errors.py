@@ -74,14 +74,18 @@ Lower-layer errors are translated at module boundaries and chained with ``from``
 from __future__ import annotations
 
 import errno
-from collections.abc import Iterable
 from enum import IntEnum
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from snapctl.phases import HostPhase
 
-if TYPE_CHECKING:  # the CLI imports this module: pydantic only when it fails
+# Not typing's: the agent's thin client imports this module, and typing or pathlib would be a
+# tenth of its wall time (mypy reads any TYPE_CHECKING as true). pydantic only when it fails.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
+    from typing import Any
+
     from snapctl.protocol.models import Phase
 
 
@@ -144,7 +148,7 @@ class SnapctlError(Exception):
         super().__init__(message)
         self.message = message
         self.phase = phase
-        self.path = None if path is None else Path(path)
+        self.path = None if path is None else _as_path(path)
         self.pid = pid
         self.log_tail = log_tail
 
@@ -152,6 +156,12 @@ class SnapctlError(Exception):
         if not self.log_tail:
             return self.message
         return f"{self.message}\n--- log tail ---\n{self.log_tail.rstrip()}"
+
+
+def _as_path(path: str | Path) -> Path:
+    from pathlib import Path  # when an error names a path, not on every CLI start
+
+    return Path(path)
 
 
 class ProtocolError(SnapctlError):

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import sys
-import unicodedata
-from collections.abc import Sequence
-from typing import Any
+
+TYPE_CHECKING = False  # not typing's: see snapctl.errors
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from typing import Any
 
 
 def emit_json(record: Any, *, sort_keys: bool = True) -> None:
@@ -29,6 +31,8 @@ def emit_json(record: Any, *, sort_keys: bool = True) -> None:
 
 
 def _width(text: str) -> int:
+    import unicodedata  # for tables only, not for a copy's JSON record
+
     return sum(2 if unicodedata.east_asian_width(char) in "WF" else 1 for char in text)
 
 

@@ -13,14 +13,19 @@ raised before anything starts: the full CLI then asks again and reports it as cl
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import threading
-from collections.abc import Callable, Iterator
-from typing import Any
 
-from snapctl.agent import NO_AGENT_ENV
+from snapctl.agent import NO_AGENT_ENV, absolute
+
+# Not typing's, and no pathlib, threading or contextlib: this module's imports are most of a
+# pooled copy's CLI wall (see docs/agent.md); mypy reads any TYPE_CHECKING as true.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from typing import Any, TypeAlias
+
+    # on_progress(lane, step) and on_note(text), as the copy request's stream delivers them.
+    LaneProgress: TypeAlias = Callable[[str, str], None]
 
 _PS = (["ps"], ["ps", "--json"])
 
@@ -31,9 +36,6 @@ DEFAULT_TIMEOUT_S = 300.0
 
 _COPY_FLAGS = {"--detach", "--json", "--lazy", "--no-lazy", "--expose"}
 _COPY_VALUES = {"--image", "--publish", "--name", "--host", "--port", "--timeout", "--api-key-env"}
-
-# on_progress(lane, step) and on_note(text), as the copy request's stream delivers them.
-LaneProgress = Callable[[str, str], None]
 
 
 def copy_request_body(
@@ -56,10 +58,8 @@ def copy_request_body(
 ) -> dict[str, Any]:
     """The agent's ``CopyRequest`` (see :mod:`snapctl.pool.models`) for these options. The API
     key travels as its value: the agent's environment is not the caller's."""
-    from pathlib import Path
-
     return {
-        "image": str(Path(image).absolute()),
+        "image": absolute(image),
         "name": name,
         "publish": None if publish is None else {"address": publish[0], "port": publish[1]},
         "expose": expose,
@@ -72,7 +72,7 @@ def copy_request_body(
         "count": count,
         "timeout_s": timeout_s,
         "native": native,
-        "criu_path": None if criu_path is None else str(Path(criu_path).absolute()),
+        "criu_path": None if criu_path is None else absolute(criu_path),
         "server_argv": list(server_argv) or None,
         "detach": detach,
     }
@@ -125,13 +125,11 @@ def parse_fast_copy(args: list[str]) -> dict[str, Any] | None:
 
 def _copy_fields(seen: dict[str, str | bool]) -> dict[str, Any] | None:
     """The options' values, or None where one is not what the full CLI would accept as is."""
-    from pathlib import Path
-
     from snapctl.activation.timeouts import is_positive_seconds
     from snapctl.statedir.names import NAME_PATTERN
 
     values = {key: value for key, value in seen.items() if isinstance(value, str)}
-    if not Path(values["--image"]).is_dir():
+    if not os.path.isdir(values["--image"]):
         return None  # a registry reference: pulled in-process first
     fields: dict[str, Any] = {"image": values["--image"], "expose": "--expose" in seen}
     if "--lazy" in seen or "--no-lazy" in seen:
@@ -157,19 +155,32 @@ def _copy_fields(seen: dict[str, str | bool]) -> dict[str, Any] | None:
     return fields
 
 
-@contextlib.contextmanager
-def signals_held() -> Iterator[threading.Event]:
-    """SIGINT/SIGTERM only set the event while the body runs (a copy that started must be
-    stopped by us, not left serving by a command killed halfway)."""
-    event = threading.Event()
-    previous = {
-        signum: signal.signal(signum, lambda signum, frame: event.set())
-        for signum in (signal.SIGINT, signal.SIGTERM)
-    }
-    try:
-        yield event
-    finally:
-        for signum, handler in previous.items():
+class HeldSignals:
+    """While its body runs, SIGINT/SIGTERM only set :attr:`signalled` and call ``notify`` (a
+    copy that started must be stopped by us, not left serving by a command killed halfway);
+    the previous handlers come back after. A class, not a generator: no contextlib here."""
+
+    def __init__(self, notify: Callable[[], None] | None = None) -> None:
+        self.signalled = False
+        self._notify = notify
+        self._previous: dict[int, Any] = {}
+
+    def _hold(self, signum: int, frame: object) -> None:
+        self.signalled = True
+        if self._notify is not None:
+            self._notify()
+
+    def __enter__(self) -> HeldSignals:
+        import signal
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._hold)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        import signal
+
+        for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
 
@@ -194,9 +205,11 @@ def relay_report(
     raise AgentUnavailableError("the agent ended the request without a report")
 
 
-def stop_interrupted(client_path: Any, report: dict[str, Any]) -> BaseException:
+def stop_interrupted(client_path: str | os.PathLike[str], report: dict[str, Any]) -> BaseException:
     """SIGINT/SIGTERM came while the copy started: stop what started; the error to fail
     with, as an interrupted in-process start fails (exit 130)."""
+    import contextlib
+
     from snapctl.agent.client import AgentClient, AgentError
     from snapctl.errors import ExitStatus
 
@@ -249,9 +262,9 @@ def fast_copy(args: list[str]) -> int | None:
     from snapctl.plain import emit_json
 
     try:
-        with signals_held() as interrupted:
+        with HeldSignals() as held:
             report = relay_report(client.stream("POST", "/copies", request), None, lambda _: None)
-            if interrupted.is_set():
+            if held.signalled:
                 raise stop_interrupted(client.path, report)
             # Inside the held signals: a copy that started is never left unprinted.
             emit_json(report)  # sorted keys, as the detached in-process start prints its record

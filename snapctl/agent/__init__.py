@@ -13,7 +13,10 @@ This module itself imports only the standard library: the CLI reads the socket's
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+TYPE_CHECKING = False  # not typing's: the thin client imports this module (see snapctl.errors)
+if TYPE_CHECKING:
+    from pathlib import Path
 
 # The API's version: every path starts with /v1. A change that breaks a client gets /v2.
 API_VERSION = 1
@@ -25,14 +28,27 @@ NO_AGENT_ENV = "SNAPCTL_NO_AGENT"
 SOCKET_ENV = "SNAPCTL_AGENT_SOCKET"
 
 
-def default_socket_path() -> Path:
+def default_socket() -> str:
     """``$SNAPCTL_AGENT_SOCKET``, else ``STATE/agent.sock``, STATE as
-    :func:`snapctl.statedir.state_dir` finds it (read here without importing it:
-    that module imports pydantic)."""
+    :func:`snapctl.statedir.state_dir` finds it (read here without importing it: that module
+    imports pydantic), as an absolute path (a string: the thin client imports no pathlib)."""
     if os.environ.get(SOCKET_ENV):
-        return Path(os.environ[SOCKET_ENV]).absolute()
-    root = Path(os.environ.get("SNAPCTL_STATE_DIR", "/var/lib/snapctl")).absolute()
-    return root / SOCKET_NAME
+        return absolute(os.environ[SOCKET_ENV])
+    root = absolute(os.environ.get("SNAPCTL_STATE_DIR", "/var/lib/snapctl"))
+    return os.path.join(root, SOCKET_NAME)
+
+
+def absolute(path: str) -> str:
+    """``path`` made absolute against the working directory as :meth:`pathlib.Path.absolute`
+    does it: ``..`` is left for the kernel to resolve (through symlinks), not collapsed."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+
+
+def default_socket_path() -> Path:
+    """:func:`default_socket` as a path."""
+    from pathlib import Path
+
+    return Path(default_socket())
 
 
 __all__ = [
@@ -41,5 +57,7 @@ __all__ = [
     "NO_AGENT_ENV",
     "SOCKET_ENV",
     "SOCKET_NAME",
+    "absolute",
+    "default_socket",
     "default_socket_path",
 ]

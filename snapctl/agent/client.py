@@ -8,15 +8,17 @@ JSON (``Content-Length``) or, for long operations, NDJSON in chunks, one message
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 import socket
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, BinaryIO
 
-from snapctl.agent import API_PREFIX, default_socket_path
+from snapctl.agent import API_PREFIX, default_socket
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError
+
+TYPE_CHECKING = False  # not typing's, nor pathlib or contextlib: see snapctl.errors
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from typing import Any, BinaryIO
 
 # Long operations stream: a copy's restore may take minutes, each step its own --timeout.
 READ_TIMEOUT_S = 3600.0
@@ -67,6 +69,8 @@ class Hangup:
     def hang_up(self) -> None:
         self.wanted = True
         if self._sock is not None:
+            import contextlib  # here: the thin client's copy never hangs up
+
             with contextlib.suppress(OSError):  # closed already: nothing left to hang up
                 self._sock.shutdown(socket.SHUT_WR)
 
@@ -80,7 +84,7 @@ class AgentClient:
     """Requests to the agent listening on ``path``. :func:`connect` makes one only when an agent
     answers there; its first request reuses the connection that found it."""
 
-    def __init__(self, path: Path, sock: socket.socket | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], sock: socket.socket | None = None) -> None:
         self.path = path
         self._sock = sock
 
@@ -89,13 +93,13 @@ class AgentClient:
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(str(self.path))
+                sock.connect(os.fspath(self.path))
             except OSError as error:
                 sock.close()
                 raise AgentUnavailableError(
                     f"the agent does not answer on {self.path} ({error.strerror}); start it "
                     "(snapctl agent) or run in-process (--no-agent)",
-                    path=self.path,
+                    path=os.fspath(self.path),
                 ) from error
         sock.settimeout(read_timeout_s)
         return sock
@@ -201,13 +205,13 @@ def _chunks(reader: BinaryIO) -> Iterator[bytes]:
         yield data
 
 
-def connect(socket_path: Path | None = None) -> AgentClient | None:
+def connect(socket_path: str | os.PathLike[str] | None = None) -> AgentClient | None:
     """A client of the agent on ``socket_path`` (default ``STATE/agent.sock``), or None when no
     agent answers there (no socket, or a stale one: the CLI then runs in-process)."""
-    path = socket_path or default_socket_path()
+    path = socket_path or default_socket()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(str(path))
+        sock.connect(os.fspath(path))
     except OSError:
         sock.close()
         return None

@@ -21,10 +21,11 @@ import click
 
 from snapctl.agent import NO_AGENT_ENV
 from snapctl.agent.client import AgentClient, AgentError, Hangup
-from snapctl.thin import LaneProgress, relay_report, signals_held, stop_interrupted
+from snapctl.thin import HeldSignals, relay_report, stop_interrupted
 
 if TYPE_CHECKING:
     from snapctl.cli._activation_options import CommonOptions
+    from snapctl.thin import LaneProgress
 
 
 def agent_client() -> AgentClient | None:
@@ -155,6 +156,14 @@ def _lane_progress(stack: ExitStack, as_json: bool) -> LaneProgress | None:
 
     steps = stack.enter_context(Steps(quiet=as_json))
     return lambda lane, step: steps.lane(lane)(step)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[threading.Event]:
+    """:class:`~snapctl.thin.HeldSignals` with an event to wait on (the foreground's loop)."""
+    event = threading.Event()
+    with HeldSignals(event.set):
+        yield event
 
 
 def bake_through_agent(client: AgentClient, request: dict[str, Any], *, as_json: bool) -> Any:

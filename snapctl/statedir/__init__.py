@@ -9,9 +9,11 @@ checks ``--name`` with it) imports no pydantic on the agent's thin-client path.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # not typing's: see snapctl.errors
 if TYPE_CHECKING:
+    from typing import Any
+
     from snapctl.statedir.layout import (
         DEFAULT_STATE_DIR,
         StateDir,

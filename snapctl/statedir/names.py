@@ -11,15 +11,17 @@ may still run, unsupervised), so a name is also in use while its record exists, 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
 import re
-from pathlib import Path
 
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.phases import HostPhase
+
+TYPE_CHECKING = False  # not typing's, nor pathlib: the thin client checks --name with this
+if TYPE_CHECKING:
+    from pathlib import Path
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
@@ -68,9 +70,11 @@ class NameReservation:
             return
         # Unlinked while still locked: whoever opens the name next gets a fresh inode and
         # checks it (see lock_name), so no one ever holds a lock on a file that is gone.
-        with contextlib.suppress(FileNotFoundError):
+        try:
             if _same_file(self._fd, self.lock_path):
                 self.lock_path.unlink()
+        except FileNotFoundError:
+            pass
         os.close(self._fd)
         self._fd = None
 

@@ -150,6 +150,30 @@ def test_as_a_process_it_imports_no_click_and_ends_with_the_report(
     assert {name for name in imported if name.split(".")[0] in HEAVY} == set()
 
 
+# Standard library modules that each cost a pooled copy's command a millisecond or more to
+# import, none of which a socket request and a JSON record need.
+SLOW_STDLIB = {"typing", "pathlib", "threading", "contextlib", "unicodedata", "subprocess",
+               "logging", "http", "email", "ssl", "asyncio", "dataclasses", "inspect"}  # fmt: skip
+
+
+def test_a_served_copy_imports_only_the_cheapest_of_the_standard_library(
+    running_agent: RunningAgent, image: Path
+) -> None:
+    """As the console script runs it, without ``site`` (whatever the install's .pth files
+    import is not this path's doing): nothing from :data:`SLOW_STDLIB` or :data:`HEAVY`."""
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root),
+           "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
+    script = "import sys\nfrom snapctl.entry import main\nsys.exit(main())"
+    done = subprocess.run(
+        [sys.executable, "-S", "-X", "importtime", "-c", script, "copy", "--image", str(image),
+         "--no-lazy", "--detach", "--json", "--name", "cheap", "--publish", "127.0.0.1:0"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0 and json.loads(done.stdout) == make_report(), done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    assert {name for name in imported if name.split(".")[0] in SLOW_STDLIB | HEAVY} == set()
+
+
 def test_a_usage_refusal_is_reported_by_the_full_cli_and_starts_nothing(
     running_agent: RunningAgent, image: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
