@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="real vLLM instead (scripts/setup --vllm): cold start against plain and lazy "
         "copies of the same server, with the donor's and a bare dump's frozen time",
     )
+    parser.add_argument(
+        "--frozen-pairs",
+        type=int,
+        default=1,
+        help="with --vllm: donors and bare dumps to compare, each launched anew (default 1)",
+    )
     return parser
 
 
@@ -64,7 +70,7 @@ def _vllm(args: argparse.Namespace) -> int:
     become_subreaper()
     with workdir(args.work_dir, args.keep) as work:
         say(f"scratch directory {work}")
-        results = vllm.run(find_criu(), work, args.reps or 3, say)
+        results = vllm.run(find_criu(), work, args.reps or 3, say, args.frozen_pairs)
     if args.json:
         sys.stdout.write(json.dumps(dataclasses.asdict(results)) + "\n")
     else:

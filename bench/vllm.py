@@ -52,6 +52,8 @@ class VllmResults:
     bare_dump: dict[str, float] = field(default_factory=dict)
     image_bytes: int = 0  # on disk
     copies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # Frozen seconds of each donor and bare dump, one pair per launch pair, in turns first.
+    frozen_pairs: list[dict[str, float]] = field(default_factory=list)
 
 
 def vllm_setup() -> tuple[Path, Path]:
@@ -82,7 +84,9 @@ def first_correct(
     )  # fmt: skip
 
 
-def run(criu: CriuBinary, work: Path, reps: int, say: Say) -> VllmResults:
+def run(criu: CriuBinary, work: Path, reps: int, say: Say, frozen_pairs: int = 1) -> VllmResults:
+    """``frozen_pairs``: how many donors and bare dumps to compare, each of its own launch,
+    taking turns at going first (one pair's difference is mostly the two trees' noise)."""
     python, model = vllm_setup()
     os.environ.update(SERVER_ENV)  # the donor's environment, which every copy must match
     state = StateDir(work / "state")
@@ -90,8 +94,18 @@ def run(criu: CriuBinary, work: Path, reps: int, say: Say) -> VllmResults:
     results = VllmResults()
     reference = _cold_start(python, model, work, results, say)
     image = work / "vllm-image"
-    _donor(python, model, image, criu, state, results, say)
-    _bare_dump(python, model, criu, state, work, results, say)
+    for pair in range(frozen_pairs):
+        # The first pair's donor image is the one the copies restore; later ones are dropped.
+        donor_image = image if pair == 0 else work / f"vllm-image-{pair}"
+        donor_first = pair % 2 == 0
+        if not donor_first:
+            bare_s = _bare_dump(python, model, criu, state, work, results, say)
+        donor_s = _donor(python, model, donor_image, criu, state, results, say)
+        if donor_first:
+            bare_s = _bare_dump(python, model, criu, state, work, results, say)
+        results.frozen_pairs.append({"donor": donor_s, "bare": bare_s, "donor_first": donor_first})
+        if pair:
+            shutil.rmtree(donor_image, ignore_errors=True)
     for rep in range(reps):
         for lazy in (False, True) if rep % 2 == 0 else (True, False):
             _copy(python, model, image, criu, state, lazy, reference, results, say)
@@ -127,30 +141,37 @@ def _options(python: Path, model: Path) -> LaunchOptions:
 def _donor(
     python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir,
     results: VllmResults, say: Say,
-) -> None:  # fmt: skip
+) -> float:  # fmt: skip
+    """One donor; its frozen seconds. The first one's figures are the donor's figures."""
     session, report = start_donor(
         _options(python, model), image=image, force=False, criu=criu, native=NoNativeStep(),
         publish=None, state=state, progress=lambda step: None,
     )  # fmt: skip
     try:
         assert report.dump_stats is not None
-        results.donor = dict(report.timings_s)
-        results.donor["frozen"] = report.dump_stats.frozen_time_us / 1e6
-        # On disk: the saved /dev/shm segments are mostly holes.
-        results.image_bytes = sum(p.stat().st_blocks * 512 for p in image.rglob("*") if p.is_file())
+        frozen = report.dump_stats.frozen_time_us / 1e6
+        if not results.donor:
+            results.donor = dict(report.timings_s)
+            results.donor["frozen"] = frozen
+            # On disk: the saved /dev/shm segments are mostly holes.
+            results.image_bytes = sum(
+                p.stat().st_blocks * 512 for p in image.rglob("*") if p.is_file()
+            )
     finally:
         session.stop()
     say(
-        f"vllm donor: capture-ready {results.donor['launch_to_capture_ready']:.1f} s, frozen "
-        f"{results.donor['frozen']:.2f} s, image {results.image_bytes / 2**30:.2f} GiB"
+        f"vllm donor: capture-ready {report.timings_s['launch_to_capture_ready']:.1f} s, "
+        f"frozen {frozen:.2f} s, image {results.image_bytes / 2**30:.2f} GiB"
     )
+    return frozen
 
 
 def _bare_dump(
     python: Path, model: Path, criu: CriuBinary, state: StateDir, work: Path,
     results: VllmResults, say: Say,
-) -> None:  # fmt: skip
-    """The same tree, launched the same way, dumped by raw CRIU without snapctl."""
+) -> float:  # fmt: skip
+    """The same tree, launched the same way, dumped by raw CRIU without snapctl; its frozen
+    seconds (the first one's figures are the bare dump's figures)."""
     options = _options(python, model)
     assert options.server_argv is not None
     session = new_session(state, "donor", None)
@@ -163,11 +184,12 @@ def _bare_dump(
         wait_capture_ready(session.dirs, session.root, TIMEOUT_S)
         wall = bare.dump(criu.path, session.root.pid, images)
         frozen = read_dump_stats(images).frozen_time_us / 1e6
-        results.bare_dump = {"dump": wall, "frozen": frozen}
+        results.bare_dump = results.bare_dump or {"dump": wall, "frozen": frozen}
     finally:
         session.stop()
         shutil.rmtree(images, ignore_errors=True)
     say(f"vllm bare criu dump: frozen {frozen:.2f} s (dump {wall:.2f} s)")
+    return frozen
 
 
 def _copy(
@@ -219,6 +241,14 @@ def render(results: VllmResults) -> str:
         f"({results.bare_dump.get('frozen', 0):.2f} s) | |",
         f"| image size | {results.image_bytes / 2**30:.2f} GiB | |",
     ]
+    if len(results.frozen_pairs) > 1:
+        donor = _median([pair["donor"] for pair in results.frozen_pairs])
+        bare_s = _median([pair["bare"] for pair in results.frozen_pairs])
+        ratio = _median([pair["donor"] / pair["bare"] for pair in results.frozen_pairs])
+        lines.append(
+            f"| donor / bare frozen, {len(results.frozen_pairs)} pairs | {donor:.2f} / "
+            f"{bare_s:.2f} s (ratio {ratio:.2f}) | ≤ 1.10 |"
+        )
     for kind, target in (("plain", 30), ("lazy", 100)):
         samples = results.copies.get(kind, [])
         if not samples:
