@@ -24,7 +24,7 @@ from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
 from snapctl.errors import ExitStatus
 from snapctl.images.filecache import StatKey
 from snapctl.images.manifest import MANIFEST_NAME
-from snapctl.images.store import file_keys, unchanged_since
+from snapctl.images.store import ImageError, file_keys, load_manifest, unchanged_since
 from snapctl.phases import HostPhase
 from snapctl.pool.identity import manifest_digest, published_identity
 from snapctl.pool.jobs import (
@@ -118,9 +118,6 @@ class _Parked:
 
     def park(self) -> None:
         """Restore, then listen: the copy is ready for an order."""
-        from snapctl.activation.native import native_step
-        from snapctl.criu import find_criu
-
         self.home.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
         self.home.mkdir(mode=0o700)
         log = os.open(self.home / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -128,25 +125,10 @@ class _Parked:
             os.dup2(log, fd)
         os.close(log)
         self.save()
-        options = launch_options(self.request)
-        self.copy = restore_copy(
-            Path(self.request.image), options, criu=find_criu(self.request.criu_path),
-            native=native_step(self.request.native), state=self.state,
-            progress=lambda step: self.reporter.progress("", step), lazy=bool(self.request.lazy),
-        )  # fmt: skip
+        self.restore()
+        assert self.copy is not None
         session = self.copy.session
         assert session.root is not None
-        # Read after the restore verified the image: a change since shows as another stat.
-        self.manifest_stat = manifest_stat(self.image)
-        if self.record.lazy:  # only a lazy copy reads its image after the restore
-            self.file_keys = file_keys(self.image, self.copy.manifest)
-        if published_identity(self.image) != (
-            self.copy.manifest.image_id,
-            manifest_digest(self.copy.manifest),
-        ):
-            raise ParkedCopyUnusableError(
-                "the image changed during the restore", phase=HostPhase.POOL
-            )
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         bind_private(listener, self.record.socket)
         listener.listen(4)
@@ -161,6 +143,40 @@ class _Parked:
             lazy_pages_pid=None if lazy is None else lazy.daemon.pid,
             lazy_pages_start_time=None if lazy is None else lazy.daemon.start_time,
         )  # fmt: skip
+
+    def restore(self) -> None:
+        """Restore the copy, and note what later checks compare the image with."""
+        from snapctl.activation.native import native_step
+        from snapctl.criu import find_criu
+
+        # A lazy copy reads its image long after the restore: its baseline is taken before
+        # the restore verifies the image, so that a change during the restore shows too.
+        baseline = self._file_keys_now() if self.request.lazy else None
+        options = launch_options(self.request)
+        self.copy = restore_copy(
+            Path(self.request.image), options, criu=find_criu(self.request.criu_path),
+            native=native_step(self.request.native), state=self.state,
+            progress=lambda step: self.reporter.progress("", step), lazy=bool(self.request.lazy),
+        )  # fmt: skip
+        # Read after the restore verified the image: a change since shows as another stat.
+        self.manifest_stat = manifest_stat(self.image)
+        if baseline is not None and baseline[0] == manifest_digest(self.copy.manifest):
+            self.file_keys = baseline[1]  # else None: never still verified, discarded
+        if published_identity(self.image) != (
+            self.copy.manifest.image_id,
+            manifest_digest(self.copy.manifest),
+        ):
+            raise ParkedCopyUnusableError(
+                "the image changed during the restore", phase=HostPhase.POOL
+            )
+
+    def _file_keys_now(self) -> tuple[str, dict[str, StatKey] | None] | None:
+        """The published manifest's digest and its files' stat keys now (None: none is)."""
+        try:
+            manifest = load_manifest(self.image)
+        except (ImageError, OSError):
+            return None
+        return manifest_digest(manifest), file_keys(self.image, manifest)
 
     def image_now(self) -> tuple[str | None, str | None] | None:
         """The image's ``(image_id, manifest digest)`` now; without reading the manifest
