@@ -49,6 +49,7 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     from snapctl.activation.native import native_step
     from snapctl.cli.output import Steps, emit_json
     from snapctl.criu import find_criu
+    from snapctl.pool.identity import published_identity
     from snapctl.statedir import StateDir
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
@@ -62,22 +63,48 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
         ready_timeout_s=ready_timeout_s,
         server_timeout_s=server_timeout_s,
     )
+    before = published_identity(image)
     # SIGTERM as SIGINT: either interrupts the bake, whose cleanup stops what it launched.
     with StopSignals() as signals:
+        interrupted = False
         try:
             with Steps(quiet=common.as_json) as steps:
                 report = bake_image(
                     options, image=image, force=force, criu=find_criu(common.criu_path),
                     native=native_step(common.native), state=StateDir(), progress=steps,
                 )  # fmt: skip
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
         finally:
             signals.cleaning()
             stop_all_tracked()
+            if interrupted:
+                _name_what_was_published(image, before)
     if common.as_json:
         emit_json(report)
     else:
         render_bake(report)
     check_clean(report.clean, report.cleanup)
+
+
+def _name_what_was_published(image: Path, before: tuple[str, str] | None) -> None:
+    """An interrupt that came after the bake published (its last milliseconds: the original
+    tree's stop) still exits as interrupted, but says the image is there, as the agent's
+    path says it (a user who saw only "interrupted" would take it for not published)."""
+    from snapctl.cli import report_error
+    from snapctl.errors import SnapctlError
+    from snapctl.pool.identity import published_identity
+
+    now = published_identity(image)
+    if now is not None and now != before:
+        report_error(
+            SnapctlError(
+                "interrupted while baking (SIGINT/SIGTERM), after it published "
+                f"{image} ({now[0]}): remove it if it is not wanted",
+                phase=HostPhase.CLEANUP,
+            )
+        )
 
 
 def render_bake(report: Any) -> None:

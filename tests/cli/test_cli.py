@@ -297,3 +297,25 @@ def test_published_ports_of_count_copies_must_fit_below_65536(tmp_path: Path) ->
     )
     assert result.exit_code == 2, result.output
     assert "past 65535" in result.output
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_an_in_process_bake_interrupted_after_publishing_names_the_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    published: bool,
+) -> None:  # fmt: skip
+    """A signal in the bake's last milliseconds (the original tree's stop) still exits as
+    interrupted, saying the image is there, as the agent's path says it."""
+    image = tmp_path / "image"
+
+    def bake_image(*args: object, **kwargs: object) -> NoReturn:
+        if published:
+            publish_sample(image)
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr("snapctl.activation.bake.bake_image", bake_image)
+    monkeypatch.setattr("snapctl.criu.find_criu", lambda path: None)
+    assert main(["--no-agent", "bake", "--image", str(image)]) == ExitStatus.INTERRUPTED
+    err = capsys.readouterr().err
+    assert (f"after it published {image}" in " ".join(err.split())) is published, err
