@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,19 +70,25 @@ HOST_SHM = Path("/dev/shm")
 def criu_processes(work_dir: Path) -> list[int]:
     """PIDs of CRIU processes working for the activation whose work dir is ``work_dir``: its
     restore and its ``lazy-pages`` daemon (whose own work dir, while its transfer is held, is
-    below it; see ``snapctl.criu.lazy.relay``).
+    below it; see ``snapctl.criu.lazy.relay``), and a donor's dump, which has no work dir there
+    (its images go to the staging directory beside the image) but runs the activation's action
+    script.
 
     They run in the host's namespaces, so they do not see the activation's tmpfs; their
-    ``--work-dir`` (one per activation) names them instead.
+    ``--work-dir`` or ``--action-script`` (one per activation) names them instead. A dump runs
+    in a session of its own, so it outlives a SIGKILL of snapctl's process group.
     """
     found = []
     for pid, argv in each_argv():
-        # Only CRIU: another program with a --work-dir argument there is none of ours. CRIU
-        # runs as itself, through its loader, or under kdat's unshare + sh wrapper.
-        if "--work-dir" in argv and any("criu" in os.path.basename(arg) for arg in argv):
-            index = argv.index("--work-dir") + 1
+        # Only CRIU: another program with such an argument there is none of ours. CRIU runs
+        # as itself, through its loader, or under kdat's unshare + sh wrapper.
+        if not any("criu" in os.path.basename(arg) for arg in argv):
+            continue
+        for flag in ("--work-dir", "--action-script"):
+            index = argv.index(flag) + 1 if flag in argv else len(argv)
             if index < len(argv) and Path(argv[index]).is_relative_to(work_dir):
                 found.append(pid)
+                break
     return sorted(found)
 
 
@@ -92,25 +99,36 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
     After a normal stop there are none (PID 1 of the namespace took them along, and the
     session stopped its daemon); they appear when a start was interrupted before the tree's root
     was pinned, e.g. while CRIU restored, or when snapctl itself was killed. Membership is
-    re-checked after pinning, so a reused PID is never signalled.
+    re-checked after pinning, so a reused PID is never signalled. The search runs again until
+    it finds nothing (a sandbox's init may move from its argv to its mounts while gc looks, a
+    process may appear meanwhile), and a process signalled that has not exited by the deadline
+    is a survivor even where the search no longer sees it (an exiting namespace init has left
+    its namespaces already, but not yet exited).
     """
 
     def members() -> list[int]:
         return sorted({*dirs.processes(), *criu_processes(dirs.work)})
 
-    pinned: list[PinnedProcess] = []
-    for pid in members():
-        with contextlib.suppress(ProcessGoneError):
-            process = PinnedProcess(pid)
-            if pid in members():
-                process.signal(signal.SIGKILL)
-                pinned.append(process)
-            else:
-                process.close()
-    for process in pinned:
-        process.wait(timeout_s)
-        process.close()
-    return members()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pinned: list[PinnedProcess] = []
+        for pid in members():
+            with contextlib.suppress(ProcessGoneError):
+                process = PinnedProcess(pid)
+                if pid in members():
+                    process.signal(signal.SIGKILL)
+                    pinned.append(process)
+                else:
+                    process.close()
+        stuck = []
+        for process in pinned:
+            if not process.wait(max(deadline - time.monotonic(), 0.0)):
+                stuck.append(process.pid)
+            process.close()
+        left = sorted({*stuck, *members()})
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
 
 
 def remove_activation(dirs: ActivationDirs, left: list[int], timeout_s: float) -> CleanupAudit:

@@ -146,8 +146,13 @@ class ActivationDirs:
     def processes(self) -> list[int]:
         """Every process inside this activation's sandbox (see ``mounts.processes_with_mount``),
         and its launcher and init while they set the sandbox up (:meth:`launching`)."""
+        # Argv first, mounts second. An init goes from "its argv names the spec" to "the tmpfs
+        # is at /dev/shm" (bind, then exec), and it cannot go back: one the argv scan misses had
+        # exec'd, so bound, before the mount scan began. The other order misses an init that
+        # binds and execs between the two scans.
+        launching = self.launching()
         inside = mounts.processes_with_mount(self.mount_source, SANDBOX_SHM_DIR)
-        return sorted({*inside, *self.launching()})
+        return sorted({*launching, *inside})
 
     def launching(self) -> list[int]:
         """The launcher (``unshare``) and the sandbox's init until it execs the server: both
