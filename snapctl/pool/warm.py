@@ -53,7 +53,7 @@ from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
-from snapctl.supervision.process import is_same_process, same_start, start_time
+from snapctl.supervision.process import ProcessGoneError, is_same_process, same_start, start_time
 
 TARGETS_NAME = "targets.json"
 TICK_S = 0.5
@@ -121,7 +121,7 @@ def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
             if recorded is not None and not same_start(start_time(pid), recorded):
                 continue
             members = [root, *root.children(recursive=True)]
-        except psutil.Error:
+        except (psutil.Error, ProcessGoneError):  # gone meanwhile: psutil saw it, /proc not
             continue
         for member in members:
             if member.pid in seen:
@@ -648,8 +648,8 @@ def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
                 pass
     except OSError:
         return
-    # It answered and removed its files; its exit follows.
-    with contextlib.suppress(psutil.Error):
+    # It answered and removed its files; its exit follows, maybe before start_time reads it.
+    with contextlib.suppress(psutil.Error, ProcessGoneError):
         process = psutil.Process(record.supervisor_pid)
         if same_start(start_time(process.pid), record.supervisor_start_time):
             process.wait(timeout_s)

@@ -428,3 +428,51 @@ def test_a_target_removed_while_its_copy_restores_leaves_nothing(
     home = parked_home(warm.state, spawner.jobs[0]["id"])
     until(lambda: spawner.alive() == [] and not home.exists())
     assert warm.listing().entries == ()
+
+
+def _gone_meanwhile(pid: int) -> float:
+    """``start_time`` of a process that exited and was reaped after psutil found it."""
+    from snapctl.supervision.process import ProcessGoneError
+
+    raise ProcessGoneError(f"process {pid} does not exist", pid=pid)
+
+
+def test_a_process_gone_between_two_reads_counts_no_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from snapctl.pool import warm
+
+    monkeypatch.setattr(warm, "start_time", _gone_meanwhile)
+    assert warm.tree_memory([(os.getpid(), 1.0)]) is None
+
+
+def test_a_discarded_copy_that_exits_at_once_is_no_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor answers the discard, then exits: maybe before its start time is read
+    (the agent's close failed on it, as ProcessGoneError)."""
+    import socket
+
+    from snapctl.pool import warm
+
+    path = str(tmp_path / "order.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(4096)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    monkeypatch.setattr(warm, "start_time", _gone_meanwhile)
+    record = ParkedRecord.model_construct(
+        socket=path, supervisor_pid=os.getpid(), supervisor_start_time=1.0
+    )
+    try:
+        warm._order_discard(record, timeout_s=5)
+    finally:
+        thread.join(5)
+        listener.close()
