@@ -44,11 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--frozen-pairs",
-        type=int,
+        type=_positive,
         default=1,
         help="with --vllm: donors and bare dumps to compare, each launched anew (default 1)",
     )
     return parser
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _sizes(text: str) -> list[int]:

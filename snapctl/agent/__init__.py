@@ -40,8 +40,10 @@ def default_socket() -> str:
 
 def absolute(path: str) -> str:
     """``path`` made absolute against the working directory as :meth:`pathlib.Path.absolute`
-    does it: ``..`` is left for the kernel to resolve (through symlinks), not collapsed."""
-    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    writes it: ``.`` segments, repeated and trailing slashes dropped, ``..`` left for the
+    kernel to resolve (through symlinks). Requests compare image paths as these strings."""
+    joined = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+    return "/" + "/".join(part for part in joined.split("/") if part not in ("", "."))
 
 
 def default_socket_path() -> Path:

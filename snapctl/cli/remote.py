@@ -226,7 +226,7 @@ def serve_through_agent(
 @contextlib.contextmanager
 def hanging_up_on_signal(signalled: threading.Event, hangup: Hangup) -> Iterator[None]:
     """While the body streams a capture's start: SIGINT/SIGTERM set ``signalled`` (as
-    :func:`snapctl.thin.signals_held` does) and hang up on the request, so that the agent
+    :func:`snapctl.thin.HeldSignals` does) and hang up on the request, so that the agent
     interrupts the capture in its supervisor (as the signal does in-process) instead of this
     command waiting for the whole capture. The previous handlers come back after."""
 

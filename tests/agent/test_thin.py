@@ -183,3 +183,17 @@ def test_a_usage_refusal_is_reported_by_the_full_cli_and_starts_nothing(
     assert fast[0] == ExitStatus.USAGE and "--expose only widens --publish" in fast[1].err
     assert (full_main(args), capsys.readouterr()) == fast
     assert running_agent.spawner.jobs == []
+
+
+@pytest.mark.parametrize(
+    "given", ["img", "img/", "./img", "img//x/", "a/../img", "/abs/img/", "/abs/./img", ""]
+)
+def test_request_paths_are_written_as_pathlib_writes_them(
+    given: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pool matches a request to a parked copy by its image path as a string, and
+    ``pool set`` writes it as pathlib does: ``img/`` must not miss a copy parked for ``img``."""
+    from snapctl.agent import absolute
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute(given) == str(Path(given).absolute())
