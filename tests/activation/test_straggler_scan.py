@@ -64,19 +64,23 @@ def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     child.wait()
 
 
-def scripted(monkeypatch: pytest.MonkeyPatch, init: Init) -> None:
+def scripted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pid: int, moves_at: int
+) -> ActivationDirs:
+    """An activation whose scans see ``pid`` as its init, moving before scan ``moves_at``."""
+    dirs = ActivationDirs(root=tmp_path / "activations" / "donor-x", logs=tmp_path / "logs")
+    init = Init(pid, dirs, moves_at)
     monkeypatch.setattr(layout.mounts, "processes_with_mount", init.mounts)
     monkeypatch.setattr(process_module, "each_argv", init.argv)  # launching() imports it late
     monkeypatch.setattr(session_module, "each_argv", lambda: iter(()))  # no CRIU processes
+    return dirs
 
 
 @pytest.mark.parametrize("moves_at", [0, 1, 2, 3])
 def test_one_scan_never_misses_an_init_that_binds_and_execs_during_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeper: subprocess.Popen[bytes], moves_at: int
 ) -> None:
-    dirs = ActivationDirs(root=tmp_path / "activations" / "donor-x", logs=tmp_path / "logs")
-    init = Init(sleeper.pid, dirs, moves_at)
-    scripted(monkeypatch, init)
+    dirs = scripted(tmp_path, monkeypatch, sleeper.pid, moves_at)
     assert dirs.processes() == [sleeper.pid]
 
 
@@ -84,9 +88,7 @@ def test_one_scan_never_misses_an_init_that_binds_and_execs_during_it(
 def test_end_stragglers_kills_an_init_that_moves_while_gc_looks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sleeper: subprocess.Popen[bytes], moves_at: int
 ) -> None:
-    dirs = ActivationDirs(root=tmp_path / "activations" / "donor-x", logs=tmp_path / "logs")
-    init = Init(sleeper.pid, dirs, moves_at)
-    scripted(monkeypatch, init)
+    dirs = scripted(tmp_path, monkeypatch, sleeper.pid, moves_at)
     left = end_stragglers(dirs, timeout_s=5.0)
     # end_stragglers reaps what it killed (PinnedProcess.wait), so ask /proc, not Popen.
     assert not Path(f"/proc/{sleeper.pid}").exists(), "gc left the init running"
