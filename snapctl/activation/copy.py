@@ -77,6 +77,7 @@ def restore_copy(
     state: StateDir,
     progress: Progress,
     lazy: bool = False,
+    hold_transfer: bool | None = None,
     reservation: NameReservation | None = None,
     after_restore: Callable[[Session], None] | None = None,
     tools: Tools = REAL_TOOLS,
@@ -86,7 +87,8 @@ def restore_copy(
 
     ``after_restore`` (qualification's hook) runs once CRIU restored the tree, before the
     native step (a lazy-fault run kills the daemon there, before a native restore pulls every
-    page in); whatever it raises fails the copy.
+    page in); whatever it raises fails the copy. ``hold_transfer`` overrides whether a lazy
+    copy's background transfer waits until it is ready (None: as its image view decides).
 
     The image is held shared from before its verification until the copy no longer reads it
     (for a lazy copy: until its last page is in). The name is reserved first (or
@@ -120,7 +122,7 @@ def restore_copy(
     )  # fmt: skip
     try:
         restore_tree(
-            session, image, manifest, strategy_for(lazy, tools),
+            session, image, manifest, strategy_for(lazy, tools, hold_transfer=hold_transfer),
             criu=tools.criu.for_restores(criu, state), timeout_s=options.timeout_s,
             timings=timings, progress=progress, tools=tools,
         )  # fmt: skip
@@ -200,6 +202,7 @@ def start_copy(
     after_restore: Callable[[Session], None] | None = None,
     before_activation: Callable[[Session], None] | None = None,
     lazy: bool = False,
+    hold_transfer: bool | None = None,
     reservation: NameReservation | None = None,
     tools: Tools = REAL_TOOLS,
 ) -> tuple[Session, ActivationReport]:
@@ -210,7 +213,8 @@ def start_copy(
     """
     parked = restore_copy(
         image, options, criu=criu, native=native, state=state, progress=progress, lazy=lazy,
-        reservation=reservation, after_restore=after_restore, tools=tools,
+        hold_transfer=hold_transfer, reservation=reservation, after_restore=after_restore,
+        tools=tools,
     )  # fmt: skip
     return activate_copy(
         parked, options, publish=publish, progress=progress,

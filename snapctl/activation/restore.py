@@ -77,9 +77,15 @@ class LazyRestore(RestoreStrategy):
     image through a view in the work dir in which only big runs of memory stay lazy and the
     network dumps that restore nothing are left out. With much memory left lazy, the daemon's
     background transfer is held back until the copy is ready: until then it only serves faults.
+    ``hold_transfer`` decides that instead of the view (the lazy-fault run holds it always, so
+    that its daemon cannot have finished before it is paused).
     """
 
     name = "lazy"
+
+    def __init__(self, tools: Tools, *, hold_transfer: bool | None = None) -> None:
+        super().__init__(tools)
+        self._hold_transfer = hold_transfer
 
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,
@@ -119,7 +125,9 @@ class LazyRestore(RestoreStrategy):
             self._tools.criu.restore_lazily(
                 criu, view, session.dirs.work, session.dirs.logs, pidfile(session),
                 external_dirs=external_dirs, timeout_s=timeout_s, on_daemon_ready=watch,
-                hold_transfer=summary.holds_transfer,
+                hold_transfer=(
+                    summary.holds_transfer if self._hold_transfer is None else self._hold_transfer
+                ),
             )  # fmt: skip
         except SnapctlError as error:
             if isinstance(error, CriuError) and error.action == "lazy-pages":
@@ -188,5 +196,7 @@ def criu_failed(what: str, error: SnapctlError, session: Session, log: str) -> R
     )
 
 
-def strategy_for(lazy: bool, tools: Tools) -> RestoreStrategy:
-    return LazyRestore(tools) if lazy else PlainRestore(tools)
+def strategy_for(lazy: bool, tools: Tools, *, hold_transfer: bool | None = None) -> RestoreStrategy:
+    if lazy:
+        return LazyRestore(tools, hold_transfer=hold_transfer)
+    return PlainRestore(tools)

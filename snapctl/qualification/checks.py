@@ -322,14 +322,14 @@ def check_transfer_running(paused: bool, attempts: int, daemon_pid: int | None) 
     if not paused or daemon_pid is None:
         return failed(
             name,
-            f"the transfer ended before the daemon could be paused ({tries}); capture the image "
-            "with more retained memory (--retained-mb)",
+            f"the lazy-pages daemon exited before it could be paused ({tries}); its log "
+            "(lazy-pages.log among the run's artifacts) says why",
         )
-    again = "" if attempts == 1 else f" (on attempt {attempts}: earlier transfers ended first)"
+    again = "" if attempts == 1 else f" (on attempt {attempts}: earlier daemons exited first)"
     return passed(
         name,
-        f"lazy-pages daemon {daemon_pid} paused while still transferring (not exited), then "
-        f"SIGKILLed{again}",
+        f"lazy-pages daemon {daemon_pid} paused while still transferring (not exited), its "
+        f"transfer released, then SIGKILLed{again}",
     )
 
 

@@ -2,13 +2,15 @@
 still missing must be stopped at once, fail naming the daemon's death, and leave nothing; its
 image must stay intact, verified and free for an exclusive hold.
 
-The run takes over right after CRIU restored the copy (``start_copy``'s ``after_restore``),
-when the daemon has just begun pushing the remaining pages. It pins the daemon by pidfd (checked
-by its start time, never found by name), pauses it with SIGSTOP so the transfer cannot end under
-the run, checks that it is still transferring, then SIGKILLs it. Everything after that is
+The copy restores with its background transfer held (as a big image's is): its daemon serves
+page faults only, so it cannot have finished by the time the run takes over, right after CRIU
+restored the copy (``start_copy``'s ``after_restore``). The run pins the daemon by pidfd
+(checked by its start time, never found by name), pauses it with SIGSTOP, checks that it is
+still transferring, releases the transfer (the restore's finished word reaches the stopped
+daemon: it would now push every remaining page), then SIGKILLs it. Everything after that is
 snapctl's own doing: the transfer's watcher SIGKILLs the copy, ``start_copy`` fails and cleans
-up, and the run only watches and audits. An attempt whose transfer already ended before the
-pause (little memory on a fast machine) tests nothing: it is stopped and retried afresh.
+up, and the run only watches and audits. An attempt whose daemon exited before the pause tests
+nothing: it is stopped and retried afresh.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ PAUSE_TIMEOUT_S = 10.0
 
 
 class _TransferEnded(Exception):
-    """The daemon finished before it could be paused: this attempt can test nothing."""
+    """The daemon exited before it could be paused: this attempt can test nothing."""
 
 
 @dataclass
@@ -112,6 +114,7 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
                 raise _TransferEnded
             # Stopped, it cannot finish: pages are missing until it runs again, and it never will.
             seen.paused = True
+            _release_to_stopped(session)
             # One look from here: the watch thread may not get to run before the tree is gone.
             watch.poll_once()
             ctx.progress(f"{RUN}: killing the lazy-pages daemon {daemon.pid} mid-transfer")
@@ -127,6 +130,19 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
         seen.listeners, seen.polls = watch.stop()
         with contextlib.suppress(OSError):
             save_control(read_control(session), ctx.run_dir(RUN))
+
+
+def _release_to_stopped(session: Session) -> None:
+    """Start the held transfer of a paused daemon: its restore's finished word is queued on
+    its socket once this returns, as it is for a daemon killed while it pushes pages."""
+    assert session.lazy is not None
+    hold = session.lazy.daemon.hold
+    session.lazy.release_transfer()
+    if hold is not None and not hold.passed_on.wait(PAUSE_TIMEOUT_S):
+        raise SnapctlError(
+            f"the held transfer was not passed on to the lazy-pages daemon within "
+            f"{PAUSE_TIMEOUT_S:g} s of its release ({hold.error or 'no relay error'})"
+        )
 
 
 def _hook(ctx: RunContext, seen: LazyFaultSeen) -> Callable[[Session], None]:
@@ -169,12 +185,12 @@ def run_lazy_fault(ctx: RunContext) -> RunResult:
             session, _ = start_copy(
                 ctx.image, ctx.options, criu=ctx.criu, native=ctx.native, publish=None,
                 state=ctx.state, progress=lambda step: ctx.progress(f"{RUN}: {step}"),
-                after_restore=_hook(ctx, seen), lazy=True,
+                after_restore=_hook(ctx, seen), lazy=True, hold_transfer=True,
             )  # fmt: skip
             session.stop()
             error = "the copy activated and served despite its lazy-pages daemon's death"
         except _TransferEnded:
-            ctx.progress(f"{RUN}: the transfer ended before the pause (attempt {attempt})")
+            ctx.progress(f"{RUN}: the daemon exited before the pause (attempt {attempt})")
             continue
         except SnapctlError as failure:
             if seen.paused:

@@ -391,8 +391,8 @@ def test_transfer_running_when_killed() -> None:
     ended = checks.check_transfer_running(False, 3, 41)
 
     assert ended.status == "failed"
-    assert ended.evidence.startswith("the transfer ended before the daemon could be paused (3")
-    assert "--retained-mb" in ended.evidence
+    assert ended.evidence.startswith("the lazy-pages daemon exited before it could be paused (3")
+    assert "lazy-pages.log" in ended.evidence
 
 
 def test_copy_stopped_at_once() -> None:

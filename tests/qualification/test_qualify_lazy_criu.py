@@ -4,13 +4,15 @@ One test runs ``snapctl qualify --lazy`` through the CLI with only the runs lazy
 the evidence (reference, donor, lazy copy-1 and copy-2, lazy-fault) and requires every check to
 pass. The others share one image with the lazy runs' retained memory (captured once for the
 module) and run ``snapctl fault --lazy`` alone against it, plus an attempt whose daemon is never
-paused, which the run must report as a failure after its retries, leaving nothing behind.
+paused, which the run must report as a failure after its retries, leaving nothing behind, and
+one whose pause comes late, which the held transfer must still find running.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,6 +120,27 @@ def test_lazy_fault_command_alone(image: Path, capsys: pytest.CaptureFixture[str
     assert run.timings.kill_to_exit_s is not None
     assert run.cleanup is not None and run.cleanup.clean
     hold_image(image, exclusive=True).release()
+
+
+def test_a_pause_that_comes_late_still_finds_the_transfer_running(
+    image: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A loaded machine: half a second from the restore's end to the pause. Unheld, this image's
+    # first copy had its 256 MiB in within about 0.1 s, and every attempt found it ended.
+    pause = lazy_fault.pause
+
+    def late(process: PinnedProcess, timeout_s: float = lazy_fault.PAUSE_TIMEOUT_S) -> bool:
+        time.sleep(0.5)
+        return pause(process, timeout_s)
+
+    monkeypatch.setattr(lazy_fault, "pause", late)
+
+    status = main(["fault", "--image", str(image), "--lazy", "--json"])
+
+    report = printed_report(capsys.readouterr().out)
+    assert status == ExitStatus.OK, report.failures()
+    evidence = _checks(report, "lazy-fault")["transfer running when killed"][1]
+    assert "transfer released, then SIGKILLed" in evidence and "on attempt" not in evidence
 
 
 def test_a_daemon_never_paused_fails_after_every_attempt_and_leaves_nothing(

@@ -81,6 +81,7 @@ class TransferHold:
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.finished_seen = threading.Event()
+        self.passed_on = threading.Event()  # the finished word reached the daemon
         self._listener = self._track(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
         try:
             with socket_path(restore_dir / SOCKET_NAME) as where:
@@ -176,6 +177,7 @@ class TransferHold:
                 self._close_uffds()  # see above: before the transfer can start
                 if released:
                     daemon.sendall(word)
+                    self.passed_on.set()
                 return
             daemon.sendall(word)
             if value < 0:
