@@ -1,13 +1,13 @@
 """Lazy copies with real CRIU: serving before the memory is in, completion, and failing closed.
 
 One donor image (with retained memory whose digest must survive) is shared by the module. To
-act "during the background transfer", tests either keep the transfer held back (the
-``held_transfer`` fixture: the daemon serves faults only until the test releases it) or pause
-the copy's lazy-pages daemon with SIGSTOP as soon as the copy serves, and then kill or stop it,
-never resume it: a daemon stopped while it waits for the release fails on SIGCONT (its
-``epoll_wait`` returns EINTR). With 2 GiB retained the transfer ends about 0.8 s after the
-restore (1 GiB left only 0.45 s: too close on a loaded machine), and a copy whose transfer still
-finished first is replaced (up to three tries) rather than tested on a completed transfer."""
+act "during the background transfer", tests keep the transfer held back (the ``held_transfer``
+fixture, or ``tests/held_transfer.py`` for the CLI: the daemon serves faults only until the test
+releases it), and where the transfer must have begun, pause the copy's lazy-pages daemon with
+SIGSTOP, then release the transfer to it (its restore's finished word is queued for the stopped
+daemon), and then kill or stop it, never resume it: a daemon stopped while it waits for the
+release fails on SIGCONT (its ``epoll_wait`` returns EINTR). Unheld, 2 GiB retained is in about
+0.8 s after the restore: too short to be sure of finding it still running on every machine."""
 
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ from snapctl.criu.lazy.pagemap import PAGE_SIZE, read_pagemap
 from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.statedir import StateDir
+from snapctl.supervision.process import PinnedProcess
 from tests.activation.criu_helpers import complete, get, leftovers
 from tests.conftest import _real_criu
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(240)]
 
 RETAINED_MB = 2048
-ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -108,37 +108,27 @@ def published(session: Session) -> str:
     return "{}:{}".format(*session.publisher.address)
 
 
-def pause(pid: int, work: Path) -> bool:
-    """SIGSTOP the lazy-pages daemon ``pid`` (of work dir ``work``); False if it already
-    finished."""
-    try:
-        daemon = psutil.Process(pid)
-        # The PID of a daemon that finished could already name another process.
-        argv = daemon.cmdline()
-        if "lazy-pages" not in argv or not any(arg.startswith(str(work)) for arg in argv):
-            return False
-        daemon.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + 10
-        while daemon.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE):
-            assert time.monotonic() < deadline, "SIGSTOP was not delivered"
-            time.sleep(0.005)
-        # A zombie exited before the signal: its transfer is over.
-        return daemon.status() == psutil.STATUS_STOPPED
-    except psutil.NoSuchProcess:
-        return False
+def pause(daemon: PinnedProcess) -> None:
+    """SIGSTOP the pinned lazy-pages daemon and wait until it is stopped."""
+    daemon.signal(signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while psutil.Process(daemon.pid).status() != psutil.STATUS_STOPPED:
+        assert daemon.alive(), "the daemon exited while its transfer was held"
+        assert time.monotonic() < deadline, "SIGSTOP was not delivered"
+        time.sleep(0.005)
 
 
 def paused_lazy_copy(donor: Donor, criu: CriuBinary, running: list[Session]) -> tuple[Session, int]:
-    """A lazy copy whose daemon is SIGSTOPped while the transfer still runs."""
-    for _ in range(ATTEMPTS):
-        session = lazy_copy(donor, criu, running)
-        assert session.lazy is not None
-        pid = session.lazy.daemon.pid
-        if pause(pid, session.dirs.work):
-            assert session.lazy.status.state == "transferring"
-            return session, pid
-        stop_clean(session)
-    pytest.fail(f"the transfer finished before the copy served, {ATTEMPTS} times")
+    """A lazy copy whose daemon is SIGSTOPped with its transfer begun and pages missing: paused
+    while the transfer was held (so it cannot have finished), then released to it."""
+    session = lazy_copy(donor, criu, running)
+    assert session.lazy is not None and session.lazy.daemon.hold is not None
+    with PinnedProcess(session.lazy.daemon.pid, session.lazy.daemon.start_time) as daemon:
+        pause(daemon)
+    session.lazy.release_transfer()
+    assert session.lazy.daemon.hold.passed_on.wait(10)
+    assert session.lazy.status.state == "transferring"
+    return session, daemon.pid
 
 
 def record_of(session: Session) -> dict[str, object]:
@@ -308,7 +298,7 @@ def test_a_copy_stopped_while_its_transfer_is_held_leaves_nothing(
 
 
 def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
-    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+    donor: Donor, criu_binary: CriuBinary, running: list[Session], held_transfer: None
 ) -> None:
     session, daemon = paused_lazy_copy(donor, criu_binary, running)
     assert session.root is not None
@@ -326,7 +316,7 @@ def test_daemon_killed_midway_stops_the_copy_and_leaves_nothing(
 
 
 def test_stop_during_the_background_transfer_is_clean(
-    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+    donor: Donor, criu_binary: CriuBinary, running: list[Session], held_transfer: None
 ) -> None:
     session, daemon = paused_lazy_copy(donor, criu_binary, running)
     # The paused daemon cannot serve the faults of a graceful shutdown: expect the SIGKILL.
@@ -381,10 +371,12 @@ def test_two_concurrent_lazy_copies_each_complete(
         stop_clean(session)
 
 
-def snapctl(state: StateDir, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def snapctl(
+    state: StateDir, *args: str, check: bool = True, cli: str = "snapctl"
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "SNAPCTL_STATE_DIR": str(state.root)}
     result = subprocess.run(
-        [sys.executable, "-m", "snapctl", *args], env=env, capture_output=True, text=True,
+        [sys.executable, "-m", cli, *args], env=env, capture_output=True, text=True,
         timeout=120, check=False,
     )  # fmt: skip
     assert not check or result.returncode == 0, f"snapctl {args[0]}: {result.stderr}"
@@ -402,24 +394,20 @@ def detached(donor: Donor) -> Iterator[str]:
 def test_cli_detached_lazy_copy_stopped_mid_transfer_leaves_nothing(
     donor: Donor, criu_binary: CriuBinary, detached: str
 ) -> None:
-    for _ in range(ATTEMPTS):
-        started = snapctl(
-            donor.state, "copy", "--image", str(donor.image), "--lazy", "--detach", "--json",
-            "--name", detached, "--publish", "0",
-        )  # fmt: skip
-        report = json.loads(started.stdout)
-        assert report["lazy"] is True and report["pages_complete"] is not None
-        daemon = report["lazy_pages_pid"]
-        paused = pause(daemon, donor.state.activations / report["activation_id"] / "work")
-        (row,) = json.loads(snapctl(donor.state, "ps", "--json").stdout)
-        assert row["name"] == detached and row["lazy"] and row["running"]
-        assert row["lazy_pages_pid"] == daemon
-        if paused:
-            assert row["pages_complete"] is False
-            break
-        snapctl(donor.state, "stop", detached)
-    else:
-        pytest.fail(f"the transfer finished before the copy served, {ATTEMPTS} times")
+    # Its detached supervisor is forked from this CLI: its transfer is held too.
+    started = snapctl(
+        donor.state, "copy", "--image", str(donor.image), "--lazy", "--detach", "--json",
+        "--name", detached, "--publish", "0", cli="tests.held_transfer",
+    )  # fmt: skip
+    report = json.loads(started.stdout)
+    assert report["lazy"] is True and report["pages_complete"] is False
+    (record,) = donor.state.load_records()
+    daemon = report["lazy_pages_pid"]
+    with PinnedProcess(daemon, record.lazy_pages_start_time) as pinned:
+        pause(pinned)
+    (row,) = json.loads(snapctl(donor.state, "ps", "--json").stdout)
+    assert row["name"] == detached and row["lazy"] and row["running"]
+    assert row["lazy_pages_pid"] == daemon and row["pages_complete"] is False
     with pytest.raises(ImageBusyError):
         hold_image(donor.image, exclusive=True)
     stopped = snapctl(donor.state, "stop", detached, "--timeout", "1", "--json")

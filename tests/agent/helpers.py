@@ -110,14 +110,16 @@ def cli(
 class AgentProcess:
     """``snapctl agent`` on ``state`` in its own process, answering once constructed."""
 
-    def __init__(self, state: StateDir) -> None:
+    def __init__(self, state: StateDir, *, held_transfers: bool = False) -> None:
+        """``held_transfers``: every lazy copy's background transfer held for a minute
+        (``tests/held_transfer.py``)."""
         self.state = state
         self.log = state.root.parent / "agent.log"
+        cli = "tests.held_transfer" if held_transfers else "snapctl"
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "snapctl", "agent"], env=env_for(state), stdout=log,
-                stderr=log,
-            )  # fmt: skip
+                [sys.executable, "-m", cli, "agent"], env=env_for(state), stdout=log, stderr=log
+            )
         # Answering, not only there: a killed agent's socket file stays until the next binds.
         until(lambda: self._answers() or self.process.poll() is not None)
         assert self.process.poll() is None, self.log.read_text()

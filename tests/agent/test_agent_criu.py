@@ -22,6 +22,7 @@ from snapctl.agent.client import connect
 from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.statedir import STOPPED_FILE, StateDir
+from snapctl.supervision.process import PinnedProcess
 from tests.activation.criu_helpers import API_KEY_ENV, complete, launch_donor, leftovers
 from tests.agent.helpers import (
     AgentProcess,
@@ -142,46 +143,33 @@ def test_a_foreground_copy_through_the_agent_whose_tree_exits_ends_as_in_process
     assert state.load_records() == [] and leftovers(state) == []
 
 
-def pause_daemon(pid: int) -> bool:
-    """SIGSTOP the lazy-pages daemon ``pid``; False if its transfer is already over."""
-    try:
-        daemon = psutil.Process(pid)
-        if "lazy-pages" not in daemon.cmdline():
-            return False  # it finished, and the PID may name another process by now
-        daemon.send_signal(signal.SIGSTOP)
-        until(lambda: daemon.status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE), 10)
-        return daemon.status() == psutil.STATUS_STOPPED
-    except psutil.NoSuchProcess:
-        return False
-
-
 def test_a_foreground_lazy_copy_whose_transfer_fails_fails_as_in_process(
-    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, agents: Started[AgentProcess]
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary
 ) -> None:
     image = tmp_path / "image"
-    # Enough pages that the transfer still runs when the client has the report.
-    session, _ = launch_donor(image, state, criu_binary, fixture_retained_mb=1024)
+    session, _ = launch_donor(image, state, criu_binary, fixture_retained_mb=256)
     session.stop()
-    agents.start()
-    for attempt in range(3):
-        name = f"lazy-{attempt}"
+    # Held: its pages are still missing when the client has the report, however fast.
+    agent = AgentProcess(state, held_transfers=True)
+    try:
         process = subprocess.Popen(
-            [sys.executable, "-m", "snapctl", *copy_args(image, name, "--lazy")],
+            [sys.executable, "-m", "snapctl", *copy_args(image, "lazy", "--lazy")],
             env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert process.stdout is not None
         report = json.loads(process.stdout.readline())
-        if pause_daemon(report["lazy_pages_pid"]):
-            break
-        process.send_signal(signal.SIGINT)  # its pages were in already: again
-        assert process.wait(60) == 0
-    else:
-        pytest.fail("the transfer finished before the client had the report, 3 times")
-    os.kill(report["lazy_pages_pid"], signal.SIGKILL)  # the copy's memory is incomplete now
-    _, err = process.communicate(timeout=60)
+        assert report["pages_complete"] is False
+        (record,) = state.load_records()
+        assert record.lazy_pages_pid == report["lazy_pages_pid"]
+        time.sleep(1.0)  # as on a loaded machine: unheld, every page would be in by now
+        with PinnedProcess(report["lazy_pages_pid"], record.lazy_pages_start_time) as daemon:
+            daemon.signal(signal.SIGKILL)  # the copy's memory is incomplete now
+        _, err = process.communicate(timeout=60)
+    finally:
+        agent.kill(signal.SIGTERM)
     assert process.returncode == ExitStatus.ERROR, err
     (line,) = err.splitlines()  # --json: the error line only
-    assert line.startswith(f"error: {name}: ") and line.endswith(" [phase: lazy-pages]")
+    assert line.startswith("error: lazy: ") and line.endswith(" [phase: lazy-pages]")
     assert "before every page was copied" in line
     assert state.load_records() == [] and leftovers(state) == []
 
