@@ -57,6 +57,9 @@ class FakeSpawner:
     pid: int = 0
     # Seconds before the last message (the outcome): a start that takes a while.
     delay_s: float = 0.0
+    # Set: the outcome waits for it instead (a minute at most), so a test decides when a
+    # start ends rather than racing a delay.
+    release: threading.Event | None = None
 
     def spawn(self, job: dict[str, Any]) -> int:
         self.jobs.append(job)
@@ -67,6 +70,8 @@ class FakeSpawner:
         writer.flush()
 
         def finish() -> None:
+            if self.release is not None:
+                self.release.wait(60)
             time.sleep(self.delay_s)
             with writer:
                 writer.write(json.dumps(self.script[-1]) + "\n")

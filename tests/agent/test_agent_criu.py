@@ -21,6 +21,7 @@ import pytest
 from snapctl.agent.client import connect
 from snapctl.criu import CriuBinary
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.pool.records import load_parked_records
 from snapctl.statedir import STOPPED_FILE, StateDir
 from snapctl.supervision.process import PinnedProcess
 from tests.activation.criu_helpers import API_KEY_ENV, complete, launch_donor, leftovers
@@ -30,6 +31,7 @@ from tests.agent.helpers import (
     cli,
     env_for,
     fill_pool,
+    gone,
     parked_rows,
     until,
     wait_parked,
@@ -182,6 +184,10 @@ def test_the_agent_killed_a_copy_keeps_serving_and_a_new_agent_lists_it(
     report = json.loads(cli(state, *copy_args(image, "survivor", "--detach")).stdout)
     fill_pool(state, image)
     (old,) = parked_rows(state)
+    (supervisor,) = [
+        (parked.supervisor_pid, parked.supervisor_start_time)
+        for _, parked in load_parked_records(state) if parked is not None and parked.id == old["id"]
+    ]  # fmt: skip
     first.kill(signal.SIGKILL)
     assert complete(report["published"]) == expected  # still serving, agent gone
     (row,) = json.loads(cli(state, "ps", "--json").stdout)  # in-process: no agent answers
@@ -191,8 +197,7 @@ def test_the_agent_killed_a_copy_keeps_serving_and_a_new_agent_lists_it(
     assert json.loads(cli(state, "ps", "--json").stdout) == [row]
     # The parked copy it could not vouch for is gone (the pool may park a fresh one).
     until(lambda: old["id"] not in {row["id"] for row in parked_rows(state, "any")})
-    until(lambda: not psutil.pid_exists(old["supervisor_pid"]) or psutil.Process(
-        old["supervisor_pid"]).status() == psutil.STATUS_ZOMBIE)  # fmt: skip
+    until(lambda: gone(*supervisor))
     assert complete(report["published"]) == expected
     stopped = json.loads(cli(state, "stop", "survivor", "--json").stdout)
     assert not any(stopped["audit"].values())

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -180,7 +181,7 @@ def stopped(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_foreground_copy_whose_client_left_is_stopped_by_the_agent(
     running_agent: RunningAgent, stopped: list[str]
 ) -> None:
-    running_agent.spawner.delay_s = 0.5
+    release = running_agent.spawner.release = threading.Event()
     for detach in (True, False):
         sock = _start_stream(running_agent.socket, "/v1/copies",
                              {"image": "/images/x", "lazy": False, "detach": detach})  # fmt: skip
@@ -191,6 +192,7 @@ def test_a_foreground_copy_whose_client_left_is_stopped_by_the_agent(
                 assert chunk, data
                 data += chunk
         # Closed: SIGKILLed, say, while its copy started.
+    release.set()  # both starts end only now, after their clients left
     deadline = time.monotonic() + 10
     while len(running_agent.spawner.jobs) < 2 or not stopped:
         assert time.monotonic() < deadline, stopped

@@ -229,7 +229,7 @@ def test_an_interrupted_start_fails_the_same_either_way(
 ) -> None:  # fmt: skip
     extra = ("--detach",) if detach else ()
     # Through the agent: SIGINT while the agent starts the copy (it is stopped once started).
-    running_agent.spawner.delay_s = 1.0
+    release = running_agent.spawner.release = threading.Event()
     stopped: list[str] = []
     monkeypatch.setattr(
         "snapctl.agent.service.AgentService.stop",
@@ -240,7 +240,9 @@ def test_an_interrupted_start_fails_the_same_either_way(
         deadline = time.monotonic() + 10
         while not running_agent.spawner.jobs and time.monotonic() < deadline:
             time.sleep(0.02)
-        os.kill(os.getpid(), signal.SIGINT)  # to the command, which holds SIGINT by then
+        if running_agent.spawner.jobs:  # else the command failed: no signal to interrupt pytest
+            os.kill(os.getpid(), signal.SIGINT)  # to the command, which holds SIGINT by then
+        release.set()  # the start ends only once interrupted
 
     sender = threading.Thread(target=interrupt)
     sender.start()

@@ -10,6 +10,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -461,7 +462,7 @@ def test_ctrl_c_while_the_agent_starts_a_copy_stops_it_once_it_started(
 ) -> None:
     image = tmp_path / "image"
     image.mkdir()
-    running_agent.spawner.delay_s = 1.5
+    release = running_agent.spawner.release = threading.Event()
     stopped: list[str] = []
     monkeypatch.setattr(
         "snapctl.agent.service.AgentService.stop",
@@ -477,6 +478,7 @@ def test_ctrl_c_while_the_agent_starts_a_copy_stops_it_once_it_started(
     while not running_agent.spawner.jobs and time.monotonic() < until:
         time.sleep(0.02)
     process.send_signal(signal.SIGINT)
+    threading.Timer(0.5, release.set).start()  # the start ends after the interrupt
     out, err = process.communicate(timeout=60)
     assert process.returncode == ExitStatus.INTERRUPTED, err
     assert out == "" and "interrupted while starting" in err

@@ -78,9 +78,13 @@ def test_count_detach_copies_stop_one_at_a_time(
         [sys.executable, "-m", "snapctl", "logs", "--follow", "c-2"], env=env,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
+    assert follower.stdout is not None
+    # Its first line: it found c-2 and follows it (a stop before that would find no c-2).
+    first = follower.stdout.readline()
     assert get(copies["c-2"]["published"], "/v1/models")[0] == 200  # one more line to follow
     assert "cleanup: clean" in ok(snapctl(state, "stop", "c-2"))
-    followed, errors = follower.communicate(timeout=30)  # ends by itself once c-2 stopped
+    rest, errors = follower.communicate(timeout=30)  # ends by itself once c-2 stopped
+    followed = first + rest
     assert follower.returncode == 0, errors
     assert b"validated" in followed and b"GET /v1/models" in followed
 

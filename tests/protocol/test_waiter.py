@@ -49,7 +49,7 @@ def test_returns_a_present_file_at_once(control: ControlDir) -> None:
     arrival = wait_for(control, ControlFile.CAPTURE_READY, 5)
     assert arrival.name is ControlFile.CAPTURE_READY
     assert arrival.model == make_ready()
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 2.0  # not the 5 s timeout
 
 
 def test_file_events_wake_the_wait_long_before_the_poll_interval(
@@ -66,7 +66,7 @@ def test_file_events_wake_the_wait_long_before_the_poll_interval(
     arrival = wait_for(control, ControlFile.STATUS, 5, poll_s=10)
     woke = time.monotonic()
     assert arrival.model == make_status()
-    assert woke - writing[0] < 0.25
+    assert woke - writing[0] < 2.0  # far below the poll interval, with room for a slow fsync
 
 
 def test_polling_finds_the_file_when_events_are_lost(
