@@ -123,7 +123,9 @@ def test_a_launch_failing_half_way_leaves_no_process(
 
     def root_found_too_late(unshare: subprocess.Popen[bytes], timeout_s: float) -> int:
         parent = psutil.Process(unshare.pid)
+        deadline = time.monotonic() + 30
         while not parent.children():
+            assert unshare.poll() is None and time.monotonic() < deadline, "no namespace root"
             time.sleep(0.01)  # until the namespace's PID 1 exists, then fail anyway
         seen.append((unshare, parent.children()[0].pid))
         raise LaunchError("injected: no namespace root")
