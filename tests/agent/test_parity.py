@@ -23,9 +23,11 @@ import pytest
 
 from snapctl.activation.core import ActivationReport
 from snapctl.activation.session import CleanupAudit
+from snapctl.agent.client import AgentClient
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
 from snapctl.statedir import STOPPED_FILE, ActivationRecord, StateDir, StopOutcome
+from snapctl.supervision import listing
 from snapctl.supervision.process import start_time
 from tests.agent.conftest import RunningAgent, make_report
 
@@ -273,9 +275,42 @@ def test_an_interrupted_start_fails_the_same_either_way(
     assert through == local and through[0] == ExitStatus.INTERRUPTED
 
 
+class Polls:
+    """Counts the foreground command's polls of its copies, through the agent or, once the
+    agent is gone, from the records, so a test acts after one rather than after a sleep."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.through_agent = 0
+        self.from_records = 0
+        real_call = AgentClient.call
+        real_rows = listing.activation_rows
+
+        def call(client: AgentClient, method: str, target: str, *args: Any, **kw: Any) -> Any:
+            answer = real_call(client, method, target, *args, **kw)
+            self.through_agent += (method, target) == ("GET", "/activations")
+            return answer
+
+        def rows(*args: Any, **kw: Any) -> Any:
+            answer = real_rows(*args, **kw)
+            self.from_records += 1
+            return answer
+
+        monkeypatch.setattr(AgentClient, "call", call)
+        monkeypatch.setattr(listing, "activation_rows", rows)
+
+    @staticmethod
+    def wait(count: Any) -> None:
+        deadline = time.monotonic() + 30
+        while not count():
+            assert time.monotonic() < deadline, "the command never polled"
+            time.sleep(0.02)
+
+
 def test_a_foreground_copy_serves_on_when_the_agent_stops(
-    capsys: pytest.CaptureFixture[str], scenario: Scenario, running_agent: RunningAgent
-) -> None:
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scenario: Scenario,
+    running_agent: RunningAgent,
+) -> None:  # fmt: skip
+    polls = Polls(monkeypatch)
     # The copy's tree (a stand-in that runs), recorded as its supervisor records it.
     tree = subprocess.Popen(["sleep", "60"])
     try:
@@ -284,12 +319,11 @@ def test_a_foreground_copy_serves_on_when_the_agent_stops(
         alive_after_agent: list[bool] = []
 
         def agent_stops_then_the_copy_exits() -> None:
-            deadline = time.monotonic() + 10
-            while not running_agent.spawner.jobs and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(0.7)  # the command waits, polling the agent
+            polls.wait(lambda: polls.through_agent)  # the command waits, polling the agent
             running_agent.agent.stop()
-            time.sleep(1.5)  # and goes on waiting without it
+            # And goes on waiting without it (the agent may have read records too, before).
+            seen = polls.from_records
+            polls.wait(lambda: polls.from_records > seen)
             alive_after_agent.append(tree.poll() is None)
             scenario.kept("exited", CLEAN, None)  # its supervisor's stop
             running_agent.state.drop_record("copy-1")
@@ -336,6 +370,7 @@ def test_a_lazy_copy_s_pages_complete_note_is_the_same_either_way(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, scenario: Scenario,
     running_agent: RunningAgent,
 ) -> None:  # fmt: skip
+    polls = Polls(monkeypatch)
     tree = subprocess.Popen(["sleep", "60"])
     try:
         state = running_agent.state
@@ -346,10 +381,7 @@ def test_a_lazy_copy_s_pages_complete_note_is_the_same_either_way(
                                                     "pages_complete_s": 0.5}))  # fmt: skip
 
         def the_copy_exits() -> None:
-            deadline = time.monotonic() + 10
-            while not running_agent.spawner.jobs and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(1.2)  # a poll or two
+            polls.wait(lambda: polls.through_agent)  # it has seen the pages complete
             scenario.kept("exited", CLEAN, None)
             state.drop_record("copy-1")
             tree.kill()
@@ -380,7 +412,7 @@ def test_a_lazy_copy_s_pages_complete_note_is_the_same_either_way(
     session = LazySession("copy-1", "exited", CLEAN, lazy=Transfer())
     with monkeypatch.context() as patched:
         scenario.in_process(patched, session)
-        session.ends_at = time.monotonic() + 0.5
+        session.ends_at = time.monotonic() + 2.0  # time for the note's thread to print
         local = run_cli(capsys, "--no-agent", *scenario.args())
     assert through == local and through[0] == 0
     assert through[2].splitlines() == [
