@@ -513,6 +513,10 @@ class WarmPool:
             if len(live) >= entry.target.size or restoring or self._parking >= MAX_PARKING:
                 return
             if entry.target.max_memory is not None:
+                if any(slot.memory_bytes is None for slot in live):
+                    # Just parked, its memory not read yet: counted as nothing, it would let
+                    # one more restore past the budget. The next tick has read it.
+                    return
                 held = sum(slot.memory_bytes or 0 for slot in live)
                 if held + self._per_copy_estimate(entry) > entry.target.max_memory:
                     return

@@ -321,6 +321,21 @@ def test_memory_budget_bounds_parked_copies(
     assert len(parked(warm)) == 1
 
 
+def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budget(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    warm, _ = pool
+    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: 100)
+    warm.set(image, 4, max_memory=250)
+    until(lambda: len(parked(warm)) == 2)
+    entry = warm._images[str(image)]
+    # As between a parking thread's record and its first memory read: a tick refills then.
+    entry.slots[-1].memory_bytes = None
+    warm._refill(str(image), entry, time.monotonic())
+    assert len(entry.slots) == 2  # no third restore: 100 + (unread) + 100 more exceed 250
+
+
 def test_failed_restore_backs_off(
     pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
 ) -> None:
