@@ -78,7 +78,7 @@ class LazyRestore(RestoreStrategy):
     network dumps that restore nothing are left out. With much memory left lazy, the daemon's
     background transfer is held back until the copy is ready: until then it only serves faults.
     ``hold_transfer`` decides that instead of the view (the lazy-fault run holds it always, so
-    that its daemon cannot have finished before it is paused).
+    that its daemon has not begun to push pages when it is paused).
     """
 
     name = "lazy"

@@ -66,6 +66,9 @@ REFILL_HOLD_S = 5.0
 BACKOFF_MAX_S = 30.0
 # The memory of parked copies is read (PSS, a walk of each tree's smaps) this often.
 MEMORY_EVERY_S = 2.0
+# With a budget, a copy parked this recently whose memory could not be read yet holds back
+# the refill; one unreadable longer counts at the size the others measure.
+UNMEASURED_WAIT_S = 2 * MEMORY_EVERY_S
 VERIFY_EVERY_S = 5.0
 # sun_path holds 108 bytes, the last one a NUL.
 MAX_SOCKET_PATH = 107
@@ -513,12 +516,16 @@ class WarmPool:
             if len(live) >= entry.target.size or restoring or self._parking >= MAX_PARKING:
                 return
             if entry.target.max_memory is not None:
-                if any(slot.memory_bytes is None for slot in live):
+                unmeasured = [slot for slot in live if slot.memory_bytes is None]
+                if any(now - (slot.parked_at or now) < UNMEASURED_WAIT_S for slot in unmeasured):
                     # Just parked, its memory not read yet: counted as nothing, it would let
-                    # one more restore past the budget. The next tick has read it.
+                    # one more restore past the budget. A tick reads it soon.
                     return
-                held = sum(slot.memory_bytes or 0 for slot in live)
-                if held + self._per_copy_estimate(entry) > entry.target.max_memory:
+                estimate = self._per_copy_estimate(entry)
+                held = sum(
+                    estimate if slot.memory_bytes is None else slot.memory_bytes for slot in live
+                )
+                if held + estimate > entry.target.max_memory:
                     return
             slot = _Slot(id=f"pool-{secrets.token_hex(6)}", image=key)
             entry.slots.append(slot)
@@ -580,7 +587,7 @@ class WarmPool:
         if not wanted:
             self._discard_now(slot, "closing")
             return
-        slot.memory_bytes = record_memory(record)
+        slot.memory_bytes = record_memory(record) or slot.memory_bytes
         self.events.parked(slot.image, slot.parked_at - started)
         self._wake.set()
 

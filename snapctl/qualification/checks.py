@@ -322,8 +322,9 @@ def check_transfer_running(paused: bool, attempts: int, daemon_pid: int | None) 
     if not paused or daemon_pid is None:
         return failed(
             name,
-            f"the lazy-pages daemon exited before it could be paused ({tries}); its log "
-            "(lazy-pages.log among the run's artifacts) says why",
+            f"the lazy-pages daemon could not be paused with pages missing ({tries}): it "
+            "exited, or its held transfer started (2 s after the restore) before the pause; "
+            "its lazy-pages.log says which",
         )
     again = "" if attempts == 1 else f" (on attempt {attempts}: earlier daemons exited first)"
     return passed(

@@ -3,14 +3,15 @@ still missing must be stopped at once, fail naming the daemon's death, and leave
 image must stay intact, verified and free for an exclusive hold.
 
 The copy restores with its background transfer held (as a big image's is): its daemon serves
-page faults only, so it cannot have finished by the time the run takes over, right after CRIU
-restored the copy (``start_copy``'s ``after_restore``). The run pins the daemon by pidfd
-(checked by its start time, never found by name), pauses it with SIGSTOP, checks that it is
-still transferring, releases the transfer (the restore's finished word reaches the stopped
-daemon: it would now push every remaining page), then SIGKILLs it. Everything after that is
-snapctl's own doing: the transfer's watcher SIGKILLs the copy, ``start_copy`` fails and cleans
-up, and the run only watches and audits. An attempt whose daemon exited before the pause tests
-nothing: it is stopped and retried afresh.
+page faults only, and has not begun to push pages when the run takes over, right after CRIU
+restored the copy (``start_copy``'s ``after_restore``), within the hold's 2 s deadline. The run
+pins the daemon by pidfd (checked by its start time, never found by name), pauses it with
+SIGSTOP, checks that it is still transferring, releases the transfer (the restore's finished
+word reaches the stopped daemon: it would now push every remaining page), then SIGKILLs it.
+Everything after that is snapctl's own doing: the transfer's watcher SIGKILLs the copy,
+``start_copy`` fails and cleans up, and the run only watches and audits. An attempt whose
+daemon exited, or whose hold's deadline came, before the pause tests nothing: it is stopped and
+retried afresh.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 from snapctl.activation.copy import start_copy
 from snapctl.activation.session import Session
+from snapctl.criu.lazy.relay import TransferHold
 from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest, verify_image
@@ -45,13 +47,16 @@ from snapctl.supervision.process import PinnedProcess, ProcessGoneError, wait_go
 RUN = "lazy-fault"
 ATTEMPTS = 3
 # How long the copy may take to be gone once its daemon was killed ("at once", with room for a
-# loaded machine); and how long a SIGSTOP may take to be delivered.
+# loaded machine); how long a SIGSTOP may take to be delivered; and the released finished word
+# to reach the daemon's socket.
 STOP_BOUND_S = 10.0
 PAUSE_TIMEOUT_S = 10.0
+PASS_ON_TIMEOUT_S = 10.0
 
 
-class _TransferEnded(Exception):
-    """The daemon exited before it could be paused: this attempt can test nothing."""
+class _NotPausable(Exception):
+    """The daemon exited, or its held transfer started, before it was paused: this attempt
+    can test nothing."""
 
 
 @dataclass
@@ -108,13 +113,20 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
             # refuse a PID that already names another process.
             pinned = PinnedProcess(daemon.pid, expected_start=daemon.start_time)
         except ProcessGoneError:
-            raise _TransferEnded from None
+            raise _NotPausable from None
         with pinned:
+            hold = session.lazy.daemon.hold
+            if hold is None:
+                raise SnapctlError("the lazy-fault run's copy was restored without a held transfer")
             if session.lazy.status.state != "transferring" or not pause(pinned):
-                raise _TransferEnded
+                raise _NotPausable
+            if hold.passed_on.is_set():
+                # Its hold's deadline (tuning.TRANSFER_HOLD_MAX_S after the restore) came
+                # first: its pages may all be in by now.
+                raise _NotPausable
             # Stopped, it cannot finish: pages are missing until it runs again, and it never will.
+            _release_to_stopped(hold, session)
             seen.paused = True
-            _release_to_stopped(session)
             # One look from here: the watch thread may not get to run before the tree is gone.
             watch.poll_once()
             ctx.progress(f"{RUN}: killing the lazy-pages daemon {daemon.pid} mid-transfer")
@@ -132,16 +144,15 @@ def kill_daemon_midway(ctx: RunContext, session: Session, seen: LazyFaultSeen) -
             save_control(read_control(session), ctx.run_dir(RUN))
 
 
-def _release_to_stopped(session: Session) -> None:
+def _release_to_stopped(hold: TransferHold, session: Session) -> None:
     """Start the held transfer of a paused daemon: its restore's finished word is queued on
     its socket once this returns, as it is for a daemon killed while it pushes pages."""
     assert session.lazy is not None
-    hold = session.lazy.daemon.hold
     session.lazy.release_transfer()
-    if hold is not None and not hold.passed_on.wait(PAUSE_TIMEOUT_S):
+    if not hold.passed_on.wait(PASS_ON_TIMEOUT_S):
         raise SnapctlError(
             f"the held transfer was not passed on to the lazy-pages daemon within "
-            f"{PAUSE_TIMEOUT_S:g} s of its release ({hold.error or 'no relay error'})"
+            f"{PASS_ON_TIMEOUT_S:g} s of its release ({hold.error or 'no relay error'})"
         )
 
 
@@ -189,8 +200,8 @@ def run_lazy_fault(ctx: RunContext) -> RunResult:
             )  # fmt: skip
             session.stop()
             error = "the copy activated and served despite its lazy-pages daemon's death"
-        except _TransferEnded:
-            ctx.progress(f"{RUN}: the daemon exited before the pause (attempt {attempt})")
+        except _NotPausable:
+            ctx.progress(f"{RUN}: the daemon could not be paused in time (attempt {attempt})")
             continue
         except SnapctlError as failure:
             if seen.paused:

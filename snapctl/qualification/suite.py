@@ -65,10 +65,10 @@ SERVING_RUNS = frozenset({"donor", "copy-1", "copy-2"})
 # Runs that restore the image (the donor's, or an existing one given with --image).
 IMAGE_RUNS = frozenset({"criu-restore-fault", "copy-1", "copy-2", "fault", "lazy-fault", "stale"})
 DEFAULT_API_KEY_ENV = "SNAPCTL_API_KEY"
-# The bundled fixture's retained memory when a lazy run is planned: enough that its lazy-pages
-# daemon is still transferring when the lazy-fault run pauses it (its transfer lasts far longer
-# than the restore's end to the pause, docs/qualification.md), and that a lazy copy's memory is
-# worth comparing. Plain runs keep the launch default (16 MiB), which keeps the image small.
+# The bundled fixture's retained memory when a lazy run is planned: enough to stay lazy (a
+# process with less than tuning.EAGER_PROCESS_BELOW is restored eagerly), so that the lazy-fault
+# run's daemon has pages left to serve and a lazy copy's memory is worth comparing. Plain runs
+# keep the launch default (16 MiB), which keeps the image small.
 LAZY_RETAINED_MB = 256
 
 

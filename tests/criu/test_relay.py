@@ -130,6 +130,7 @@ def test_an_unreleased_hold_lets_go_after_its_maximum(
     restore = connect_restore(dirs[0])
     restore.send(FINISHED)
     assert daemon.got_finished.wait(10)
+    assert hold.passed_on.wait(10) and not hold.released
     restore.close()
     hold.close()
 
@@ -143,9 +144,9 @@ def test_a_later_release_can_only_bring_the_start_forward(
     restore.send(FINISHED)
     assert hold.finished_seen.wait(10)
     hold.release(delay_s=120)
-    assert not daemon.got_finished.wait(0.3)
+    assert not daemon.got_finished.wait(0.3) and not hold.passed_on.is_set()
     hold.release(delay_s=0)
-    assert daemon.got_finished.wait(10)
+    assert hold.passed_on.wait(10) and daemon.got_finished.wait(10)
     restore.close()
     hold.close()
 
@@ -157,6 +158,7 @@ def test_closing_drops_a_held_finished_word(dirs: tuple[Path, Path], daemon: Fak
     restore.send(FINISHED)
     assert hold.finished_seen.wait(10)
     hold.close()
+    assert not hold.passed_on.is_set()
     # The daemon sees its restore hang up unfinished: CRIU's daemon then fails (and the copy).
     assert daemon.hung_up.wait(10)
     assert daemon.data() == word(-5) and not daemon.got_finished.is_set()

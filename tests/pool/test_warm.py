@@ -21,7 +21,7 @@ from snapctl.pool import CopyRequest, WarmPool
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import ParkedRecord
 from snapctl.pool.records import RECORD_NAME, parked_home
-from snapctl.pool.warm import TICK_S
+from snapctl.pool.warm import TICK_S, UNMEASURED_WAIT_S
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import start_time
@@ -330,10 +330,17 @@ def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budge
     warm.set(image, 4, max_memory=250)
     until(lambda: len(parked(warm)) == 2)
     entry = warm._images[str(image)]
-    # As between a parking thread's record and its first memory read: a tick refills then.
-    entry.slots[-1].memory_bytes = None
-    warm._refill(str(image), entry, time.monotonic())
+    # As between a parking thread's record and its first memory read, when a tick refills;
+    # unreadable from now on, so the pool's own ticks cannot read it meanwhile either.
+    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: None)
+    newest = max(entry.slots, key=lambda slot: slot.parked_at or 0.0)
+    newest.memory_bytes = None
+    now = time.monotonic()
+    warm._refill(str(image), entry, now)
     assert len(entry.slots) == 2  # no third restore: 100 + (unread) + 100 more exceed 250
+    # Unreadable for longer: it counts at the other's 100, which still leaves no room.
+    warm._refill(str(image), entry, now + UNMEASURED_WAIT_S + 1)
+    assert len(entry.slots) == 2
 
 
 def test_failed_restore_backs_off(

@@ -391,7 +391,8 @@ def test_transfer_running_when_killed() -> None:
     ended = checks.check_transfer_running(False, 3, 41)
 
     assert ended.status == "failed"
-    assert ended.evidence.startswith("the lazy-pages daemon exited before it could be paused (3")
+    expected = "the lazy-pages daemon could not be paused with pages missing (3"
+    assert ended.evidence.startswith(expected)
     assert "lazy-pages.log" in ended.evidence
 
 

@@ -66,7 +66,7 @@ class TransferHold:
     Create it before the restore starts (its socket must exist when the restore connects),
     :meth:`start` it once the daemon listens, :meth:`release` it when the transfer may start,
     :meth:`close` it when the copy ends. The word goes on ``hold_max_s`` after the restore sent
-    it at the latest, released or not.
+    it at the latest, released or not; :attr:`passed_on` is set once it has.
     """
 
     def __init__(self, restore_dir: Path, daemon_dir: Path, *, hold_max_s: float) -> None:
