@@ -326,7 +326,7 @@ def check_transfer_running(paused: bool, attempts: int, daemon_pid: int | None) 
             "exited, or its held transfer started (2 s after the restore) before the pause; "
             "its lazy-pages.log says which",
         )
-    again = "" if attempts == 1 else f" (on attempt {attempts}: earlier daemons exited first)"
+    again = "" if attempts == 1 else f" (on attempt {attempts}: earlier ones could not be paused)"
     return passed(
         name,
         f"lazy-pages daemon {daemon_pid} paused while still transferring (not exited), its "
