@@ -13,6 +13,9 @@ from snapctl.progress import Progress
 # `donor --help` import this module and must stay fast.
 
 
+POOLED = "yes (verify to restore ran while it was parked)"
+
+
 def render_report(report: Any) -> None:
     from rich.table import Table
 
@@ -26,6 +29,9 @@ def render_report(report: Any) -> None:
     table.add_row("serving", f"{report.host}:{report.port} (inside its netns)")
     table.add_row("published", report.published or "-")
     table.add_row("logs", report.logs)
+    if report.kind == "copy":
+        # A pooled copy's phases up to its restore ran while it was parked, not for this request.
+        table.add_row("from pool", POOLED if report.from_pool else "no (restored for this request)")
     for phase, seconds in report.timings_s.items():
         table.add_row(f"time {phase}", f"{seconds * 1000:.1f} ms")
     if report.lazy:

@@ -37,6 +37,7 @@ def make_report(**changes: Any) -> dict[str, Any]:
         "image_bytes": None, "dump_stats": None, "restore_stats": {"pages_restored": 1},
         "handshake_phases": ["activation", "release"], "lazy": False, "lazy_pages_pid": None,
         "pages_complete": None, "pages_complete_s": None, "pages_complete_at": None,
+        "from_pool": False,
     }  # fmt: skip
     report.update(changes)
     return report

@@ -372,6 +372,11 @@ def test_the_text_report_through_the_agent_is_drawn_as_in_process(
     code, out, err = run_cli(capsys, "copy", "--image", str(image), "--no-lazy", "--detach")
     assert code == 0, err
     assert "copy copy-1" in out and "time restore" in out and "50.0 ms" in out
+    assert "no (restored for this request)" in out
+    running_agent.spawner.script = [{"report": make_report(from_pool=True)}]
+    code, out, err = run_cli(capsys, "copy", "--image", str(image), "--no-lazy", "--detach")
+    assert code == 0, err
+    assert "from pool" in out and "yes (verify to restore ran while it was parked)" in out
     running_agent.spawner.script = [{"report": make_report(kind="donor", name="d")}]
     code, out, err = run_cli(capsys, "donor", "--image", str(tmp_path / "img"), "--detach")
     assert code == 0, err
