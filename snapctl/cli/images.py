@@ -39,6 +39,12 @@ def images(root: Path | None, as_json: bool) -> None:
         emit_json(records)
         return
     render(namespace(records))
+    if not records:
+        from snapctl.cli.output import note
+
+        # An image captured to a path of the user's choosing is not in the default root.
+        where = str(root) if root is not None else "the image root or the pull cache"
+        note(f"no images in {where} (one in another directory: snapctl images --root DIR)")
 
 
 def images_query(root: Path | None) -> str:

@@ -171,3 +171,25 @@ def test_copy_refuses_anything_planted_before_criu_runs(
     assert code != 0 and message in capsys.readouterr().err
     assert not (state / "activations").exists() or not any((state / "activations").iterdir())
     assert not list(state.glob("logs/copy-*/restore.log"))  # CRIU never ran
+
+
+def test_images_with_nothing_to_list_says_where_it_looked_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+
+    from rich.console import Console
+
+    terminal = io.StringIO()
+    console = Console(file=terminal, force_terminal=True, width=200, color_system=None)
+    monkeypatch.setattr("snapctl.cli.output.stderr", lambda: console)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+
+    code, _ = run("images", "--root", str(empty))
+    assert code == 0
+    assert f"no images in {empty}" in terminal.getvalue()
+    assert "snapctl images --root DIR" in terminal.getvalue()
+
+    code, out = run("images", "--root", str(empty), "--json")
+    assert code == 0 and json.loads(out) == [] and terminal.getvalue().count("no images") == 1
