@@ -30,6 +30,11 @@ def emit_json(record: Any, *, sort_keys: bool = True) -> None:
     sys.stdout.flush()
 
 
+def mib(value: int) -> str:
+    """A byte count as the pool shows memory: whole MiB, or bytes below one."""
+    return f"{value / (1 << 20):.0f} MiB" if value >= 1 << 20 else f"{value} bytes"
+
+
 def _width(text: str) -> int:
     import unicodedata  # for tables only, not for a copy's JSON record
 

@@ -46,7 +46,9 @@ def _image(value: str) -> str:
 def _size(value: int | None) -> str:
     if value is None:
         return "-"
-    return f"{value / (1 << 20):.0f} MiB"
+    from snapctl.plain import mib
+
+    return mib(value)
 
 
 @click.group()

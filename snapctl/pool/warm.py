@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError
 from snapctl.phases import HostPhase
+from snapctl.plain import mib
 from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import (
@@ -113,6 +114,9 @@ class _Image:
     failures: int = 0
     retry_at: float = 0.0
     verified_at: float = 0.0
+    # The most a parked copy of this image was measured to hold: what the next one is
+    # expected to hold, even once none is left (each discarded for the budget, say).
+    copy_bytes: int = 0
 
 
 def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
@@ -431,8 +435,7 @@ class WarmPool:
                     self._drop(entry, slot, "died")
                     continue
                 if measure or slot.memory_bytes is None:
-                    # A read that failed (a process between states) keeps the last one.
-                    slot.memory_bytes = record_memory(record) or slot.memory_bytes
+                    self._measure(entry, slot, record)
             self._enforce(key, entry)
             self._refill(key, entry, now)
 
@@ -450,6 +453,7 @@ class WarmPool:
         if stat_key is None or stat_key != entry.manifest_stat:
             entry.manifest_stat = stat_key
             entry.identity = None if stat_key is None else published_identity(path)
+            entry.copy_bytes = 0  # another image's copies may hold another size
         reason: DiscardReason | None = None
         if entry.identity is None:
             reason = "removed"
@@ -498,9 +502,15 @@ class WarmPool:
                 self._discard_later(slot, "memory")
                 entry.last_failure = "memory budget: a parked copy was discarded"
 
+    @staticmethod
+    def _measure(entry: _Image, slot: _Slot, record: ParkedRecord) -> None:
+        # A read that failed (a process between states) keeps the last one.
+        slot.memory_bytes = record_memory(record) or slot.memory_bytes
+        entry.copy_bytes = max(entry.copy_bytes, slot.memory_bytes or 0)
+
     def _per_copy_estimate(self, entry: _Image) -> int:
         known = [s.memory_bytes for s in entry.slots if s.memory_bytes]
-        return max(known) if known else 0
+        return max([entry.copy_bytes, *known])
 
     def _refill(self, key: str, entry: _Image, now: float) -> None:
         if self._closing.is_set() or entry.identity is None or now < entry.retry_at:
@@ -526,6 +536,14 @@ class WarmPool:
                     estimate if slot.memory_bytes is None else slot.memory_bytes for slot in live
                 )
                 if held + estimate > entry.target.max_memory:
+                    if estimate > entry.target.max_memory:
+                        # Each restore would only be discarded again: say so and wait for a
+                        # larger budget (pool set) instead of restoring in a loop.
+                        entry.last_failure = (
+                            f"memory budget: one parked copy holds {mib(estimate)}, more than "
+                            f"--max-memory {mib(entry.target.max_memory)}; raise it with "
+                            "snapctl pool set"
+                        )
                     return
             slot = _Slot(id=f"pool-{secrets.token_hex(6)}", image=key)
             entry.slots.append(slot)
@@ -587,7 +605,7 @@ class WarmPool:
         if not wanted:
             self._discard_now(slot, "closing")
             return
-        slot.memory_bytes = record_memory(record) or slot.memory_bytes
+        self._measure(entry, slot, record)
         self.events.parked(slot.image, slot.parked_at - started)
         self._wake.set()
 

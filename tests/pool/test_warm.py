@@ -321,6 +321,24 @@ def test_memory_budget_bounds_parked_copies(
     assert len(parked(warm)) == 1
 
 
+def test_a_budget_below_one_copy_restores_once_and_says_so_instead_of_restoring_in_a_loop(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    warm, events = pool
+    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: 3 << 20)
+    warm.set(image, 2, max_memory=1 << 20)
+    until(lambda: ("discarded", "memory") in events.seen)
+    until(lambda: not warm._images[str(image)].slots)
+    time.sleep(1.5)  # many ticks: the old pool restored again at each one
+    assert len(spawner.jobs) == 1
+    failure = warm.listing().entries[0].last_failure or ""
+    assert "one parked copy holds 3 MiB, more than --max-memory 1 MiB" in failure
+    warm.set(image, 2, max_memory=8 << 20)  # a budget that fits two
+    until(lambda: len(parked(warm)) == 2)
+    assert warm.listing().entries[0].last_failure is None
+
+
 def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budget(
     pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
     monkeypatch: pytest.MonkeyPatch,
