@@ -28,13 +28,20 @@ def ready_timeout_hint() -> str:
     return f" (raise {READY_TIMEOUT_OPTION} for a server that takes longer to start)"
 
 
+# Thirty days. Far beyond any real wait, and select() refuses a timeout past time_t's range
+# (about 9.2e9 s): a larger limit would fail the wait itself, after a stop's SIGTERM was sent.
+MAX_SECONDS = 30 * 24 * 3600.0
+SECONDS_RULE = f"a positive, finite number of seconds, at most {MAX_SECONDS:.0f} (30 days)"
+
+
 def is_positive_seconds(value: float) -> bool:
-    """A usable limit in seconds: positive and finite (``inf``, ``nan``, 0 and negatives not)."""
-    return math.isfinite(value) and value > 0
+    """A usable limit in seconds: positive, finite and at most :data:`MAX_SECONDS` (``inf``,
+    ``nan``, 0 and negatives not)."""
+    return math.isfinite(value) and 0 < value <= MAX_SECONDS
 
 
 def positive_seconds(value: float) -> float:
     """``value``, or ValueError unless :func:`is_positive_seconds` (a pydantic validator)."""
     if not is_positive_seconds(value):
-        raise ValueError("must be a positive, finite number of seconds")
+        raise ValueError(f"must be {SECONDS_RULE}")
     return value

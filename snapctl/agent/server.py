@@ -116,6 +116,8 @@ def _refusal(status: int, message: str) -> Answer:
 
 def _parse(model: type[BaseModel], body: bytes | None) -> Any:
     """``body`` as ``model`` (an empty body: the model's defaults), or a refusal to raise."""
+    if body and b"\\u0000" in body:
+        _refuse_nul(model, body)
     try:
         return model.model_validate_json(body or b"{}")
     except ValidationError as error:
@@ -127,6 +129,32 @@ def _parse(model: type[BaseModel], body: bytes | None) -> Any:
             for item in error.errors(include_input=False, include_url=False)
         )
         raise _Refused(_refusal(422, f"invalid {model.__name__}: {reasons}")) from error
+
+
+def _refuse_nul(model: type[BaseModel], body: bytes) -> None:
+    """Refuse a string holding NUL anywhere in ``body``: no path, argument, name or secret can
+    (the kernel and ``os.environ`` refuse it, later, once something started)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return  # model_validate_json refuses it as not JSON
+
+    def walk(value: Any, where: str) -> str | None:
+        if isinstance(value, str):
+            return where if "\0" in value else None
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
+            value, list) else ()  # fmt: skip
+        for key, item in items:
+            if isinstance(key, str) and "\0" in key:
+                return where or "body"
+            found = walk(item, f"{where}.{key}" if where else str(key))
+            if found is not None:
+                return found
+        return None
+
+    where = walk(data, "")
+    if where is not None:  # the field's name only: its value may be a secret
+        raise _Refused(_refusal(422, f"invalid {model.__name__}: {where or 'body'}: holds NUL"))
 
 
 class _Refused(Exception):

@@ -10,7 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S, is_positive_seconds
+from snapctl.activation.timeouts import (
+    READY_TIMEOUT_S,
+    SECONDS_RULE,
+    SERVER_TIMEOUT_S,
+    is_positive_seconds,
+)
 from snapctl.thin import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S, split_publish
 
 if TYPE_CHECKING:
@@ -56,7 +61,7 @@ class Seconds(click.ParamType[float, Any]):
         except (TypeError, ValueError):
             self.fail(f"{value!r} is not a number of seconds", param, ctx)
         if not is_positive_seconds(seconds):
-            self.fail(f"{value!r} is not a positive, finite number of seconds", param, ctx)
+            self.fail(f"{value!r} is not {SECONDS_RULE}", param, ctx)
         return seconds
 
 

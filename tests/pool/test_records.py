@@ -62,6 +62,7 @@ def test_gc_sweeps_what_dead_parked_supervisors_left(tmp_path: Path) -> None:
         ({"name": "../x"}, "pattern"),
         ({"timeout_s": float("inf")}, "positive, finite"),
         ({"timeout_s": 0}, "positive, finite"),
+        ({"timeout_s": 1e10}, "at most 2592000"),
         ({"count": 0}, "greater than or equal to 1"),
         ({"publish": {"port": 70000}}, "less than or equal to 65535"),
         ({"native": "gpu"}, "'none' or 'cuda-checkpoint'"),
