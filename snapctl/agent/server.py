@@ -9,6 +9,7 @@ request's body in a log). Long operations answer NDJSON in chunks (see ``snapctl
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import hmac
 import json
@@ -42,10 +43,17 @@ from snapctl.pool.models import BakeRequest, DonorRequest
 from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
+# A client has this long to send its request, and to take each part of an answer: an idle or
+# stalled client never holds a thread (nor, stalling a copy's stream, the copy) for good.
+# ``logs -f`` is the exception: its reader may rightly pause (a pager).
+SOCKET_TIMEOUT_S = 60.0
+# Connections a TCP listener serves at once; one more is answered 503 and closed.
+MAX_TCP_CONNECTIONS = 32
 _NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 # They run the server command in the environment and directory the client sends: only a
 # local root client (the unix socket's peer check) may ask for that, never the TCP listener.
 _UNIX_SOCKET_ONLY = frozenset({f"{API_PREFIX}/donors", f"{API_PREFIX}/bakes"})
+METRICS_PATHS = ("/metrics", f"{API_PREFIX}/metrics")
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,7 @@ class Answer:
 
     status: int
     body: Any
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,8 @@ class Stream:
     # Called with the report when its client is gone by the time it came: what started has
     # no owner (a foreground copy or donor, which its client would have stopped).
     orphaned: Callable[[dict[str, Any]], None] | None = None
+    # Set once its client is gone (closed, or shut its sending side): a ``logs -f`` ends then.
+    hung_up: threading.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,10 @@ def _json_ready(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
     return value
+
+
+def _json_line(value: Any) -> bytes:
+    return json.dumps(_json_ready(value), separators=(",", ":")).encode() + b"\n"
 
 
 def error_body(error: SnapctlError) -> ErrorBody:
@@ -110,8 +125,14 @@ def http_status(error: SnapctlError) -> int:
     }.get(ExitStatus(error.exit_status), 500)
 
 
-def _refusal(status: int, message: str) -> Answer:
-    return Answer(status, ErrorBody(error=message, status=int(ExitStatus.USAGE)))
+def _refusal(status: int, message: str, headers: tuple[tuple[str, str], ...] = ()) -> Answer:
+    return Answer(status, ErrorBody(error=message, status=int(ExitStatus.USAGE)), headers)
+
+
+def _not_allowed(method: str, path: str, allowed: set[str]) -> Answer:
+    methods = ", ".join(sorted(allowed))
+    return _refusal(405, f"{method} is not allowed on {path} (allowed: {methods})",
+                    (("Allow", methods),))  # fmt: skip
 
 
 def _parse(model: type[BaseModel], body: bytes | None) -> Any:
@@ -236,27 +257,28 @@ class Router:
 
     def route(self, method: str, target: str, body: bytes | None) -> Result:
         url = urlsplit(target)
-        if url.path in ("/metrics", f"{API_PREFIX}/metrics") and method == "GET":
+        if url.path in METRICS_PATHS:
+            if method != "GET":
+                return _not_allowed(method, url.path, {"GET"})
             return Text(200, self.service.metrics.render(), METRICS_CONTENT_TYPE)
         if not url.path.startswith(API_PREFIX + "/"):
             return _refusal(404, f"no such path {url.path!r}: the API is under {API_PREFIX}/")
         path = url.path[len(API_PREFIX) :]
         query = {key: values[-1] for key, values in parse_qs(url.query).items()}
-        allowed = []
+        allowed = set()
         for route_method, pattern, handler in self.routes:
             match = pattern.fullmatch(path)
             if match is None:
                 continue
             if route_method != method:
-                allowed.append(route_method)
+                allowed.add(route_method)
                 continue
             try:
                 return handler(match, query, body)
             except _Refused as refused:
                 return refused.answer
         if allowed:
-            return _refusal(405, f"{method} is not allowed on {url.path} (allowed: "
-                                 f"{', '.join(sorted(set(allowed)))})")  # fmt: skip
+            return _not_allowed(method, url.path, allowed)
         return _refusal(404, f"no such path {url.path!r} (see docs/agent.md)")
 
     def _stop(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
@@ -266,19 +288,28 @@ class Router:
     def _logs(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         log, record = self.service.log_path(match["name"])
         if query.get("follow") not in ("1", "true") or record is None:
-            return Answer(200, {"text": log.read_text(errors="replace")})
+            # In chunks, however long the log: never all of it in the agent's memory at once.
+            return Stream(lambda emit: self.service.read_log(log, self._as_text(emit)))
+        running = record
+        hung_up = threading.Event()
 
         def follow(emit: Emit) -> None:
-            self.service.follow(log, record, lambda chunk: emit({"text": chunk.decode(
-                errors="replace")}), until=self.stopping)  # fmt: skip
-            if self.stopping.is_set() and record.exists():
+            ended = (self.stopping, hung_up)
+            self.service.follow(log, running, self._as_text(emit),
+                                until=lambda: any(event.is_set() for event in ended))  # fmt: skip
+            if self.stopping.is_set() and running.exists():
                 raise AgentUnavailableError(
                     f"the agent is stopping, so it stopped following {match['name']}, which "
                     f"still runs: run snapctl logs -f {match['name']} again"
                 )
-            return None
 
-        return Stream(follow, drains=False)
+        return Stream(follow, drains=False, hung_up=hung_up)
+
+    @staticmethod
+    def _as_text(emit: Emit) -> Callable[[bytes], None]:
+        # Incremental: a character split between two chunks still reads as itself.
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return lambda chunk: emit({"text": decoder.decode(chunk)})
 
     def stop_following(self) -> None:
         """The agent is stopping: end every ``logs -f`` stream (within a second; its client
@@ -352,6 +383,8 @@ class Handler(BaseHTTPRequestHandler):
     token: ClassVar[bytes | None] = None
     metrics_only: ClassVar[bool] = False
     allowed_uids: ClassVar[frozenset[int] | None] = None
+    timeout = SOCKET_TIMEOUT_S  # socketserver sets it on the connection
+    _body_length = 0
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # our own line per request, without the client's address or the query
@@ -377,7 +410,7 @@ class Handler(BaseHTTPRequestHandler):
                 if isinstance(result, Stream) and not result.drains:
                     follower()  # a stopping agent ends it rather than waits for it
                 status = self._answer(method, result)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
             status = 499  # the client went away; what it asked for goes on without it
         finally:
             path = urlsplit(self.path).path
@@ -389,8 +422,7 @@ class Handler(BaseHTTPRequestHandler):
             # Its body is left unread: the connection must not read it as the next request.
             self.close_connection = True
             return refusal
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length) if length else None
+        body = self.rfile.read(self._body_length) if self._body_length else None
         if self.metrics_only and urlsplit(self.path).path != "/metrics":
             return _refusal(404, "this listener serves only GET /metrics")
         try:
@@ -406,14 +438,18 @@ class Handler(BaseHTTPRequestHandler):
         refusal = self._refuse_peer() or self._refuse_remote_capture()
         if refusal is not None:
             return refusal
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            return _refusal(400, "Content-Length is not a number")
-        if length < 0 or length > MAX_BODY_BYTES:
-            return _refusal(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
         if self.headers.get("Transfer-Encoding"):
             return _refusal(411, "send the body with a Content-Length (not chunked)")
+        # Strictly digits, and one value: two readings of one request must never differ.
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length") or ()}
+        if len(lengths) > 1:
+            return _refusal(400, "the request has conflicting Content-Length headers")
+        length = lengths.pop() if lengths else "0"
+        if not length.isascii() or not length.isdigit():
+            return _refusal(400, f"Content-Length must be a number of bytes, not {length!r}")
+        if len(length) > 10 or int(length) > MAX_BODY_BYTES:
+            return _refusal(413, f"the request body must be at most {MAX_BODY_BYTES} bytes")
+        self._body_length = int(length)
         return None
 
     def _refuse_peer(self) -> Answer | None:
@@ -449,20 +485,37 @@ class Handler(BaseHTTPRequestHandler):
             self._whole(result.status, result.body, result.content_type)
             return result.status
         if isinstance(result, Answer):
-            payload = json.dumps(_json_ready(result.body), separators=(",", ":")).encode()
-            self._whole(result.status, payload + b"\n", "application/json")
+            self._whole(result.status, _json_line(result.body), "application/json", result.headers)
             return result.status
         return self._stream(result)
 
-    def _whole(self, status: int, payload: bytes, content_type: str) -> None:
+    def _whole(
+        self, status: int, payload: bytes, content_type: str,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:  # fmt: skip
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
         if status == 401:
             self.send_header("WWW-Authenticate", "Bearer")
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
         self.wfile.flush()
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, a too long target or header,
+        an unknown method) as an ErrorBody like every other answer, not its HTML page."""
+        reason = message or self.responses.get(code, ("refused",))[0]
+        text = f"{reason}: {explain}" if explain else reason
+        log(f"refused before routing: {code} {reason}")
+        self.close_connection = True
+        # Left at http.server's default when the request line did not parse: it would answer
+        # HTTP/0.9 style, a bare body no client today reads as an answer.
+        self.request_version = self.protocol_version
+        body = ErrorBody(error=f"malformed request: {text}", status=int(ExitStatus.USAGE))
+        self._whole(code, _json_line(body), "application/json")
 
     def _stream(self, stream: Stream) -> int:
         self.send_response(200)
@@ -478,9 +531,11 @@ class Handler(BaseHTTPRequestHandler):
             left.set()
             if stream.cancel is not None:
                 stream.cancel.request()
+            if stream.hung_up is not None:
+                stream.hung_up.set()
 
         def emit(message: Any) -> None:
-            data = json.dumps(_json_ready(message), separators=(",", ":")).encode() + b"\n"
+            data = _json_line(message)
             with lock:
                 if gone.is_set():
                     return
@@ -492,10 +547,17 @@ class Handler(BaseHTTPRequestHandler):
                     client_left()
 
         status = 200
-        watching = stream.cancel is not None or stream.orphaned is not None
+        if stream.hung_up is not None:
+            self.connection.settimeout(None)  # a paused reader of logs -f is still there
+        hooks = (stream.cancel, stream.orphaned, stream.hung_up)
+        watching = any(hook is not None for hook in hooks)
         watch = None
-        if watching:  # a half-close asks to cancel only where there is something to cancel
-            watch = HangupWatch(self.connection, client_left, half_close=stream.cancel is not None)
+        if watching:
+            # A half-close asks to cancel where there is something to cancel. A follow ends
+            # on it too: over TCP a closed client shows only as one (no POLLHUP before a
+            # write fails, and a quiet log is never written).
+            half_close = stream.cancel is not None or stream.hung_up is not None
+            watch = HangupWatch(self.connection, client_left, half_close=half_close)
         try:
             with watch or contextlib.nullcontext():
                 last = stream.run(emit)
@@ -576,8 +638,51 @@ class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
 
 
 class TCPHTTPServer(ThreadingHTTPServer):
+    """A TCP listener serving at most ``max_connections`` at once: past that, a connection
+    is answered 503 and closed, so that clients that never finish cannot take every thread."""
+
     daemon_threads = True
     block_on_close = False
+    max_connections = MAX_TCP_CONNECTIONS
+
+    def __init__(self, address: tuple[str, int], handler: type[Handler]) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            _answer_busy(request, self.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+def _answer_busy(connection: socket.socket, limit: int) -> None:
+    body = ErrorBody(error=f"the agent serves {limit} TCP connections at once: try again",
+                     status=int(ExitStatus.UNAVAILABLE))  # fmt: skip
+    payload = _json_line(body)
+    head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\n"
+            "Connection: close\r\n\r\n")  # fmt: skip
+    with contextlib.suppress(OSError):
+        connection.settimeout(1.0)  # the accepting thread never waits on a slow client
+        connection.sendall(head.encode() + payload)
+        connection.shutdown(socket.SHUT_WR)
+        # Read what it sent already: closing on unread bytes would answer with a reset,
+        # which may reach the client before the 503 does.
+        connection.setblocking(False)
+        while connection.recv(65536):
+            pass
 
 
 def handler_for(

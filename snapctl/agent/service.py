@@ -11,7 +11,6 @@ environment (:func:`snapctl.pool.serve.capture_via_supervisor`), and a donor ser
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,12 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
 from snapctl.pool.models import publish_pair
 from snapctl.pool.serve import activate_from_pool, copy_via_supervisor
-from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
+from snapctl.statedir import (
+    ActivationRecord,
+    NoServerLogError,
+    StateDir,
+    UnknownActivationError,
+)
 
 if TYPE_CHECKING:
     from snapctl.pool.cancel import Cancel
@@ -49,6 +53,11 @@ class NotFoundError(SnapctlError):
     """The request names an activation (or API path) the agent does not know."""
 
     exit_status = ExitStatus.ERROR
+
+
+def _log_gone(log: Path) -> NotFoundError:
+    # Removed between the lookup and the read (gc of a stopped activation's kept logs).
+    return NotFoundError("the server log is gone (its activation's logs were removed)", path=log)
 
 
 class AgentService:
@@ -92,21 +101,32 @@ class AgentService:
         """An activation's server log, and its record's path while it runs (None: stopped)."""
         try:
             return self.state.server_log(name)
-        except UnknownActivationError as error:
-            raise NotFoundError(error.message) from error
+        except (UnknownActivationError, NoServerLogError) as error:
+            raise NotFoundError(error.message, path=error.path) from error
+
+    def read_log(self, log: Path, write: Callable[[bytes], None]) -> None:
+        """Pass on what ``log`` holds, in chunks."""
+        from snapctl.supervision.logs import CHUNK_BYTES
+
+        try:
+            with log.open("rb") as file:
+                while chunk := file.read(CHUNK_BYTES):
+                    write(chunk)
+        except FileNotFoundError as error:
+            raise _log_gone(log) from error
 
     def follow(
         self, log: Path, record: Path, write: Callable[[bytes], None],
-        until: threading.Event | None = None,
+        until: Callable[[], bool] = lambda: False,
     ) -> None:  # fmt: skip
         """Pass on what ``log`` holds and gets until the activation stops (its ``record``
-        goes), or ``until`` is set."""
+        goes), or ``until()`` is true."""
         from snapctl.supervision.logs import follow_log
 
-        def done() -> bool:
-            return not record.exists() or (until is not None and until.is_set())
-
-        follow_log(log, write, done=done)
+        try:
+            follow_log(log, write, done=lambda: not record.exists() or until())
+        except FileNotFoundError as error:
+            raise _log_gone(log) from error
 
     def gc(self, timeout_s: float) -> dict[str, Any]:
         from snapctl.activation.supervise import collect_garbage

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from snapctl.statedir.layout import (
         DEFAULT_STATE_DIR,
+        NoServerLogError,
         StateDir,
         UnknownActivationError,
         state_dir,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 _MODULES = {
     "DEFAULT_STATE_DIR": "layout",
     "StateDir": "layout",
+    "NoServerLogError": "layout",
     "state_dir": "layout",
     "UnknownActivationError": "layout",
     "ActivationRecord": "records",
@@ -39,6 +41,7 @@ __all__ = [
     "DEFAULT_STATE_DIR",
     "STOPPED_FILE",
     "ActivationRecord",
+    "NoServerLogError",
     "StateDir",
     "StopOutcome",
     "UnknownActivationError",

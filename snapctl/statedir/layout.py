@@ -18,6 +18,10 @@ class UnknownActivationError(SnapctlError):
     """No record has the name or activation id asked for (nor, for a log, a kept log)."""
 
 
+class NoServerLogError(SnapctlError):
+    """The activation is recorded, but its server has not written a log yet."""
+
+
 def state_dir() -> Path:
     return Path(os.environ.get("SNAPCTL_STATE_DIR", DEFAULT_STATE_DIR)).absolute()
 
@@ -113,7 +117,7 @@ class StateDir:
             raise
         log = Path(record.logs_dir) / "server.log"
         if not log.exists():
-            raise SnapctlError(f"{name} has no server log yet", path=log)
+            raise NoServerLogError(f"{name} has no server log yet", path=log)
         return log, self.record_path(record.name)
 
     def drop_record(self, name: str) -> None:

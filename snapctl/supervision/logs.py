@@ -14,6 +14,8 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+CHUNK_BYTES = 65536
+
 
 class _Wake(FileSystemEventHandler):
     def __init__(self, path: Path, event: threading.Event) -> None:
@@ -44,7 +46,7 @@ def follow_log(
             log.seek(offset)
             while True:
                 finished = done()  # checked before the last read, so nothing is cut off
-                while chunk := log.read(65536):
+                while chunk := log.read(CHUNK_BYTES):
                     write(chunk)
                 if finished:
                     return log.tell()
