@@ -79,11 +79,11 @@ def read_token(path: Path) -> bytes:
     if len(token) < 16:
         raise TokenFileError("the token file must hold a token of at least 16 characters",
                              path=path)  # fmt: skip
-    if not all(0x21 <= byte <= 0x7E for byte in token):
-        # An HTTP header carries it as bytes, and clients send text as ASCII: another byte
-        # could never match what they send.
-        raise TokenFileError("the token must be printable ASCII without spaces (make one with "
-                             "openssl rand -hex 32)", path=path)  # fmt: skip
+    if not all(0x20 <= byte <= 0x7E for byte in token):
+        # Clients send a header's text as ASCII (or latin-1): a token of other bytes, or of
+        # control characters, could never match what they send.
+        raise TokenFileError("the token must be printable ASCII (make one with openssl rand "
+                             "-hex 32)", path=path)  # fmt: skip
     return token
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -43,9 +44,9 @@ from snapctl.pool.models import BakeRequest, DonorRequest
 from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
-# A client has this long to send its request, and to take each part of an answer: an idle or
-# stalled client never holds a thread (nor, stalling a copy's stream, the copy) for good.
-# ``logs -f`` is the exception: its reader may rightly pause (a pager).
+# A client has this long to send each request (line, headers and body together), and to take
+# each part of an answer: an idle or stalled client never holds a thread (nor, stalling a
+# copy's stream, the copy) for good. A log's reader is the exception: it may pause (a pager).
 SOCKET_TIMEOUT_S = 60.0
 # Connections a TCP listener serves at once; one more is answered 503 and closed.
 MAX_TCP_CONNECTIONS = 32
@@ -79,7 +80,8 @@ class Stream:
     # Called with the report when its client is gone by the time it came: what started has
     # no owner (a foreground copy or donor, which its client would have stopped).
     orphaned: Callable[[dict[str, Any]], None] | None = None
-    # Set once its client is gone (closed, or shut its sending side): a ``logs -f`` ends then.
+    # Set once its client is gone (closed, or shut its sending side): a log's reading ends
+    # then. Such a stream has no write timeout: its reader may pause (a pager).
     hung_up: threading.Event | None = None
 
 
@@ -176,6 +178,24 @@ def _refuse_nul(model: type[BaseModel], body: bytes) -> None:
     where = walk(data, "")
     if where is not None:  # the field's name only: its value may be a secret
         raise _Refused(_refusal(422, f"invalid {model.__name__}: {where or 'body'}: holds NUL"))
+
+
+class _TextChunks:
+    """A log's bytes as ``{"text"}`` messages, decoded as UTF-8 across chunks (a character
+    split between two still reads as itself; one cut off at the end reads as U+FFFD, as the
+    in-process ``logs`` prints it)."""
+
+    def __init__(self, emit: Emit) -> None:
+        self._emit = emit
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, chunk: bytes) -> None:
+        if text := self._decoder.decode(chunk):
+            self._emit({"text": text})
+
+    def flush(self) -> None:
+        if text := self._decoder.decode(b"", final=True):
+            self._emit({"text": text})
 
 
 class _Refused(Exception):
@@ -287,29 +307,27 @@ class Router:
 
     def _logs(self, match: re.Match[str], query: dict[str, str], body: bytes | None) -> Result:
         log, record = self.service.log_path(match["name"])
-        if query.get("follow") not in ("1", "true") or record is None:
-            # In chunks, however long the log: never all of it in the agent's memory at once.
-            return Stream(lambda emit: self.service.read_log(log, self._as_text(emit)))
-        running = record
+        following = query.get("follow") in ("1", "true") and record is not None
         hung_up = threading.Event()
 
-        def follow(emit: Emit) -> None:
-            ended = (self.stopping, hung_up)
-            self.service.follow(log, running, self._as_text(emit),
-                                until=lambda: any(event.is_set() for event in ended))  # fmt: skip
-            if self.stopping.is_set() and running.exists():
+        def ended() -> bool:
+            return self.stopping.is_set() or hung_up.is_set()
+
+        def send(emit: Emit) -> None:
+            text = _TextChunks(emit)
+            if record is None or not following:
+                # In chunks, however long the log: never all of it in the agent's memory.
+                self.service.read_log(log, text.write, until=hung_up.is_set)
+            else:
+                self.service.follow(log, record, text.write, until=ended)
+            text.flush()
+            if following and self.stopping.is_set() and record is not None and record.exists():
                 raise AgentUnavailableError(
                     f"the agent is stopping, so it stopped following {match['name']}, which "
                     f"still runs: run snapctl logs -f {match['name']} again"
                 )
 
-        return Stream(follow, drains=False, hung_up=hung_up)
-
-    @staticmethod
-    def _as_text(emit: Emit) -> Callable[[bytes], None]:
-        # Incremental: a character split between two chunks still reads as itself.
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        return lambda chunk: emit({"text": decoder.decode(chunk)})
+        return Stream(send, drains=not following, hung_up=hung_up)
 
     def stop_following(self) -> None:
         """The agent is stopping: end every ``logs -f`` stream (within a second; its client
@@ -386,6 +404,15 @@ class Handler(BaseHTTPRequestHandler):
     timeout = SOCKET_TIMEOUT_S  # socketserver sets it on the connection
     _body_length = 0
 
+    def setup(self) -> None:
+        super().setup()
+        self._requests = _RequestReader(self.connection, self.timeout)
+        self.rfile = io.BufferedReader(self._requests)
+
+    def handle_one_request(self) -> None:
+        self._requests.start()
+        super().handle_one_request()
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # our own line per request, without the client's address or the query
 
@@ -412,6 +439,7 @@ class Handler(BaseHTTPRequestHandler):
                 status = self._answer(method, result)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             status = 499  # the client went away; what it asked for goes on without it
+            self.close_connection = True
         finally:
             path = urlsplit(self.path).path
             log(f"{method} {path} {status} {time.monotonic() - started:.3f} s")
@@ -548,14 +576,14 @@ class Handler(BaseHTTPRequestHandler):
 
         status = 200
         if stream.hung_up is not None:
-            self.connection.settimeout(None)  # a paused reader of logs -f is still there
+            self.connection.settimeout(None)  # a paused reader of a log is still there
         hooks = (stream.cancel, stream.orphaned, stream.hung_up)
         watching = any(hook is not None for hook in hooks)
         watch = None
         if watching:
-            # A half-close asks to cancel where there is something to cancel. A follow ends
-            # on it too: over TCP a closed client shows only as one (no POLLHUP before a
-            # write fails, and a quiet log is never written).
+            # A half-close asks to cancel where there is something to cancel. A log's reading
+            # ends on it too: over TCP a closed client shows only as one (no POLLHUP before
+            # a write fails, and a quiet log is never written).
             half_close = stream.cancel is not None or stream.hung_up is not None
             watch = HangupWatch(self.connection, client_left, half_close=half_close)
         try:
@@ -579,6 +607,34 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         self.close_connection = True
         return status
+
+
+class _RequestReader(io.RawIOBase):
+    """What a handler reads its requests from: each request must arrive whole within
+    ``timeout_s`` of :meth:`start` (a timeout per read alone would let a client that sends a
+    byte a minute hold its connection, and a TCP listener's slot, for good)."""
+
+    def __init__(self, connection: socket.socket, timeout_s: float | None) -> None:
+        self._connection = connection
+        self._timeout_s = timeout_s
+        self._deadline = float("inf")
+
+    def readable(self) -> bool:
+        return True
+
+    def start(self) -> None:
+        if self._timeout_s is not None:
+            self._deadline = time.monotonic() + self._timeout_s
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self._connection.settimeout(min(remaining, self._timeout_s or remaining))
+        try:
+            return self._connection.recv_into(buffer)
+        finally:  # writes keep the whole timeout
+            self._connection.settimeout(self._timeout_s)
 
 
 class HangupWatch:
@@ -681,8 +737,7 @@ def _answer_busy(connection: socket.socket, limit: int) -> None:
         # Read what it sent already: closing on unread bytes would answer with a reset,
         # which may reach the client before the 503 does.
         connection.setblocking(False)
-        while connection.recv(65536):
-            pass
+        connection.recv(65536)  # once: the accepting thread never loops on a client
 
 
 def handler_for(

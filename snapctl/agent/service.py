@@ -104,13 +104,15 @@ class AgentService:
         except (UnknownActivationError, NoServerLogError) as error:
             raise NotFoundError(error.message, path=error.path) from error
 
-    def read_log(self, log: Path, write: Callable[[bytes], None]) -> None:
-        """Pass on what ``log`` holds, in chunks."""
+    def read_log(
+        self, log: Path, write: Callable[[bytes], None], until: Callable[[], bool] = lambda: False
+    ) -> None:
+        """Pass on what ``log`` holds, in chunks, unless ``until()`` turns true first."""
         from snapctl.supervision.logs import CHUNK_BYTES
 
         try:
             with log.open("rb") as file:
-                while chunk := file.read(CHUNK_BYTES):
+                while not until() and (chunk := file.read(CHUNK_BYTES)):
                     write(chunk)
         except FileNotFoundError as error:
             raise _log_gone(log) from error
