@@ -17,6 +17,7 @@ drawing lists every class, under its base, with its code)::
     ├── InvalidNameError               2  statedir.names: a --name outside the pattern
     ├── NameInUseError                 6  statedir.names: another activation has the name
     ├── UnknownActivationError         1  statedir.layout: no activation has the name or id
+    ├── NoServerLogError               1  statedir.layout: an activation's server wrote no log yet
     ├── PublishError                   2  namespaces.publish: a --publish address refused
     ├── PublishAddressMissing          7  namespaces.publish: the address is not on this host
     ├── PortInUseError                 6  namespaces.publish: the port is taken
