@@ -165,8 +165,12 @@ def _refuse_nul(model: type[BaseModel], body: bytes) -> None:
     def walk(value: Any, where: str) -> str | None:
         if isinstance(value, str):
             return where if "\0" in value else None
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(
-            value, list) else ()  # fmt: skip
+        if isinstance(value, dict):
+            items: Any = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            return None
         for key, item in items:
             if isinstance(key, str) and "\0" in key:
                 return where or "body"
@@ -436,7 +440,7 @@ class Handler(BaseHTTPRequestHandler):
                 result = self._result(method)
                 if isinstance(result, Stream) and not result.drains:
                     follower()  # a stopping agent ends it rather than waits for it
-                status = self._answer(method, result)
+                status = self._answer(result)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             status = 499  # the client went away; what it asked for goes on without it
             self.close_connection = True
@@ -508,7 +512,7 @@ class Handler(BaseHTTPRequestHandler):
             "agent's host), never over TCP",
         )
 
-    def _answer(self, method: str, result: Result) -> int:
+    def _answer(self, result: Result) -> int:
         if isinstance(result, Text):
             self._whole(result.status, result.body, result.content_type)
             return result.status
@@ -542,8 +546,7 @@ class Handler(BaseHTTPRequestHandler):
         # Left at http.server's default when the request line did not parse: it would answer
         # HTTP/0.9 style, a bare body no client today reads as an answer.
         self.request_version = self.protocol_version
-        body = ErrorBody(error=f"malformed request: {text}", status=int(ExitStatus.USAGE))
-        self._whole(code, _json_line(body), "application/json")
+        self._answer(_refusal(code, f"malformed request: {text}"))
 
     def _stream(self, stream: Stream) -> int:
         self.send_response(200)
