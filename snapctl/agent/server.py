@@ -9,7 +9,6 @@ request's body in a log). Long operations answer NDJSON in chunks (see ``snapctl
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import hmac
 import io
@@ -41,6 +40,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolTarget
 from snapctl.pool.cancel import Cancel
 from snapctl.pool.models import BakeRequest, DonorRequest
+from snapctl.supervision.logs import TextChunks
 from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
@@ -184,24 +184,6 @@ def _refuse_nul(model: type[BaseModel], body: bytes) -> None:
         raise _Refused(_refusal(422, f"invalid {model.__name__}: {where or 'body'}: holds NUL"))
 
 
-class _TextChunks:
-    """A log's bytes as ``{"text"}`` messages, decoded as UTF-8 across chunks (a character
-    split between two still reads as itself; one cut off at the end reads as U+FFFD, as the
-    in-process ``logs`` prints it)."""
-
-    def __init__(self, emit: Emit) -> None:
-        self._emit = emit
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def write(self, chunk: bytes) -> None:
-        if text := self._decoder.decode(chunk):
-            self._emit({"text": text})
-
-    def flush(self) -> None:
-        if text := self._decoder.decode(b"", final=True):
-            self._emit({"text": text})
-
-
 class _Refused(Exception):
     def __init__(self, answer: Answer) -> None:
         super().__init__(answer.body.error)
@@ -318,7 +300,7 @@ class Router:
             return self.stopping.is_set() or hung_up.is_set()
 
         def send(emit: Emit) -> None:
-            text = _TextChunks(emit)
+            text = TextChunks(lambda part: emit({"text": part}))
             if record is None or not following:
                 # In chunks, however long the log: never all of it in the agent's memory.
                 self.service.read_log(log, text.write, until=hung_up.is_set)

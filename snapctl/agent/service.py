@@ -108,12 +108,10 @@ class AgentService:
         self, log: Path, write: Callable[[bytes], None], until: Callable[[], bool] = lambda: False
     ) -> None:
         """Pass on what ``log`` holds, in chunks, unless ``until()`` turns true first."""
-        from snapctl.supervision.logs import CHUNK_BYTES
+        from snapctl.supervision.logs import read_log
 
         try:
-            with log.open("rb") as file:
-                while not until() and (chunk := file.read(CHUNK_BYTES)):
-                    write(chunk)
+            read_log(log, write, until=until)
         except FileNotFoundError as error:
             raise _log_gone(log) from error
 

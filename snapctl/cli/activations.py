@@ -114,17 +114,19 @@ def logs(name: str, follow: bool) -> None:
     from snapctl.statedir import StateDir
 
     log, record_path = StateDir().server_log(name)
+    from snapctl.supervision.logs import TextChunks, follow_log, read_log
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    text = TextChunks(write)  # decoded as the agent decodes it
     if not follow or record_path is None:
-        click.echo(log.read_text(errors="replace"), nl=False)
-        return
-    from snapctl.supervision.logs import follow_log
-
-    def write(chunk: bytes) -> None:
-        sys.stdout.buffer.write(chunk)
-        sys.stdout.buffer.flush()
-
-    record_exists = record_path.exists  # dropped when the activation stops
-    follow_log(log, write, done=lambda: not record_exists())
+        read_log(log, text.write)
+    else:
+        record_exists = record_path.exists  # dropped when the activation stops
+        follow_log(log, text.write, done=lambda: not record_exists())
+    text.flush()
 
 
 @click.command()

@@ -1,4 +1,5 @@
-"""Following an activation's log as it grows (``snapctl logs --follow``).
+"""Reading an activation's log (``snapctl logs``), and following it as it grows
+(``--follow``), in chunks and decoded as text the same way in-process and through the agent.
 
 watchdog reports writes to the log's directory; a poll every ``poll_s`` backs it up, so a
 missed event costs at most that long. The observer thread's start and stop cost (milliseconds)
@@ -7,6 +8,7 @@ does not matter here, unlike in the activation handshake, which waits on raw ino
 
 from __future__ import annotations
 
+import codecs
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +17,34 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 CHUNK_BYTES = 65536
+
+
+class TextChunks:
+    """A log's bytes passed on as text, decoded as UTF-8 across chunks: a character split
+    between two chunks still reads as itself; an invalid byte, or a character cut off at the
+    end (:meth:`flush`), reads as U+FFFD."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self._write = write
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, chunk: bytes) -> None:
+        if text := self._decoder.decode(chunk):
+            self._write(text)
+
+    def flush(self) -> None:
+        if text := self._decoder.decode(b"", final=True):
+            self._write(text)
+
+
+def read_log(
+    path: Path, write: Callable[[bytes], None], *, until: Callable[[], bool] = lambda: False
+) -> None:
+    """Write what ``path`` holds, in chunks, unless ``until()`` turns true first (never the
+    whole log in memory at once: a server may have written gigabytes)."""
+    with path.open("rb") as log:
+        while not until() and (chunk := log.read(CHUNK_BYTES)):
+            write(chunk)
 
 
 class _Wake(FileSystemEventHandler):

@@ -238,6 +238,29 @@ def test_a_log_ending_in_a_cut_off_character_reads_the_same_either_way(
     assert through[1] == "last line \ufffd"
 
 
+def test_a_followed_log_reads_the_same_either_way(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Invalid bytes and a cut-off last character: U+FFFD, as the plain read prints them."""
+    log = _logged(running_agent.state, b"bad \xff byte\n" + "last é".encode()[:-1])
+    record = running_agent.state.record_path("one")
+
+    def follow(*argv: str) -> tuple[int, str, str]:
+        record_text = record.read_bytes()
+        stop = threading.Timer(0.5, record.unlink)  # the activation stops
+        stop.start()
+        try:
+            return run_cli(capsys, *argv, "logs", "-f", "one")
+        finally:
+            stop.join()
+            record.write_bytes(record_text)
+
+    through = follow()
+    assert through == follow("--no-agent") == run_cli(capsys, "logs", "one")
+    assert through == (0, "bad \ufffd byte\nlast \ufffd", "")
+    assert log.exists()
+
+
 def test_a_reader_of_a_long_log_may_pause(
     running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
