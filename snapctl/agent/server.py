@@ -48,8 +48,9 @@ MAX_BODY_BYTES = 1 << 20
 # each part of an answer: an idle or stalled client never holds a thread (nor, stalling a
 # copy's stream, the copy) for good. A log's reader is the exception: it may pause (a pager).
 SOCKET_TIMEOUT_S = 60.0
-# Connections a TCP listener serves at once; one more is answered 503 and closed.
+# Connections a TCP listener serves at once, and from one address; one more is answered 503.
 MAX_TCP_CONNECTIONS = 32
+MAX_TCP_CONNECTIONS_PER_ADDRESS = 8
 _NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 # They run the server command in the environment and directory the client sends: only a
 # local root client (the unix socket's peer check) may ask for that, never the TCP listener.
@@ -678,39 +679,85 @@ class UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer)
         self.server_address = self.socket.getsockname()
 
 
+@dataclass(frozen=True)
+class PeerWatch:
+    """How a TCP listener finds a client that vanished without closing (a partition, a host
+    that rebooted): keepalive probes after ``idle_s`` without traffic, ``probes`` of them
+    ``interval_s`` apart. A log's follower needs it: it is never read from, and a quiet log
+    is never written to. No TCP_USER_TIMEOUT: since Linux 5.11 it also ends a connection
+    whose reader, still acknowledging, keeps its window shut (a paused pager); a vanished
+    reader of unacknowledged data fails by the kernel's retransmission limit."""
+
+    idle_s: int = 60
+    interval_s: int = 10
+    probes: int = 6
+
+    def apply(self, connection: socket.socket) -> None:
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.idle_s)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.interval_s)
+        connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.probes)
+
+
 class TCPHTTPServer(ThreadingHTTPServer):
-    """A TCP listener serving at most ``max_connections`` at once: past that, a connection
-    is answered 503 and closed, so that clients that never finish cannot take every thread."""
+    """A TCP listener serving at most ``max_connections`` at once, and ``max_per_address``
+    from one client address: past either, a connection is answered 503 and closed, so that
+    clients that never finish cannot take every thread, nor one client every slot. Each
+    connection is watched for a peer that vanished (:class:`PeerWatch`)."""
 
     daemon_threads = True
     block_on_close = False
     max_connections = MAX_TCP_CONNECTIONS
+    max_per_address = MAX_TCP_CONNECTIONS_PER_ADDRESS
+    peer_watch = PeerWatch()
 
     def __init__(self, address: tuple[str, int], handler: type[Handler]) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._per_address: dict[str, int] = {}
+        self._per_address_lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            _answer_busy(request, self.max_connections)
+        refusal = self._take_slot(client_address[0])
+        if refusal is not None:
+            _answer_busy(request, refusal)
             self.shutdown_request(request)
             return
         try:
+            self.peer_watch.apply(request)
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._give_slot(client_address[0])
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self._give_slot(client_address[0])
+
+    def _take_slot(self, address: str) -> str | None:
+        """A slot for a connection from ``address``, or why there is none."""
+        with self._per_address_lock:
+            if self._per_address.get(address, 0) >= self.max_per_address:
+                return f"the agent serves {self.max_per_address} TCP connections at once " \
+                       "from one address: try again"  # fmt: skip
+            if not self._slots.acquire(blocking=False):
+                return f"the agent serves {self.max_connections} TCP connections at once: " \
+                       "try again"  # fmt: skip
+            self._per_address[address] = self._per_address.get(address, 0) + 1
+        return None
+
+    def _give_slot(self, address: str) -> None:
+        with self._per_address_lock:
+            left = self._per_address.pop(address) - 1
+            if left:
+                self._per_address[address] = left
             self._slots.release()
 
 
-def _answer_busy(connection: socket.socket, limit: int) -> None:
-    body = ErrorBody(error=f"the agent serves {limit} TCP connections at once: try again",
-                     status=int(ExitStatus.UNAVAILABLE))  # fmt: skip
+def _answer_busy(connection: socket.socket, why: str) -> None:
+    body = ErrorBody(error=why, status=int(ExitStatus.UNAVAILABLE))
     payload = _json_line(body)
     head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(payload)}\r\nRetry-After: 1\r\n"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import socket
 import threading
@@ -16,14 +17,26 @@ from typing import Any
 import pytest
 
 from snapctl.agent.daemon import Agent, AgentOptions, TokenFileError, read_token
-from snapctl.agent.server import SOCKET_TIMEOUT_S, Handler, Stream, TCPHTTPServer, handler_for
+from snapctl.agent.server import (
+    SOCKET_TIMEOUT_S,
+    Handler,
+    PeerWatch,
+    Stream,
+    TCPHTTPServer,
+    handler_for,
+)
 from snapctl.errors import ExitStatus
 from snapctl.statedir import StateDir
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent
 from tests.agent.test_server import raw, run_cli
+from tests.conftest import skip_or_fail
 from tests.statedir.test_lookup import save
 
 TOKEN = "t" * 32
+VERSION_AUTHORIZED = (f"GET /v1/version HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n"
+                      "Connection: close\r\n\r\n").encode()  # fmt: skip
+# linux/tcp.h: a socket in repair mode closes without a word to its peer (as CRIU uses it).
+TCP_REPAIR = 19
 LOGS_OF_ONE = b"GET /v1/activations/one/logs HTTP/1.1\r\nConnection: close\r\n\r\n"
 
 
@@ -61,8 +74,11 @@ def answer_of(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     return int(lines[0].split()[1]), headers, body
 
 
-def tcp_request(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+def tcp_request(
+    port: int, request: bytes, source: str = "127.0.0.1"
+) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=10,
+                                  source_address=(source, 0)) as sock:  # fmt: skip
         sock.sendall(request)
         return answer_of(sock)
 
@@ -123,13 +139,34 @@ def test_past_its_connection_limit_the_tcp_listener_answers_503(
             for sock in idle:
                 sock.close()
         # The slots come back once their clients left.
-        authorized = f"GET /v1/version HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n" \
-                     "Connection: close\r\n\r\n"  # fmt: skip
-        deadline = time.monotonic() + 10
-        while (status := tcp_request(port, authorized.encode())[0]) == 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert status == 200
+        assert _served_once_slots_free(port) == 200
+
+
+def _served_once_slots_free(port: int, source: str = "127.0.0.1") -> int:
+    deadline = time.monotonic() + 10
+    while (status := tcp_request(port, VERSION_AUTHORIZED, source)[0]) == 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return status
+
+
+def test_one_address_holds_at_most_its_share_of_the_tcp_listener(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(TCPHTTPServer, "max_per_address", 2)
+    with started_tcp_agent(tmp_path) as (_, port):
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        try:
+            time.sleep(0.2)  # both accepted and holding their threads
+            status, headers, body = tcp_request(port, VERSION_AUTHORIZED)
+            assert status == 503 and headers["Retry-After"] == "1"
+            assert "2 TCP connections at once from one address" in json.loads(body)["error"]
+            # Another client is still served (all of 127/8 is loopback's).
+            assert tcp_request(port, VERSION_AUTHORIZED, source="127.0.0.2")[0] == 200
+        finally:
+            for sock in idle:
+                sock.close()
+        assert _served_once_slots_free(port) == 200
 
 
 @pytest.mark.parametrize(
@@ -261,23 +298,41 @@ def test_a_followed_log_reads_the_same_either_way(
     assert log.exists()
 
 
+@pytest.mark.parametrize("listener", ["unix", "tcp"])
 def test_a_reader_of_a_long_log_may_pause(
-    running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+    running_agent: RunningAgent,
+    tcp_agent: tuple[Agent, int],
+    monkeypatch: pytest.MonkeyPatch,
+    listener: str,
 ) -> None:
-    """``snapctl logs NAME | less``: the pager stops reading while a page is read."""
+    """``snapctl logs NAME | less``: the pager stops reading while a page is read (over TCP
+    its window stays shut meanwhile, which TCP_USER_TIMEOUT would end: see PeerWatch)."""
     monkeypatch.setattr(Handler, "timeout", 0.3)
     text = b"a line of the server's log\n" * 400000  # far more than the socket's buffers
-    _logged(running_agent.state, text)
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(10)
+    if listener == "unix":
+        _logged(running_agent.state, text)
+        sock = socket.socket(socket.AF_UNIX)
         sock.connect(str(running_agent.socket))
-        sock.sendall(LOGS_OF_ONE)
+        request = LOGS_OF_ONE
+    else:
+        _logged(tcp_agent[0].state, text)
+        sock = socket.create_connection(("127.0.0.1", tcp_agent[1]))
+        request = LOGS_OF_ONE.replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {TOKEN}"
+                                      "\r\n\r\n".encode())  # fmt: skip
+    with sock:
+        sock.settimeout(10)
+        sock.sendall(request)
         time.sleep(1.0)  # past the timeout, with the agent's writes blocked
         status, _, body = answer_of(sock)
     assert status == 200
+    assert _texts(body).encode() == text
+
+
+def _texts(body: bytes) -> str:
+    """A log answer's text, from its chunked NDJSON ``{"text"}`` messages."""
     chunks = body.split(b"\r\n")[1::2]  # the chunked framing's data lines
-    texts = [json.loads(line)["text"] for chunk in chunks for line in chunk.splitlines() if line]
-    assert "".join(texts).encode() == text
+    return "".join(json.loads(line)["text"] for chunk in chunks for line in chunk.splitlines()
+                   if line)  # fmt: skip
 
 
 def test_the_log_of_an_activation_that_wrote_none_yet_is_404(
@@ -322,6 +377,27 @@ def test_a_follow_whose_client_left_ends_without_the_activation_stopping(
     assert not router.in_flight.wait_idle(0.3, followers=True)  # it follows
     sock.close()
     assert router.in_flight.wait_idle(5, followers=True)
+    assert agent.state.record_path("one").exists()  # still running, no longer followed
+
+
+def test_a_follower_that_vanished_without_closing_is_found_by_keepalive(
+    tcp_agent: tuple[Agent, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client gone without a FIN (a partition, a rebooted host): a quiet log is never
+    written, so only the agent's keepalive probe finds out (here it meets a reset)."""
+    if os.geteuid() != 0:
+        skip_or_fail("root", "needs root (TCP_REPAIR needs CAP_NET_ADMIN)")
+    monkeypatch.setattr(TCPHTTPServer, "peer_watch", PeerWatch(idle_s=1, interval_s=1, probes=2))
+    agent, port = tcp_agent
+    _logged(agent.state, b"first line\n")
+    router = agent._router
+    assert router is not None
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    _follow(sock, f"Authorization: Bearer {TOKEN}\r\n")
+    assert not router.in_flight.wait_idle(0.3, followers=True)  # it follows
+    sock.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 1)
+    sock.close()  # silently: the agent's side stays established
+    assert router.in_flight.wait_idle(10, followers=True)
     assert agent.state.record_path("one").exists()  # still running, no longer followed
 
 
