@@ -423,6 +423,10 @@ class Handler(BaseHTTPRequestHandler):
                 result = self._result(method)
                 if isinstance(result, Stream) and not result.drains:
                     follower()  # a stopping agent ends it rather than waits for it
+                    # Authorized and never ending by itself: it must not hold a TCP slot
+                    # (a log shipper may follow every copy from one address).
+                    if isinstance(self.server, TCPHTTPServer):
+                        self.server.give_back(self.connection)
                 status = self._answer(result)
         except (BrokenPipeError, ConnectionResetError, TimeoutError):
             status = 499  # the client went away; what it asked for goes on without it
@@ -702,23 +706,25 @@ class PeerWatch:
 class TCPHTTPServer(ThreadingHTTPServer):
     """A TCP listener serving at most ``max_connections`` at once, and ``max_per_address``
     from one client address: past either, a connection is answered 503 and closed, so that
-    clients that never finish cannot take every thread, nor one client every slot. Each
-    connection is watched for a peer that vanished (:class:`PeerWatch`)."""
+    clients that never finish cannot take every thread, nor one client every slot. A
+    ``logs -f`` gives its slot back once it is authorized and following. Each connection is
+    watched for a peer that vanished (:class:`PeerWatch`)."""
 
     daemon_threads = True
     block_on_close = False
-    max_connections = MAX_TCP_CONNECTIONS
-    max_per_address = MAX_TCP_CONNECTIONS_PER_ADDRESS
-    peer_watch = PeerWatch()
+    max_connections: ClassVar[int] = MAX_TCP_CONNECTIONS
+    max_per_address: ClassVar[int] = MAX_TCP_CONNECTIONS_PER_ADDRESS
+    peer_watch: ClassVar[PeerWatch] = PeerWatch()
 
     def __init__(self, address: tuple[str, int], handler: type[Handler]) -> None:
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._per_address: dict[str, int] = {}
-        self._per_address_lock = threading.Lock()
+        self._holders: dict[socket.socket, str] = {}  # connection -> its client's address
+        self._lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        refusal = self._take_slot(client_address[0])
+        refusal = self._take_slot(request, client_address[0])
         if refusal is not None:
             _answer_busy(request, refusal)
             self.shutdown_request(request)
@@ -727,33 +733,40 @@ class TCPHTTPServer(ThreadingHTTPServer):
             self.peer_watch.apply(request)
             super().process_request(request, client_address)
         except BaseException:
-            self._give_slot(client_address[0])
+            self.give_back(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._give_slot(client_address[0])
+            self.give_back(request)
 
-    def _take_slot(self, address: str) -> str | None:
-        """A slot for a connection from ``address``, or why there is none."""
-        with self._per_address_lock:
+    def _take_slot(self, connection: socket.socket, address: str) -> str | None:
+        """A slot for ``connection`` from ``address``; else the 503's reason."""
+        with self._lock:
             if self._per_address.get(address, 0) >= self.max_per_address:
-                return f"the agent serves {self.max_per_address} TCP connections at once " \
-                       "from one address: try again"  # fmt: skip
+                return (f"the agent serves {self.max_per_address} TCP connections at once "
+                        "from one address: try again")  # fmt: skip
             if not self._slots.acquire(blocking=False):
-                return f"the agent serves {self.max_connections} TCP connections at once: " \
-                       "try again"  # fmt: skip
+                return (f"the agent serves {self.max_connections} TCP connections at once: "
+                        "try again")  # fmt: skip
             self._per_address[address] = self._per_address.get(address, 0) + 1
+            self._holders[connection] = address
         return None
 
-    def _give_slot(self, address: str) -> None:
-        with self._per_address_lock:
-            left = self._per_address.pop(address) - 1
-            if left:
-                self._per_address[address] = left
-            self._slots.release()
+    def give_back(self, connection: socket.socket) -> None:
+        """The slot ``connection`` holds, if it still holds one."""
+        with self._lock:
+            address = self._holders.pop(connection, None)
+            if address is None:
+                return
+            try:
+                left = self._per_address.pop(address) - 1
+                if left:
+                    self._per_address[address] = left
+            finally:
+                self._slots.release()
 
 
 def _answer_busy(connection: socket.socket, why: str) -> None:

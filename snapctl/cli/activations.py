@@ -94,8 +94,13 @@ def stop(name: str, timeout_s: float, as_json: bool) -> None:
               help="Keep printing what the server writes until the activation stops.")  # fmt: skip
 def logs(name: str, follow: bool) -> None:
     """Print an activation's server log."""
+    import io
     import sys
 
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        # A log is any bytes; a terminal or pipe whose encoding lacks one of its characters
+        # (or U+FFFD) still shows the rest, as a raw copy of the bytes would.
+        sys.stdout.reconfigure(errors="replace")
     client = agent_client()
     if client is not None:
         target = f"/activations/{quote(name)}/logs" + ("?follow=1" if follow else "")

@@ -275,53 +275,78 @@ def test_a_log_ending_in_a_cut_off_character_reads_the_same_either_way(
     assert through[1] == "last line \ufffd"
 
 
+def _opened_here(path: Path) -> bool:
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if fd.readlink() == path:
+                return True
+    return False
+
+
 def test_a_followed_log_reads_the_same_either_way(
     running_agent: RunningAgent, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Invalid bytes and a cut-off last character: U+FFFD, as the plain read prints them."""
-    log = _logged(running_agent.state, b"bad \xff byte\n" + "last é".encode()[:-1])
+    """Invalid bytes, a character split between two writes, and one cut off at the end, in
+    what is written while the log is followed: as the plain read prints them."""
+    start = b"bad \xff byte\nsplit \xc3"
+    written = [b"\xa9 joined\n", "last é".encode()[:-1]]
+    log = _logged(running_agent.state, start)
     record = running_agent.state.record_path("one")
+    record_text = record.read_bytes()
+
+    def server() -> None:
+        deadline = time.monotonic() + 10
+        while not _opened_here(log):  # the follow began (the agent runs in this process)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for chunk in written:
+            with log.open("ab") as file:
+                file.write(chunk)
+            time.sleep(0.1)
+        record.unlink()  # the activation stops
 
     def follow(*argv: str) -> tuple[int, str, str]:
-        record_text = record.read_bytes()
-        stop = threading.Timer(0.5, record.unlink)  # the activation stops
-        stop.start()
+        log.write_bytes(start)
+        record.write_bytes(record_text)
+        writer = threading.Thread(target=server)
+        writer.start()
         try:
             return run_cli(capsys, *argv, "logs", "-f", "one")
         finally:
-            stop.join()
-            record.write_bytes(record_text)
+            writer.join()
 
     through = follow()
-    assert through == follow("--no-agent") == run_cli(capsys, "logs", "one")
-    assert through == (0, "bad \ufffd byte\nlast \ufffd", "")
-    assert log.exists()
+    assert through == follow("--no-agent")
+    assert through == (0, "bad \ufffd byte\nsplit é joined\nlast \ufffd", "")
+    record.write_bytes(record_text)
+    assert through == run_cli(capsys, "logs", "one") == run_cli(capsys, "--no-agent", "logs", "one")
 
 
 @pytest.mark.parametrize("listener", ["unix", "tcp"])
 def test_a_reader_of_a_long_log_may_pause(
-    running_agent: RunningAgent,
-    tcp_agent: tuple[Agent, int],
-    monkeypatch: pytest.MonkeyPatch,
-    listener: str,
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, listener: str
 ) -> None:
     """``snapctl logs NAME | less``: the pager stops reading while a page is read (over TCP
-    its window stays shut meanwhile, which TCP_USER_TIMEOUT would end: see PeerWatch)."""
+    its window stays shut meanwhile: see PeerWatch on TCP_USER_TIMEOUT)."""
     monkeypatch.setattr(Handler, "timeout", 0.3)
     text = b"a line of the server's log\n" * 400000  # far more than the socket's buffers
     if listener == "unix":
+        running_agent: RunningAgent = request.getfixturevalue("running_agent")
         _logged(running_agent.state, text)
         sock = socket.socket(socket.AF_UNIX)
         sock.connect(str(running_agent.socket))
-        request = LOGS_OF_ONE
+        logs_request = LOGS_OF_ONE
     else:
-        _logged(tcp_agent[0].state, text)
-        sock = socket.create_connection(("127.0.0.1", tcp_agent[1]))
-        request = LOGS_OF_ONE.replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {TOKEN}"
+        agent, port = request.getfixturevalue("tcp_agent")
+        _logged(agent.state, text)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window that fills
+        sock.connect(("127.0.0.1", port))
+        logs_request = LOGS_OF_ONE.replace(b"\r\n\r\n", f"\r\nAuthorization: Bearer {TOKEN}"
                                       "\r\n\r\n".encode())  # fmt: skip
     with sock:
         sock.settimeout(10)
-        sock.sendall(request)
+        sock.sendall(logs_request)
         time.sleep(1.0)  # past the timeout, with the agent's writes blocked
         status, _, body = answer_of(sock)
     assert status == 200
@@ -395,10 +420,33 @@ def test_a_follower_that_vanished_without_closing_is_found_by_keepalive(
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     _follow(sock, f"Authorization: Bearer {TOKEN}\r\n")
     assert not router.in_flight.wait_idle(0.3, followers=True)  # it follows
-    sock.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 1)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_REPAIR, 1)
+    except PermissionError:  # root without CAP_NET_ADMIN (a container's default)
+        sock.close()
+        skip_or_fail("root", "needs CAP_NET_ADMIN for TCP_REPAIR")
     sock.close()  # silently: the agent's side stays established
     assert router.in_flight.wait_idle(10, followers=True)
     assert agent.state.record_path("one").exists()  # still running, no longer followed
+
+
+def test_a_follower_gives_its_tcp_slot_back(
+    tcp_agent: tuple[Agent, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log shipper following every copy from one address must not fill the listener."""
+    monkeypatch.setattr(TCPHTTPServer, "max_connections", 2)
+    monkeypatch.setattr(TCPHTTPServer, "max_per_address", 2)
+    agent, port = tcp_agent
+    _logged(agent.state, b"first line\n")
+    followers: list[socket.socket] = []
+    try:
+        for _ in range(3):  # each connects once the one before follows
+            followers.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+            _follow(followers[-1], f"Authorization: Bearer {TOKEN}\r\n")
+        assert tcp_request(port, VERSION_AUTHORIZED)[0] == 200
+    finally:
+        for sock in followers:
+            sock.close()
 
 
 def test_a_client_that_stops_reading_does_not_stall_what_it_asked_for(
