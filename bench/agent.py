@@ -48,42 +48,30 @@ def say(message: str) -> None:
     print(f"bench.agent: {message}", file=sys.stderr, flush=True)
 
 
-class Bench:
-    def __init__(
-        self, work: Path, sizes: list[int], reps: int, *, requests: int = 16, pool: int = 4
-    ) -> None:
-        self.work = work
-        self.requests, self.pool = requests, pool
-        self.sizes = sizes
-        self.reps = reps
-        self.state = StateDir(work / "state")
+class AgentCli:
+    """The console script against one state directory, and the agent serving it."""
+
+    def __init__(self, state: StateDir, log: Path) -> None:
+        self.state = state
+        self.log = log
         self.env = {**os.environ, "SNAPCTL_STATE_DIR": str(self.state.root),
                     "PYTHONPATH": str(repo_root())}  # fmt: skip
         self.env.pop("SNAPCTL_NO_AGENT", None)
         self.env.pop("SNAPCTL_AGENT_SOCKET", None)
         self.agent: subprocess.Popen[bytes] | None = None
-        self.reference: Answer | None = None
-        self.samples: dict[str, dict[int, list[float]]] = {m: {} for m in MODES}
-        self.sources: dict[str, list[bool]] = {}
-        self.results: dict[str, Any] = {}
-        self.reports: dict[str, dict[int, list[dict[str, float]]]] = {}
-        # Seconds until the command returned (its report printed), before the completion.
-        self.cli_exit: dict[str, dict[int, list[float]]] = {}
-
-    # -- helpers ---------------------------------------------------------------------------
 
     def snapctl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*SNAPCTL, *args], env=self.env, capture_output=True, text=True,
                               check=check, cwd=repo_root())  # fmt: skip
 
     def start_agent(self) -> None:
-        log = (self.work / "agent.log").open("ab")
-        self.agent = subprocess.Popen([*SNAPCTL, "agent"], env=self.env, stdout=log, stderr=log,
-                                      cwd=repo_root())  # fmt: skip
+        with self.log.open("ab") as log:
+            self.agent = subprocess.Popen([*SNAPCTL, "agent"], env=self.env, stdout=log,
+                                          stderr=log, cwd=repo_root())  # fmt: skip
         deadline = time.monotonic() + 60
         while not (self.state.root / "agent.sock").exists():
             if self.agent.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the agent did not start (see {self.work / 'agent.log'})")
+                raise RuntimeError(f"the agent did not start (see {self.log})")
             time.sleep(0.05)
 
     def stop_agent(self) -> None:
@@ -91,6 +79,36 @@ class Bench:
             self.agent.send_signal(signal.SIGTERM)
             self.agent.wait(120)
         self.agent = None
+
+    def wait_parked(self, image: Path, count: int, timeout_s: float = 300.0) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout_s:
+            listing = json.loads(self.snapctl("pool", "ls", "--json").stdout)
+            for entry in listing["entries"]:
+                if entry["target"]["image"] == str(image):
+                    ready = [row for row in entry["parked"] if row["state"] == "parked"]
+                    if len(ready) >= count:
+                        return time.monotonic() - started
+            time.sleep(0.1)
+        raise RuntimeError(f"the pool did not park {count} copies of {image} in {timeout_s} s")
+
+
+class Bench(AgentCli):
+    def __init__(
+        self, work: Path, sizes: list[int], reps: int, *, requests: int = 16, pool: int = 4
+    ) -> None:
+        super().__init__(StateDir(work / "state"), work / "agent.log")
+        self.work = work
+        self.requests, self.pool = requests, pool
+        self.sizes = sizes
+        self.reps = reps
+        self.reference: Answer | None = None
+        self.samples: dict[str, dict[int, list[float]]] = {m: {} for m in MODES}
+        self.sources: dict[str, list[bool]] = {}
+        self.results: dict[str, Any] = {}
+        self.reports: dict[str, dict[int, list[dict[str, float]]]] = {}
+        # Seconds until the command returned (its report printed), before the completion.
+        self.cli_exit: dict[str, dict[int, list[float]]] = {}
 
     def capture(self, size_mb: int) -> Path:
         path = self.work / "images" / f"retained-{size_mb}mb"
@@ -131,18 +149,6 @@ class Bench:
 
     def stop(self, name: str) -> None:
         self.snapctl("--no-agent", "stop", name)
-
-    def wait_parked(self, image: Path, count: int, timeout_s: float = 300.0) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < timeout_s:
-            listing = json.loads(self.snapctl("pool", "ls", "--json").stdout)
-            for entry in listing["entries"]:
-                if entry["target"]["image"] == str(image):
-                    ready = [row for row in entry["parked"] if row["state"] == "parked"]
-                    if len(ready) >= count:
-                        return time.monotonic() - started
-            time.sleep(0.1)
-        raise RuntimeError(f"the pool did not park {count} copies of {image} in {timeout_s} s")
 
     # -- measurements ----------------------------------------------------------------------
 
