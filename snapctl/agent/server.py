@@ -480,6 +480,8 @@ class Handler(BaseHTTPRequestHandler):
             ):
                 return _refusal(401, "this listener needs Authorization: Bearer TOKEN (the "
                                      "agent's --token-file)")  # fmt: skip
+            if isinstance(self.server, TCPHTTPServer):
+                self.server.proven(self.connection)
         if self.allowed_uids is not None:
             uid = _peer_uid(self.connection)
             if uid is not None and uid not in self.allowed_uids:
@@ -705,10 +707,11 @@ class PeerWatch:
 
 class TCPHTTPServer(ThreadingHTTPServer):
     """A TCP listener serving at most ``max_connections`` at once, and ``max_per_address``
-    from one client address: past either, a connection is answered 503 and closed, so that
-    clients that never finish cannot take every thread, nor one client every slot. A
-    ``logs -f`` gives its slot back once it is authorized and following. Each connection is
-    watched for a peer that vanished (:class:`PeerWatch`)."""
+    from one client address until they prove the token: past either, a connection is
+    answered 503 and closed, so that clients that never finish cannot take every thread, nor
+    one client without the token every slot (a controller with it may ask for many copies at
+    once). A ``logs -f`` gives its slot back once it follows. Each connection is watched for
+    a peer that vanished (:class:`PeerWatch`)."""
 
     daemon_threads = True
     block_on_close = False
@@ -720,7 +723,8 @@ class TCPHTTPServer(ThreadingHTTPServer):
         super().__init__(address, handler)
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._per_address: dict[str, int] = {}
-        self._holders: dict[socket.socket, str] = {}  # connection -> its client's address
+        self._holders: set[socket.socket] = set()  # connections holding a slot
+        self._unproven: dict[socket.socket, str] = {}  # and their address, until the token
         self._lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -752,21 +756,29 @@ class TCPHTTPServer(ThreadingHTTPServer):
                 return (f"the agent serves {self.max_connections} TCP connections at once: "
                         "try again")  # fmt: skip
             self._per_address[address] = self._per_address.get(address, 0) + 1
-            self._holders[connection] = address
+            self._holders.add(connection)
+            self._unproven[connection] = address
         return None
+
+    def proven(self, connection: socket.socket) -> None:
+        """``connection`` sent the token: it no longer counts against its address's share."""
+        with self._lock:
+            self._leave_share(connection)
 
     def give_back(self, connection: socket.socket) -> None:
         """The slot ``connection`` holds, if it still holds one."""
         with self._lock:
-            address = self._holders.pop(connection, None)
-            if address is None:
-                return
-            try:
-                left = self._per_address.pop(address) - 1
-                if left:
-                    self._per_address[address] = left
-            finally:
+            self._leave_share(connection)
+            if connection in self._holders:
+                self._holders.remove(connection)
                 self._slots.release()
+
+    def _leave_share(self, connection: socket.socket) -> None:
+        address = self._unproven.pop(connection, None)
+        if address is not None:
+            left = self._per_address.pop(address, 1) - 1
+            if left:
+                self._per_address[address] = left
 
 
 def _answer_busy(connection: socket.socket, why: str) -> None:

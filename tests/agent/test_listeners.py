@@ -437,6 +437,36 @@ def test_a_follower_gives_its_tcp_slot_back(
             sock.close()
 
 
+def test_a_client_with_the_token_is_not_held_to_one_address_share(
+    tcp_agent: tuple[Agent, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An autoscaler asks for many copies at once from one address."""
+    monkeypatch.setattr(TCPHTTPServer, "max_per_address", 2)
+    agent, port = tcp_agent
+    router = agent._router
+    assert router is not None
+    release = threading.Event()
+    router.routes.append(("GET", re.compile("/long"),
+                          lambda m, q, b: Stream(lambda emit: release.wait(10))))  # fmt: skip
+    long_requests: list[socket.socket] = []
+    try:
+        for _ in range(3):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            long_requests.append(sock)
+            sock.sendall(f"GET /v1/long HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+                         .encode())  # fmt: skip
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        # Without the token, the address's share still holds.
+        unproven = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        time.sleep(0.2)  # both accepted and holding their threads
+        assert tcp_request(port, b"GET /v1/version HTTP/1.1\r\n\r\n")[0] == 503
+        long_requests += unproven
+    finally:
+        release.set()
+        for sock in long_requests:
+            sock.close()
+
+
 def test_a_client_that_stops_reading_does_not_stall_what_it_asked_for(
     running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
 ) -> None:
