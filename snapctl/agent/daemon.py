@@ -143,13 +143,24 @@ class Agent:
             self._listen_unix(router)
             if self.options.listen is not None:
                 handler = handler_for(router, token=token)
-                self._serve(_tcp(self.options.listen, handler), "api (tcp)")
+                self._serve(self._tcp(self.options.listen, handler, "api"), "api (tcp)")
             if self.options.metrics_listen is not None:
                 handler = handler_for(router, metrics_only=True)
-                self._serve(_tcp(self.options.metrics_listen, handler), "metrics")
+                self._serve(self._tcp(self.options.metrics_listen, handler, "metrics"), "metrics")
         except BaseException:
             self.stop()
             raise
+
+    def _tcp(self, address: tuple[str, int], handler: Any, listener: str) -> TCPHTTPServer:
+        refused = self.metrics.tcp_refused
+        try:
+            return TCPHTTPServer(
+                address, handler, lambda limit: refused.labels(listener=listener, limit=limit).inc()
+            )
+        except OSError as error:
+            raise ListenError(
+                f"cannot listen on {address[0]}:{address[1]}: {error.strerror or error}"
+            ) from error
 
     def _lock(self) -> None:
         fd = os.open(self.state.root / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -232,15 +243,6 @@ class Agent:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-
-def _tcp(address: tuple[str, int], handler: Any) -> TCPHTTPServer:
-    try:
-        return TCPHTTPServer(address, handler)
-    except OSError as error:
-        raise ListenError(
-            f"cannot listen on {address[0]}:{address[1]}: {error.strerror or error}"
-        ) from error
 
 
 def _safe_listing(pool: WarmPool) -> Any:

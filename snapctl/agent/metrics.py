@@ -1,5 +1,6 @@
 """The agent's Prometheus metrics (``GET /metrics``): copies served and where from, phase
-durations, donors and bakes served, failures by phase, and the warm pool's size, memory and churn.
+durations, donors and bakes served, failures by phase, the warm pool's size, memory and churn,
+and TCP connections refused at the listeners' limits.
 
 One private registry per agent (not prometheus_client's global one, so tests can run several);
 the pool's gauges are read from :meth:`WarmPool.listing` at scrape time, never cached.
@@ -98,6 +99,11 @@ class AgentMetrics:
         self.capture_seconds = Histogram(
             "snapctl_capture_request_seconds", "A donor or bake request from its arrival to its "
             "report.", ["kind"], buckets=PHASE_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.tcp_refused = Counter(
+            "snapctl_agent_tcp_refused", "TCP connections answered 503 at a limit, by listener "
+            "and limit (listener: all its slots taken; address: that client's share).",
+            ["listener", "limit"], registry=self.registry,
         )  # fmt: skip
         self._listing: Callable[[], PoolListing | None] = lambda: None
         self.registry.register(_PoolCollector(lambda: self._listing()))

@@ -26,7 +26,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, ValidationError
@@ -51,6 +51,7 @@ SOCKET_TIMEOUT_S = 60.0
 # Connections a TCP listener serves at once, and from one address; one more is answered 503.
 MAX_TCP_CONNECTIONS = 32
 MAX_TCP_CONNECTIONS_PER_ADDRESS = 8
+BusyLimit = Literal["listener", "address"]  # which of the two refused a TCP connection
 _NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
 # They run the server command in the environment and directory the client sends: only a
 # local root client (the unix socket's peer check) may ask for that, never the TCP listener.
@@ -719,8 +720,12 @@ class TCPHTTPServer(ThreadingHTTPServer):
     max_per_address: ClassVar[int] = MAX_TCP_CONNECTIONS_PER_ADDRESS
     peer_watch: ClassVar[PeerWatch] = PeerWatch()
 
-    def __init__(self, address: tuple[str, int], handler: type[Handler]) -> None:
+    def __init__(
+        self, address: tuple[str, int], handler: type[Handler],
+        on_refused: Callable[[BusyLimit], None] = lambda limit: None,
+    ) -> None:  # fmt: skip
         super().__init__(address, handler)
+        self.on_refused = on_refused  # a metric: how often, and which limit
         self._slots = threading.BoundedSemaphore(self.max_connections)
         self._per_address: dict[str, int] = {}
         self._holders: set[socket.socket] = set()  # connections holding a slot
@@ -728,9 +733,10 @@ class TCPHTTPServer(ThreadingHTTPServer):
         self._lock = threading.Lock()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        refusal = self._take_slot(request, client_address[0])
-        if refusal is not None:
-            _answer_busy(request, refusal)
+        limit = self._take_slot(request, client_address[0])
+        if limit is not None:
+            self.on_refused(limit)
+            _answer_busy(request, self._busy_reason(limit))
             self.shutdown_request(request)
             return
         try:
@@ -746,19 +752,23 @@ class TCPHTTPServer(ThreadingHTTPServer):
         finally:
             self.give_back(request)
 
-    def _take_slot(self, connection: socket.socket, address: str) -> str | None:
-        """A slot for ``connection`` from ``address``; else the 503's reason."""
+    def _take_slot(self, connection: socket.socket, address: str) -> BusyLimit | None:
+        """A slot for ``connection`` from ``address``; else the limit that refuses it."""
         with self._lock:
             if self._per_address.get(address, 0) >= self.max_per_address:
-                return (f"the agent serves {self.max_per_address} TCP connections at once "
-                        "from one address: try again")  # fmt: skip
+                return "address"
             if not self._slots.acquire(blocking=False):
-                return (f"the agent serves {self.max_connections} TCP connections at once: "
-                        "try again")  # fmt: skip
+                return "listener"
             self._per_address[address] = self._per_address.get(address, 0) + 1
             self._holders.add(connection)
             self._unproven[connection] = address
         return None
+
+    def _busy_reason(self, limit: BusyLimit) -> str:
+        if limit == "address":
+            return (f"the agent serves {self.max_per_address} TCP connections at once from one "
+                    "address: try again")  # fmt: skip
+        return f"the agent serves {self.max_connections} TCP connections at once: try again"
 
     def proven(self, connection: socket.socket) -> None:
         """``connection`` sent the token: it no longer counts against its address's share."""

@@ -123,18 +123,20 @@ def test_an_idle_client_is_closed_after_the_socket_timeout(
 
 
 @pytest.mark.parametrize(
-    ("limit", "reason", "from_another_address"),
+    ("limit", "reason", "from_another_address", "refused"),
     [
-        ("max_connections", "2 TCP connections at once: try again", 503),
-        ("max_per_address", "2 TCP connections at once from one address: try again", 200),
+        ("max_connections", "2 TCP connections at once: try again", 503,
+         'limit="listener",listener="api"} 2.0'),
+        ("max_per_address", "2 TCP connections at once from one address: try again", 200,
+         'limit="address",listener="api"} 1.0'),
     ],
-)
+)  # fmt: skip
 def test_past_its_connection_limits_the_tcp_listener_answers_503(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, reason: str,
-    from_another_address: int,
+    from_another_address: int, refused: str,
 ) -> None:  # fmt: skip
     monkeypatch.setattr(TCPHTTPServer, limit, 2)
-    with started_tcp_agent(tmp_path) as (_, port):
+    with started_tcp_agent(tmp_path) as (agent, port):
         idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
         try:
             time.sleep(0.2)  # both accepted and holding their threads
@@ -146,6 +148,9 @@ def test_past_its_connection_limits_the_tcp_listener_answers_503(
             # Another client (all of 127/8 is loopback's) meets only the listener's limit.
             other = tcp_request(port, VERSION_AUTHORIZED, source="127.0.0.2")
             assert other[0] == from_another_address
+            metrics = b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n"
+            scraped = raw(agent.socket_path, metrics)[1].decode()
+            assert "snapctl_agent_tcp_refused_total{" + refused in scraped
         finally:
             for sock in idle:
                 sock.close()
