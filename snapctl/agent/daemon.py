@@ -17,11 +17,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from snapctl.agent import SOCKET_NAME
 from snapctl.agent.metrics import AgentMetrics
 from snapctl.agent.server import (
+    BusyLimit,
     Router,
     TCPHTTPServer,
     UnixHTTPServer,
@@ -152,11 +153,12 @@ class Agent:
             raise
 
     def _tcp(self, address: tuple[str, int], handler: Any, listener: str) -> TCPHTTPServer:
-        refused = self.metrics.tcp_refused
+        refused = {
+            limit: self.metrics.tcp_refused.labels(listener=listener, limit=limit)
+            for limit in get_args(BusyLimit)
+        }  # every series from 0, for rate() and alerts
         try:
-            return TCPHTTPServer(
-                address, handler, lambda limit: refused.labels(listener=listener, limit=limit).inc()
-            )
+            return TCPHTTPServer(address, handler, lambda limit: refused[limit].inc())
         except OSError as error:
             raise ListenError(
                 f"cannot listen on {address[0]}:{address[1]}: {error.strerror or error}"

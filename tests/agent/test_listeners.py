@@ -151,6 +151,10 @@ def test_past_its_connection_limits_the_tcp_listener_answers_503(
             metrics = b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n"
             scraped = raw(agent.socket_path, metrics)[1].decode()
             assert "snapctl_agent_tcp_refused_total{" + refused in scraped
+            # The other limit's series is there too, from 0.
+            assert (
+                len(re.findall(r'snapctl_agent_tcp_refused_total\{.*listener="api"', scraped)) == 2
+            )
         finally:
             for sock in idle:
                 sock.close()
@@ -464,7 +468,8 @@ def test_a_client_with_the_token_is_not_held_to_one_address_share(
         # Without the token, the address's share still holds.
         unproven = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
         time.sleep(0.2)  # both accepted and holding their threads
-        assert tcp_request(port, b"GET /v1/version HTTP/1.1\r\n\r\n")[0] == 503
+        status, _, body = tcp_request(port, b"GET /v1/version HTTP/1.1\r\n\r\n")
+        assert status == 503 and b"from one address" in body
         long_requests += unproven
     finally:
         release.set()
