@@ -8,6 +8,8 @@ import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -317,6 +319,20 @@ def test_a_followed_log_reads_the_same_either_way(
     assert through == (0, "bad \ufffd byte\nsplit é joined\nlast \ufffd", "")
     record.write_bytes(record_text)
     assert through == run_cli(capsys, "logs", "one") == run_cli(capsys, "--no-agent", "logs", "one")
+
+
+@pytest.mark.parametrize("through", [[], ["--no-agent"]])
+def test_a_log_prints_what_stdout_cannot_encode_as_replacements(
+    running_agent: RunningAgent, through: list[str]
+) -> None:
+    """A log is any bytes; a terminal whose encoding lacks a character still shows the rest."""
+    _logged(running_agent.state, b"caf\xc3\xa9 \xff ok\n")  # an invalid byte: U+FFFD
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root),
+           "SNAPCTL_AGENT_SOCKET": str(running_agent.socket),
+           "PYTHONIOENCODING": "ascii"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "snapctl", *through, "logs", "one"], env=env,
+                          capture_output=True, timeout=60)  # fmt: skip
+    assert (done.returncode, done.stdout) == (0, b"caf? ? ok\n"), done.stderr
 
 
 @pytest.mark.parametrize("listener", ["unix", "tcp"])
