@@ -40,7 +40,6 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolTarget
 from snapctl.pool.cancel import Cancel
 from snapctl.pool.models import BakeRequest, DonorRequest
-from snapctl.supervision.logs import TextChunks
 from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
@@ -302,13 +301,10 @@ class Router:
             return self.stopping.is_set() or hung_up.is_set()
 
         def send(emit: Emit) -> None:
-            text = TextChunks(lambda part: emit({"text": part}))
-            if record is None or not following:
-                # In chunks, however long the log: never all of it in the agent's memory.
-                self.service.read_log(log, text.write, until=hung_up.is_set)
-            else:
-                self.service.follow(log, record, text.write, until=ended)
-            text.flush()
+            # In chunks, however long the log: never all of it in the agent's memory.
+            self.service.pass_log(log, lambda part: emit({"text": part}),
+                                  record=record if following else None,
+                                  until=ended if following else hung_up.is_set)  # fmt: skip
             if following and self.stopping.is_set() and record is not None and record.exists():
                 raise AgentUnavailableError(
                     f"the agent is stopping, so it stopped following {match['name']}, which "
@@ -726,7 +722,6 @@ class TCPHTTPServer(ThreadingHTTPServer):
     ) -> None:  # fmt: skip
         super().__init__(address, handler)
         self.on_refused = on_refused  # a metric: how often, and which limit
-        self._slots = threading.BoundedSemaphore(self.max_connections)
         self._per_address: dict[str, int] = {}
         self._holders: set[socket.socket] = set()  # connections holding a slot
         self._unproven: dict[socket.socket, str] = {}  # and their address, until the token
@@ -757,7 +752,7 @@ class TCPHTTPServer(ThreadingHTTPServer):
         with self._lock:
             if self._per_address.get(address, 0) >= self.max_per_address:
                 return "address"
-            if not self._slots.acquire(blocking=False):
+            if len(self._holders) >= self.max_connections:
                 return "listener"
             self._per_address[address] = self._per_address.get(address, 0) + 1
             self._holders.add(connection)
@@ -779,9 +774,7 @@ class TCPHTTPServer(ThreadingHTTPServer):
         """The slot ``connection`` holds, if it still holds one."""
         with self._lock:
             self._leave_share(connection)
-            if connection in self._holders:
-                self._holders.remove(connection)
-                self._slots.release()
+            self._holders.discard(connection)
 
     def _leave_share(self, connection: socket.socket) -> None:
         address = self._unproven.pop(connection, None)

@@ -55,11 +55,6 @@ class NotFoundError(SnapctlError):
     exit_status = ExitStatus.ERROR
 
 
-def _log_gone(log: Path) -> NotFoundError:
-    # Removed between the lookup and the read (gc of a stopped activation's kept logs).
-    return NotFoundError("the server log is gone (its activation's logs were removed)", path=log)
-
-
 class AgentService:
     """The operations behind the API, for one state directory, its pool and its spawner."""
 
@@ -104,29 +99,22 @@ class AgentService:
         except (UnknownActivationError, NoServerLogError) as error:
             raise NotFoundError(error.message, path=error.path) from error
 
-    def read_log(
-        self, log: Path, write: Callable[[bytes], None], until: Callable[[], bool] = lambda: False
-    ) -> None:
-        """Pass on what ``log`` holds, in chunks, unless ``until()`` turns true first."""
-        from snapctl.supervision.logs import read_log
-
-        try:
-            read_log(log, write, until=until)
-        except FileNotFoundError as error:
-            raise _log_gone(log) from error
-
-    def follow(
-        self, log: Path, record: Path, write: Callable[[bytes], None],
+    def pass_log(
+        self, log: Path, write: Callable[[str], None], *, record: Path | None,
         until: Callable[[], bool] = lambda: False,
     ) -> None:  # fmt: skip
-        """Pass on what ``log`` holds and gets until the activation stops (its ``record``
-        goes), or ``until()`` is true."""
-        from snapctl.supervision.logs import follow_log
+        """Pass on ``log``'s text: what it holds and, given its activation's ``record``
+        (following), what it gets until the activation stops (the record goes); either way
+        unless ``until()`` turns true first."""
+        from snapctl.supervision.logs import pass_log
 
+        done = None if record is None else (lambda: not record.exists())
         try:
-            follow_log(log, write, done=lambda: not record.exists() or until())
+            pass_log(log, write, done=done, until=until)
         except FileNotFoundError as error:
-            raise _log_gone(log) from error
+            # Removed between the lookup and the read (gc of a stopped activation's kept logs).
+            raise NotFoundError("the server log is gone (its activation's logs were removed)",
+                                path=log) from error  # fmt: skip
 
     def gc(self, timeout_s: float) -> dict[str, Any]:
         from snapctl.activation.supervise import collect_garbage

@@ -119,19 +119,17 @@ def logs(name: str, follow: bool) -> None:
     from snapctl.statedir import StateDir
 
     log, record_path = StateDir().server_log(name)
-    from snapctl.supervision.logs import TextChunks, follow_log, read_log
+    from snapctl.supervision.logs import pass_log
 
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    text = TextChunks(write)  # decoded as the agent decodes it
     if not follow or record_path is None:
-        read_log(log, text.write)
+        pass_log(log, write)
     else:
         record_exists = record_path.exists  # dropped when the activation stops
-        follow_log(log, text.write, done=lambda: not record_exists())
-    text.flush()
+        pass_log(log, write, done=lambda: not record_exists())
 
 
 @click.command()

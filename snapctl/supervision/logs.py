@@ -47,6 +47,21 @@ def read_log(
             write(chunk)
 
 
+def pass_log(
+    path: Path, write: Callable[[str], None], *, done: Callable[[], bool] | None = None,
+    until: Callable[[], bool] = lambda: False,
+) -> None:  # fmt: skip
+    """Write ``path``'s text (see :class:`TextChunks`): what it holds and, given ``done``
+    (``--follow``), what is appended until ``done()``; either way unless ``until()`` turns
+    true first. What ``snapctl logs`` prints, in-process and through the agent alike."""
+    text = TextChunks(write)
+    if done is None:
+        read_log(path, text.write, until=until)
+    else:
+        follow_log(path, text.write, done=lambda: done() or until())
+    text.flush()
+
+
 class _Wake(FileSystemEventHandler):
     def __init__(self, path: Path, event: threading.Event) -> None:
         self.path = str(path)
