@@ -178,13 +178,15 @@ class Driver:
         process = self.spawn(*argv)
         exited = _sleep_unless_exited(process, delay)
         window = self.window(command, image, process)
-        supervisors = _supervisors(process.pid, _cli(*argv))
         if mode == "group":
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
         else:
             with contextlib.suppress(ProcessLookupError):
                 process.kill()
+        # Looked for once the command is killed (a killed process forks no more): looked for
+        # before, a supervisor forked between the look and the kill was missed.
+        supervisors = _supervisors(process.pid, _cli(*argv))
         if mode == "process+supervisor":
             for supervisor in supervisors:
                 with contextlib.suppress(psutil.NoSuchProcess):
@@ -414,16 +416,19 @@ def _sleep_unless_exited(process: subprocess.Popen[bytes], delay_s: float) -> bo
 
 def _supervisors(pid: int, cmdline: list[str]) -> list[psutil.Process]:
     """The detached supervisor the command forked: a process with the same command line, its
-    child or (once the command returned) reparented to us."""
-    candidates = psutil.Process().children()
+    child or (once the command returned) reparented to us. The command's children are read
+    before ours: a supervisor reparented between the two reads (the command returning just
+    then) is in the second; read the other way round, it was in neither and was not killed."""
+    candidates = []
     with contextlib.suppress(psutil.NoSuchProcess):
         candidates += psutil.Process(pid).children()
-    found = []
+    candidates += psutil.Process().children()
+    found = {}
     for candidate in candidates:
         with contextlib.suppress(psutil.NoSuchProcess):
             if candidate.pid != pid and candidate.cmdline() == cmdline:
-                found.append(candidate)
-    return found
+                found[candidate.pid] = candidate
+    return list(found.values())
 
 
 def _running(pid: int) -> bool:
