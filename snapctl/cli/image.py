@@ -173,6 +173,21 @@ def rm(directory: Path, as_json: bool) -> None:
         stdout().print(f"removed {directory.absolute()}")
 
 
+def working_sets_line(report: PushReport | PullReport) -> str:
+    """How the working sets fared: they are a hint, so a failure is a note, not an error."""
+    sets, pushed = report.working_sets, report.action == "push"
+    if sets.error is not None:
+        verb, image = ("attached", "pushed") if pushed else ("adopted", "pulled")
+        return f"  working sets: not {verb} ({sets.error}); the image was {image}"
+    if sets.processes == 0:
+        return ("  working sets: none learned here yet (a lazy copy of the image learns them)"
+                if pushed else "  working sets: none attached to the image")  # fmt: skip
+    return (
+        f"  working sets: {sets.processes} processes, {sets.pages:,} pages "
+        f"{'attached' if pushed else 'adopted'}"
+    )
+
+
 def render_push(report: PushReport) -> None:
     from snapctl.cli.output import stdout
 
@@ -182,7 +197,7 @@ def render_push(report: PushReport) -> None:
         f"({report.mb_per_s:.1f} MB/s)\n  uploaded {report.blobs_uploaded} of {report.blobs} "
         f"blobs ({report.bytes_uploaded / 1e6:.1f} MB), "
         f"{report.blobs - report.blobs_uploaded} already in the repository\n"
-        f"  digest {report.manifest_digest}",
+        f"  digest {report.manifest_digest}\n{working_sets_line(report)}",
         markup=False, highlight=False,
     )  # fmt: skip
 
@@ -204,7 +219,7 @@ def render_pull(report: PullReport) -> None:
         f"({report.mb_per_s:.1f} MB/s)\n  fetched {report.blobs_fetched} blobs "
         f"({report.bytes_fetched / 1e6:.1f} MB, {report.bytes_resumed / 1e6:.1f} MB resumed), "
         f"{report.blobs_cached} were in the cache\n  image  {report.image}\n"
-        f"  digest {report.manifest_digest}",
+        f"  digest {report.manifest_digest}\n{working_sets_line(report)}",
         markup=False, highlight=False,
     )  # fmt: skip
 
@@ -227,13 +242,15 @@ def push(directory: Path, reference: str, plain_http: bool, jobs: int, as_json: 
     from snapctl.images.manifest import MANIFEST_NAME
     from snapctl.registry.client import Reference, RegistryClient
     from snapctl.registry.push import push_image
+    from snapctl.statedir import StateDir
 
     parsed = Reference.parse(reference)
     client = RegistryClient(parsed, plain_http=plain_http)
     total = load_manifest(directory).total_bytes + (directory / MANIFEST_NAME).stat().st_size
     try:
         with byte_progress("push", total, quiet=as_json) as progress:
-            report = push_image(directory, parsed, client, jobs=jobs, progress=progress)
+            report = push_image(directory, parsed, client, jobs=jobs, progress=progress,
+                                views=StateDir().views)  # fmt: skip
     finally:
         client.close()
     if as_json:
@@ -274,6 +291,7 @@ def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
             report = pull_image(
                 client, to, cache=blob_cache(state), verified_cache=state.verified,
                 force=force, jobs=jobs, progress=advance, total=set_total, claims=state.claims,
+                views=state.views,
             )  # fmt: skip
     finally:
         client.close()

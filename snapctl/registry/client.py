@@ -11,6 +11,7 @@ retries, which sleep 3^n seconds on any error.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import urllib.parse
@@ -236,23 +237,41 @@ class RegistryClient:
     # --- manifests ---------------------------------------------------------------------------
 
     def get_manifest(self, accept: str, max_bytes: int) -> bytes:
-        url = self._url(f"manifests/{self.reference.target}")
-        response = self.request("GET", url, headers={"Accept": accept}, stream=True)
+        found = self.find_manifest(self.reference.target, accept, max_bytes)
+        if found is None:
+            raise RegistryError(f"{self.reference} is not in the registry",
+                                reference=str(self.reference))  # fmt: skip
+        return found
+
+    def find_manifest(self, target: str, accept: str, max_bytes: int) -> bytes | None:
+        """The manifest at ``target`` (a tag or digest of this repository); None if absent."""
+        return self._find(f"manifests/{target}", accept, max_bytes, f"the manifest {target}")
+
+    def find_referrers(self, digest: str, artifact_type: str, max_bytes: int) -> bytes | None:
+        """The OCI image index of the manifests whose subject is ``digest`` (the referrers
+        API, filtered by ``artifact_type``); None where the registry has no such API (answers
+        it with 404, as registries before OCI distribution 1.1 do: use the tag schema)."""
+        query = urllib.parse.urlencode({"artifactType": artifact_type})
+        return self._find(f"referrers/{digest}?{query}", "application/vnd.oci.image.index.v1+json",
+                          max_bytes, f"the referrers of {digest}")  # fmt: skip
+
+    def _find(self, path: str, accept: str, max_bytes: int, what: str) -> bytes | None:
+        response = self.request("GET", self._url(path), headers={"Accept": accept}, stream=True)
         with response:
             if response.status_code == 404:
-                raise RegistryError(f"{self.reference} is not in the registry",
-                                    reference=str(self.reference))  # fmt: skip
+                return None
             if response.status_code != 200:
-                raise self.refuse(response, f"the manifest of {self.reference}")
-            return _read_bounded(response, max_bytes, f"the manifest of {self.reference}")
+                raise self.refuse(response, f"{what} of {self.reference}")
+            return _read_bounded(response, max_bytes, f"{what} of {self.reference}")
 
-    def put_manifest(self, tag: str, media_type: str, body: bytes) -> str:
-        response = self.request("PUT", self._url(f"manifests/{tag}"), data=body,
+    def put_manifest(self, target: str, media_type: str, body: bytes) -> dict[str, str]:
+        """PUT a manifest at ``target`` (a tag or its digest); the response's headers."""
+        response = self.request("PUT", self._url(f"manifests/{target}"), data=body,
                                 headers={"Content-Type": media_type})  # fmt: skip
         with response:
             if response.status_code not in (200, 201):
-                raise self.refuse(response, f"the manifest for {tag}")
-            return response.headers.get("Docker-Content-Digest", "")
+                raise self.refuse(response, f"the manifest for {target}")
+            return dict(response.headers)
 
     # --- blobs -------------------------------------------------------------------------------
 
@@ -286,6 +305,22 @@ class RegistryClient:
         with response:
             if response.status_code not in (201, 204):
                 raise self.refuse(response, f"the upload of blob {digest}")
+
+    def read_blob(self, digest: str, size: int, max_bytes: int, what: str) -> bytes:
+        """A small blob read whole (at most ``max_bytes``), checked against its digest."""
+        if size > max_bytes:
+            raise BlobMismatchError(f"{what} of {self.reference} exceeds {max_bytes} bytes")
+        data = bytearray()
+        for piece in self.blob_pieces(digest):
+            data += piece
+            if len(data) > size:
+                break
+        if len(data) != size or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
+            raise BlobMismatchError(
+                f"{what} of {self.reference} does not match its digest {digest} "
+                "(damaged in the registry or in transit): nothing was published"
+            )
+        return bytes(data)
 
     def check_same_origin(self, url: str, what: str) -> None:
         """Refuse a URL on another scheme or host: every request carries the registry's

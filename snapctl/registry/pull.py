@@ -39,6 +39,7 @@ from snapctl.progress import ByteProgress
 from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache, pulled_image, write_record
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
+from snapctl.registry.workingsets import WorkingSetsTransfer, pull_working_sets
 from snapctl.statedir import StateDir
 
 M = TypeVar("M", bound=BaseModel)
@@ -61,6 +62,7 @@ class TransferReport(BaseModel):
     blobs: int  # the OCI manifest's config and layers
     seconds: float
     mb_per_s: float  # image bytes per second, 1 MB = 10^6 bytes
+    working_sets: WorkingSetsTransfer = WorkingSetsTransfer()  # attached, or adopted
 
 
 class PullReport(TransferReport):
@@ -96,19 +98,7 @@ def _small_blob(client: RegistryClient, cache: BlobCache, descriptor: layout.Des
     cached = cache.read(descriptor.digest)
     if cached is not None:
         return cached
-    if descriptor.size > max_bytes:
-        raise BlobMismatchError(f"{what} of {client.reference} exceeds {max_bytes} bytes")
-    data = bytearray()
-    for piece in client.blob_pieces(descriptor.digest):
-        data += piece
-        if len(data) > descriptor.size:
-            break
-    if len(data) != descriptor.size or _digest(bytes(data)) != descriptor.digest:
-        raise BlobMismatchError(
-            f"{what} of {client.reference} does not match its digest {descriptor.digest} "
-            "(damaged in the registry or in transit): nothing was published"
-        )
-    return bytes(data)
+    return client.read_blob(descriptor.digest, descriptor.size, max_bytes, what)
 
 
 def _parse(model: type[M], data: bytes, what: str) -> M:
@@ -332,11 +322,13 @@ def pull_image(
     total: Callable[[int], None] | None = None,
     remote: Remote | None = None,
     claims: Path | None = None,
+    views: Path | None = None,
 ) -> PullReport:
     """Pull ``client.reference`` into the image directory ``to`` (see the module docstring).
 
     ``total`` is told the bytes the pull will account for, before any arrives; ``claims`` is
-    where the staging directory is claimed for ``snapctl gc`` (see ImageStaging).
+    where the staging directory is claimed for ``snapctl gc`` (see ImageStaging); ``views``
+    (``STATE/views``) adopts the working sets attached to the image (:mod:`.workingsets`).
     """
     started = time.monotonic()
     to = to.absolute()
@@ -357,7 +349,10 @@ def pull_image(
         raise
     if verified_cache is not None:
         record_verified(final, remote.manifest, verified_cache)  # every hash was checked
-    return _report(remote, final, fetcher, len(needed) - len(missing), started)
+    adopted = (pull_working_sets(client, final, views, remote.manifest_digest)
+               if views is not None else WorkingSetsTransfer())  # fmt: skip
+    report = _report(remote, final, fetcher, len(needed) - len(missing), started)
+    return report.model_copy(update={"working_sets": adopted})
 
 
 def _report(remote: Remote, final: Path, fetcher: _Fetcher | None, cached: int,
@@ -415,7 +410,7 @@ def pull_cached(
             return _report(remote, target, None, len(remote.oci.layers), started, already=True)
     report = pull_image(client, target, cache=cache, verified_cache=state.verified,
                         force=target.exists(), jobs=jobs, progress=progress, total=total,
-                        remote=remote, claims=state.claims)  # fmt: skip
+                        remote=remote, claims=state.claims, views=state.views)  # fmt: skip
     write_record(target, manifest_digest=remote.manifest_digest, image_id=report.image_id,
                  reference=str(client.reference), pulled=now)  # fmt: skip
     return report

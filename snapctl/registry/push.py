@@ -21,7 +21,7 @@ from typing import TypedDict
 from snapctl.images.archive import ArchiveError, held_for_reading
 from snapctl.images.manifest import MANIFEST_NAME, Manifest
 from snapctl.progress import ByteProgress
-from snapctl.registry import layout
+from snapctl.registry import layout, workingsets
 from snapctl.registry.chunks import cut
 from snapctl.registry.client import Reference, RegistryClient, RegistryError
 from snapctl.registry.pull import TransferReport
@@ -161,8 +161,11 @@ def push_image(
     *,
     jobs: int = DEFAULT_JOBS,
     progress: ByteProgress | None = None,
+    views: Path | None = None,
 ) -> PushReport:
-    """Push ``image`` to ``reference`` (a tag); every file is checked against the manifest."""
+    """Push ``image`` to ``reference`` (a tag); every file is checked against the manifest.
+    With ``views`` (``STATE/views``), the working sets learned there for the image's
+    processes are attached to it (:mod:`.workingsets`)."""
     if reference.tag is None or reference.digest is not None:
         raise RegistryError(f"push to a tag, not a digest: {reference}", reference=str(reference))
     image = image.absolute()
@@ -190,6 +193,8 @@ def push_image(
             for blob in (manifest_bytes, small_bytes, config_bytes):
                 uploader.submit(blob)
             uploader.finish()
+            # Read while the image is held: the pagemaps are the ones just pushed.
+            sets = workingsets.learned_sets(image, views) if views is not None else {}
         except BaseException:
             uploader.abort()
             raise
@@ -197,6 +202,9 @@ def push_image(
     oci_bytes = oci.model_dump_json(exclude_none=True).encode()
     assert reference.tag is not None
     client.put_manifest(reference.tag, layout.OCI_MANIFEST, oci_bytes)
+    subject = layout.Descriptor(mediaType=layout.OCI_MANIFEST, digest=_digest(oci_bytes),
+                                size=len(oci_bytes))  # fmt: skip
+    attached = workingsets.push_working_sets(client, sets, subject)
     seconds = time.monotonic() - started
     total = manifest.total_bytes + len(manifest_bytes)
     return PushReport(
@@ -211,6 +219,7 @@ def push_image(
         bytes_uploaded=uploader.bytes_uploaded,
         seconds=round(seconds, 6),
         mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+        working_sets=attached,
     )
 
 

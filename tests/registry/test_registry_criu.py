@@ -1,6 +1,7 @@
 """Real CRIU and a real registry: bake → push → ``copy --image REF`` on an empty cache serves
 the donor's answers; a second copy uses the cached pull; ``images`` lists it by reference; a
-re-bake of the same server pushed to the same repository uploads under 30% of the first."""
+re-bake of the same server pushed to the same repository uploads under 30% of the first; the
+working sets one host's lazy copies learned reach another host's first lazy copy."""
 
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ from pathlib import Path
 import pytest
 
 from snapctl.activation.bake import bake_image
+from snapctl.activation.copy import start_copy
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import NoNativeStep
 from snapctl.activation.supervise import collect_orphans, stop_recorded
 from snapctl.criu import CriuBinary
+from snapctl.criu.lazy.pagemap import lazy_view
 from snapctl.registry.client import Reference, RegistryClient
+from snapctl.registry.pull import pull_cached
 from snapctl.registry.push import push_image
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete
@@ -106,3 +110,52 @@ def test_a_rebake_of_the_same_server_pushes_under_30_percent(
     # What a re-bake uploads again are the pages that differ between two starts (addresses
     # moved by ASLR): about 50 MB of the fixture, whatever its retained memory.
     assert second.bytes_uploaded < 0.3 * first.bytes_uploaded, (first, second)
+
+
+def test_a_pulled_image_brings_the_working_sets_its_lazy_copies_learned(
+    registry_server: RegistryServer, tmp_path: Path, state: Path, criu_binary: CriuBinary,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Host A's lazy copy learns its working sets; pushed with the image, they are what host
+    B's first lazy copy restores eagerly (its view has them), and that copy serves."""
+    monkeypatch.setenv(API_KEY_ENV, API_KEY)
+    image, ref = tmp_path / "image", f"{registry_server.address}/criu/learned:v1"
+    options = LaunchOptions(api_key_env=API_KEY_ENV, timeout_s=120, fixture_retained_mb=256)
+    host_a = StateDir(state)
+    bake_image(options, image=image, force=False, criu=criu_binary, native=NoNativeStep(),
+               state=host_a, progress=lambda step: None)  # fmt: skip
+    session, report = start_copy(image, options, criu=criu_binary, native=NoNativeStep(),
+                                 publish=("127.0.0.1", 0), state=host_a,
+                                 progress=lambda step: None, lazy=True)  # fmt: skip
+    try:
+        answer = complete(report.published)
+        assert session.lazy is not None and session.lazy.wait(120).state == "complete"
+    finally:
+        session.stop(10.0)
+    learned = sorted(p.name for p in host_a.views.glob("*.touched.json"))
+    assert learned, "the lazy copy learned nothing"
+
+    pushed = json.loads(snapctl(state, "image", "push", str(image), ref, "--plain-http", "--json"))
+    assert pushed["working_sets"]["processes"] == len(learned)
+
+    # Host B pulls as ``copy --image REF`` does, before any copy there could learn the sets.
+    elsewhere = tmp_path / "elsewhere"
+    host_b = StateDir(elsewhere)
+    host_b.ensure()
+    client = RegistryClient(Reference.parse(ref), plain_http=True)
+    try:
+        pulled = pull_cached(client, host_b)
+    finally:
+        client.close()
+    assert pulled.working_sets.processes == len(learned) and pulled.working_sets.error is None
+    assert sorted(p.name for p in host_b.views.glob("*.touched.json")) == learned
+    summary = lazy_view(Path(pulled.image) / "criu", tmp_path / "view", cache_dir=host_b.views)
+    assert summary.learned_processes >= 1
+
+    copy = json.loads(snapctl(elsewhere, "copy", "--image", ref, "--plain-http", "--lazy",
+                              "--name", "c", "--api-key-env", API_KEY_ENV,
+                              "--publish", "127.0.0.1:0", "--detach", "--json"))  # fmt: skip
+    try:
+        assert complete(copy["published"]) == answer
+    finally:
+        snapctl(elsewhere, "stop", "c")

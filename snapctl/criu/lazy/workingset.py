@@ -93,11 +93,13 @@ def record_working_sets(images_dir: Path, cache_dir: Path, log_path: Path, until
     for pid, pages in faulted.items():
         with contextlib.suppress(OSError):
             key = pagemap_key((images_dir / f"pagemap-{pid}.img").read_bytes())
-            added += _add(cache_dir, key, pages)
+            added += add_pages(cache_dir, key, pages)
     return added
 
 
-def _add(cache_dir: Path, key: str, pages: Iterable[int]) -> int:
+def add_pages(cache_dir: Path, key: str, pages: Iterable[int]) -> int:
+    """Add ``pages`` to the working set of the process whose pagemap has ``key``; the number
+    new to it (0 when too few to be worth a new view, or too many to be a working set)."""
     known = read_working_set(cache_dir, key) or frozenset()
     union = known | frozenset(pages)
     if len(union) - len(known) <= len(known) * WORKING_SET_MIN_GROWTH:

@@ -1,0 +1,237 @@
+"""Working sets travel with an image: ``image push`` attaches them as an OCI referrer of the
+image's manifest, ``image pull`` (and ``copy --image REF``) adopts them.
+
+Why: a lazy copy restores eagerly the pages that earlier copies of the same image touched on
+their way to ready (:mod:`snapctl.criu.lazy.workingset`), learned on the host where those
+copies ran. Without them a host's first lazy copy of a pulled image restores all its small
+memory eagerly and is the slowest one (docs/lazy.md), on every host of a fleet.
+
+How: the sets of the image's processes that this host learned are one JSON blob, put in an
+artifact manifest whose ``subject`` is the image's OCI manifest. The image's manifest and its
+digest do not change (digest pins and signatures hold), and the sets can be pushed again as
+they grow. A pull finds the newest such artifact through the referrers API or, where the
+registry has none, the referrers tag schema of OCI distribution 1.1 (an image index tagged
+``sha256-<hex>``, which other tools' referrers, signatures say, share: theirs are kept).
+
+Best effort both ways: the sets are a hint (a page missing is a page fault, one too many is
+restored early), so a failure here is reported and never fails the transfer, and a set whose
+pagemap is not one of the image's own is ignored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from snapctl.criu.lazy.workingset import add_pages, pagemap_key, read_working_set
+from snapctl.errors import SnapctlError
+from snapctl.models import StrictModel
+from snapctl.registry import layout
+from snapctl.registry.client import BlobMismatchError, RegistryClient
+
+ARTIFACT_TYPE: Final = "application/vnd.snapctl.working-sets.v1"
+BLOB_MEDIA_TYPE: Final = "application/vnd.snapctl.working-sets.v1+json"
+INDEX_MEDIA_TYPE: Final = "application/vnd.oci.image.index.v1+json"
+EMPTY_MEDIA_TYPE: Final = "application/vnd.oci.empty.v1+json"
+EMPTY_CONFIG: Final = b"{}"
+# Bounds on what is read whole: an index lists referrers, a blob holds sets of at most
+# WORKING_SET_MAX_PAGES pages per process.
+MAX_INDEX_BYTES = 4 << 20
+MAX_BLOB_BYTES = 64 << 20
+
+
+class WorkingSets(StrictModel):
+    """The blob: the pages (address / page size) each process touched, keyed by the sha256 of
+    its pagemap image (``criu/pagemap-N.img``), as ``STATE/views`` keeps them."""
+
+    version: Literal[1] = 1
+    sets: dict[str, list[int]]
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkingSets:
+        for key, pages in self.sets.items():
+            if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+                raise ValueError(f"{key!r} is not the sha256 of a pagemap")
+            if any(page < 0 for page in pages):
+                raise ValueError("a page number is negative")
+        return self
+
+
+class ReferrerManifest(BaseModel):
+    """The artifact manifest that carries the blob (other fields a registry keeps are
+    ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    schemaVersion: Literal[2]
+    mediaType: Literal["application/vnd.oci.image.manifest.v1+json"]
+    artifactType: Literal["application/vnd.snapctl.working-sets.v1"]
+    config: layout.Descriptor
+    layers: list[layout.Descriptor] = Field(min_length=1, max_length=1)
+    subject: layout.Descriptor
+    annotations: dict[str, str] = {}
+
+    @property
+    def blob(self) -> layout.Descriptor:
+        return self.layers[0]
+
+
+class IndexEntry(BaseModel):
+    """One referrer in an image index; fields of other tools' entries are kept as they are."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    mediaType: str
+    digest: str = Field(pattern=layout.DIGEST_PATTERN)
+    size: int = Field(ge=0)
+    artifactType: str | None = None
+    annotations: dict[str, str] | None = None
+
+
+class ReferrerIndex(BaseModel):
+    """The referrers API's answer, or the index at the referrers tag."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    schemaVersion: Literal[2]
+    mediaType: Literal["application/vnd.oci.image.index.v1+json"] = INDEX_MEDIA_TYPE
+    manifests: list[IndexEntry] = []
+
+
+class WorkingSetsTransfer(StrictModel):
+    """What a push attached or a pull adopted (``--json``): processes and their pages; the
+    reason when it failed (the image's own transfer did not)."""
+
+    processes: int = 0
+    pages: int = 0
+    error: str | None = None
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def referrers_tag(digest: str) -> str:
+    """The referrers tag schema's tag for the manifest ``digest``: ``sha256-<hex>``."""
+    return digest.replace(":", "-")
+
+
+def image_pagemaps(image: Path) -> dict[str, Path]:
+    """The image's pagemap images by the key their working sets have."""
+    return {pagemap_key(path.read_bytes()): path
+            for path in sorted((image / "criu").glob("pagemap-*.img"))}  # fmt: skip
+
+
+def learned_sets(image: Path, views: Path) -> dict[str, list[int]]:
+    """What this host learned of the image's processes."""
+    found = {}
+    for key in image_pagemaps(image):
+        pages = read_working_set(views, key)
+        if pages:
+            found[key] = sorted(pages)
+    return found
+
+
+def adopt(image: Path, views: Path, sets: WorkingSets) -> WorkingSetsTransfer:
+    """Add the sets of ``image``'s own processes to this host's; what was taken."""
+    own = image_pagemaps(image)
+    taken = {key: pages for key, pages in sets.sets.items() if key in own}
+    for key, pages in taken.items():
+        add_pages(views, key, pages)
+    return WorkingSetsTransfer(processes=len(taken), pages=sum(map(len, taken.values())))
+
+
+def _best_effort(transfer: WorkingSetsTransfer | None, error: Exception) -> WorkingSetsTransfer:
+    message = error.message if isinstance(error, SnapctlError) else str(error)
+    return (transfer or WorkingSetsTransfer()).model_copy(update={"error": message})
+
+
+def push_working_sets(client: RegistryClient, sets: dict[str, list[int]],
+                      subject: layout.Descriptor) -> WorkingSetsTransfer:  # fmt: skip
+    """Attach ``sets`` (:func:`learned_sets`) to the image manifest ``subject`` (nothing
+    when there are none)."""
+    if not sets:
+        return WorkingSetsTransfer()
+    transfer = None
+    try:
+        transfer = WorkingSetsTransfer(processes=len(sets), pages=sum(map(len, sets.values())))
+        blob = WorkingSets(sets=sets).model_dump_json().encode()
+        for data in (EMPTY_CONFIG, blob):
+            if not client.has_blob(_digest(data)):
+                client.upload_blob(_digest(data), data)
+        created = datetime.now(UTC).isoformat(timespec="seconds")
+        manifest = ReferrerManifest(
+            schemaVersion=2, mediaType=layout.OCI_MANIFEST, artifactType=ARTIFACT_TYPE,
+            config=layout.Descriptor(mediaType=EMPTY_MEDIA_TYPE, digest=_digest(EMPTY_CONFIG),
+                                     size=len(EMPTY_CONFIG)),
+            layers=[layout.Descriptor(mediaType=BLOB_MEDIA_TYPE, digest=_digest(blob),
+                                      size=len(blob))],
+            subject=subject, annotations={layout.CREATED: created},
+        )  # fmt: skip
+        body = manifest.model_dump_json(exclude_none=True).encode()
+        headers = client.put_manifest(_digest(body), layout.OCI_MANIFEST, body)
+        if not any(name.lower() == "oci-subject" for name in headers):
+            # No referrers API kept it: list it under the referrers tag instead.
+            entry = IndexEntry(mediaType=layout.OCI_MANIFEST, digest=_digest(body),
+                               size=len(body), artifactType=ARTIFACT_TYPE,
+                               annotations=manifest.annotations)  # fmt: skip
+            _list_under_tag(client, subject.digest, entry)
+        return transfer
+    except (SnapctlError, OSError, ValueError) as error:
+        return _best_effort(transfer, error)
+
+
+def _list_under_tag(client: RegistryClient, subject: str, entry: IndexEntry) -> None:
+    """Put ``entry`` in the index at the subject's referrers tag, in place of any earlier
+    working sets (the newest has what this host learned); other referrers are kept."""
+    tag = referrers_tag(subject)
+    found = client.find_manifest(tag, INDEX_MEDIA_TYPE, MAX_INDEX_BYTES)
+    index = ReferrerIndex(schemaVersion=2) if found is None else _parse_index(found, tag)
+    kept = [other for other in index.manifests if other.artifactType != ARTIFACT_TYPE]
+    updated = index.model_copy(update={"manifests": [*kept, entry]})
+    client.put_manifest(tag, INDEX_MEDIA_TYPE,
+                        updated.model_dump_json(exclude_none=True).encode())  # fmt: skip
+
+
+def _parse_index(data: bytes, where: str) -> ReferrerIndex:
+    try:
+        return ReferrerIndex.model_validate_json(data)
+    except ValidationError as error:
+        raise BlobMismatchError(f"{where} is not an OCI image index of referrers") from error
+
+
+def pull_working_sets(client: RegistryClient, image: Path, views: Path,
+                      subject: str) -> WorkingSetsTransfer:  # fmt: skip
+    """Adopt the newest working sets attached to the manifest ``subject`` of the pulled
+    ``image`` (nothing when none are)."""
+    try:
+        listed = client.find_referrers(subject, ARTIFACT_TYPE, MAX_INDEX_BYTES)
+        where = f"the referrers of {subject}"
+        if listed is None:
+            where = f"the referrers tag {referrers_tag(subject)}"
+            listed = client.find_manifest(referrers_tag(subject), INDEX_MEDIA_TYPE,
+                                          MAX_INDEX_BYTES)  # fmt: skip
+        if listed is None:
+            return WorkingSetsTransfer()
+        ours = [e for e in _parse_index(listed, where).manifests if e.artifactType == ARTIFACT_TYPE]
+        if not ours:
+            return WorkingSetsTransfer()
+        newest = max(ours, key=lambda entry: (entry.annotations or {}).get(layout.CREATED, ""))
+        body = client.find_manifest(
+            newest.digest, layout.OCI_MANIFEST, layout.MAX_OCI_MANIFEST_BYTES
+        )
+        if body is None or _digest(body) != newest.digest:
+            raise BlobMismatchError(f"the working sets' manifest {newest.digest} is missing or "
+                                    "does not match its digest")  # fmt: skip
+        manifest = ReferrerManifest.model_validate_json(body)
+        if manifest.subject.digest != subject:
+            raise BlobMismatchError(f"{newest.digest} is not attached to {subject}")
+        data = client.read_blob(manifest.blob.digest, manifest.blob.size, MAX_BLOB_BYTES,
+                                "the working sets")  # fmt: skip
+        return adopt(image, views, WorkingSets.model_validate_json(data))
+    except (SnapctlError, OSError, ValueError) as error:
+        return _best_effort(None, error)
