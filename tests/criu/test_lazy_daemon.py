@@ -218,4 +218,29 @@ def test_a_complete_transfer_learns_until_its_first_release(
         (until_s,) = learned
         assert at - 0.01 < until_s <= at
     else:
-        assert learned == []  # never ready: nothing to learn from
+        assert learned == []  # not ready yet: nothing to learn from until it is
+
+
+def test_a_transfer_that_ended_before_the_copy_was_ready_learns_at_its_release(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not held back, a transfer can end before the handshake does: its faults still count.
+    monkeypatch.setenv("FAKE_MODE", "ready")
+    monkeypatch.setenv("FAKE_SLEEP", "0.1")
+    started = time.monotonic()
+    learned: list[float] = []
+    transfer = LazyTransfer(
+        start(fake, tmp_path), restore_started=started, on_failure=lambda reason: None,
+        on_done=lambda status: None, learn=learned.append,
+    )  # fmt: skip
+    assert transfer.wait(10).state == "complete" and learned == []
+    transfer.release_transfer(0.05)
+    at = time.monotonic() + 0.05 - started + tuning.LEARN_AFTER_RELEASE_S
+    deadline = time.monotonic() + 5
+    while not learned and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (until_s,) = learned
+    assert at - 0.01 < until_s <= at
+    transfer.release_transfer(0.0)  # once only
+    time.sleep(0.05)
+    assert len(learned) == 1

@@ -52,7 +52,9 @@ class LazyTransfer:
     not stopped by us); ``on_done(status)`` runs after every end, failure included. After an
     exit 0, ``learn(until_s)`` gets the seconds from the restore's start to the transfer's first
     release plus :data:`~snapctl.criu.lazy.tuning.LEARN_AFTER_RELEASE_S` (the first request's
-    faults count too; for :mod:`snapctl.criu.lazy.workingset`), if it was released.
+    faults count too; for :mod:`snapctl.criu.lazy.workingset`), once: when the transfer ends if
+    it was released, or else at its first release (a transfer not held back can end before
+    the copy is ready, and the faults it served until then are the working set all the same).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class LazyTransfer:
     ) -> None:
         self.daemon = daemon
         self._learn = learn
+        self._learned = False
         self._released_at: float | None = None
         self._restore_started = restore_started
         self._on_failure = on_failure
@@ -118,8 +121,9 @@ class LazyTransfer:
     def _learn_until_release(self) -> None:
         with self._lock:
             released_at = self._released_at
-        if self._learn is None or released_at is None:
-            return
+            if self._learn is None or released_at is None or self._learned:
+                return
+            self._learned = True
         with contextlib.suppress(Exception):  # a cache: never the copy's failure
             self._learn(released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S)
 
@@ -130,7 +134,12 @@ class LazyTransfer:
         with self._lock:
             if self._released_at is None or release_at < self._released_at:
                 self._released_at = release_at
+            ended = self._status.state == "complete"
         self.daemon.release_transfer(delay_s)
+        if ended:
+            # Off the caller's path: it is the copy becoming ready.
+            threading.Thread(target=self._learn_until_release, name="lazy-pages-learn",
+                             daemon=True).start()  # fmt: skip
 
     def wait(self, timeout_s: float | None = None) -> PagesStatus:
         """Wait until the transfer ended (or ``timeout_s``, if given); return the status then."""
