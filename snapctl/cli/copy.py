@@ -183,7 +183,7 @@ def start_many(
 
 def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:
     """The image directory ``--image`` names: itself, or a reference pulled into the cache."""
-    from snapctl.cli.image import transfer_progress
+    from snapctl.cli.image import transfer_progress, working_sets_line
     from snapctl.cli.output import note
     from snapctl.registry.source import is_reference, pull_for_copy, require_image
     from snapctl.statedir import StateDir
@@ -198,4 +198,6 @@ def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:
     else:
         note(f"pulled {source}: {report.bytes_fetched / 1e6:.1f} MB in {report.seconds:.2f} s",
              quiet=quiet)  # fmt: skip
+    if report.working_sets.processes or report.working_sets.error:
+        note(working_sets_line(report).strip(), quiet=quiet)
     return Path(report.image)

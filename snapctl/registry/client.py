@@ -15,7 +15,7 @@ import hashlib
 import os
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,31 +247,34 @@ class RegistryClient:
         """The manifest at ``target`` (a tag or digest of this repository); None if absent."""
         return self._find(f"manifests/{target}", accept, max_bytes, f"the manifest {target}")
 
-    def find_referrers(self, digest: str, artifact_type: str, max_bytes: int) -> bytes | None:
+    def find_referrers(self, digest: str, artifact_type: str, max_bytes: int,
+                       no_api: tuple[int, ...] = (404,)) -> bytes | None:  # fmt: skip
         """The OCI image index of the manifests whose subject is ``digest`` (the referrers
         API, filtered by ``artifact_type``); None where the registry has no such API (answers
-        it with 404, as registries before OCI distribution 1.1 do: use the tag schema)."""
+        with a status in ``no_api``, as registries before OCI distribution 1.1 do)."""
         query = urllib.parse.urlencode({"artifactType": artifact_type})
         return self._find(f"referrers/{digest}?{query}", "application/vnd.oci.image.index.v1+json",
-                          max_bytes, f"the referrers of {digest}")  # fmt: skip
+                          max_bytes, f"the referrers of {digest}", no_api)  # fmt: skip
 
-    def _find(self, path: str, accept: str, max_bytes: int, what: str) -> bytes | None:
+    def _find(self, path: str, accept: str, max_bytes: int, what: str,
+              absent: tuple[int, ...] = (404,)) -> bytes | None:  # fmt: skip
         response = self.request("GET", self._url(path), headers={"Accept": accept}, stream=True)
         with response:
-            if response.status_code == 404:
+            if response.status_code in absent:
                 return None
             if response.status_code != 200:
                 raise self.refuse(response, f"{what} of {self.reference}")
             return _read_bounded(response, max_bytes, f"{what} of {self.reference}")
 
-    def put_manifest(self, target: str, media_type: str, body: bytes) -> dict[str, str]:
-        """PUT a manifest at ``target`` (a tag or its digest); the response's headers."""
+    def put_manifest(self, target: str, media_type: str, body: bytes) -> Mapping[str, str]:
+        """PUT a manifest at ``target`` (a tag or its digest); the response's headers (any
+        case)."""
         response = self.request("PUT", self._url(f"manifests/{target}"), data=body,
                                 headers={"Content-Type": media_type})  # fmt: skip
         with response:
             if response.status_code not in (200, 201):
                 raise self.refuse(response, f"the manifest for {target}")
-            return dict(response.headers)
+            return response.headers
 
     # --- blobs -------------------------------------------------------------------------------
 

@@ -407,7 +407,10 @@ def pull_cached(
             write_record(target, manifest_digest=remote.manifest_digest,
                          image_id=present.image_id, reference=str(client.reference),
                          pulled=now)  # fmt: skip
-            return _report(remote, target, None, len(remote.oci.layers), started, already=True)
+            # Sets pushed since it was pulled (or grown) are adopted all the same.
+            adopted = pull_working_sets(client, target, state.views, remote.manifest_digest)
+            report = _report(remote, target, None, len(remote.oci.layers), started, already=True)
+            return report.model_copy(update={"working_sets": adopted})
     report = pull_image(client, target, cache=cache, verified_cache=state.verified,
                         force=target.exists(), jobs=jobs, progress=progress, total=total,
                         remote=remote, claims=state.claims, views=state.views)  # fmt: skip

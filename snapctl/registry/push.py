@@ -194,7 +194,7 @@ def push_image(
                 uploader.submit(blob)
             uploader.finish()
             # Read while the image is held: the pagemaps are the ones just pushed.
-            sets = workingsets.learned_sets(image, views) if views is not None else {}
+            sets = _learned(image, views)
         except BaseException:
             uploader.abort()
             raise
@@ -221,6 +221,16 @@ def push_image(
         mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
         working_sets=attached,
     )
+
+
+def _learned(image: Path, views: Path | None) -> dict[str, list[int]]:
+    """The working sets to attach; none when ``views`` is unreadable (they are a hint)."""
+    if views is None:
+        return {}
+    try:
+        return workingsets.learned_sets(image, views)
+    except OSError:
+        return {}
 
 
 def _oci_manifest(

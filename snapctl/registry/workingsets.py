@@ -11,7 +11,10 @@ artifact manifest whose ``subject`` is the image's OCI manifest. The image's man
 digest do not change (digest pins and signatures hold), and the sets can be pushed again as
 they grow. A pull finds the newest such artifact through the referrers API or, where the
 registry has none, the referrers tag schema of OCI distribution 1.1 (an image index tagged
-``sha256-<hex>``, which other tools' referrers, signatures say, share: theirs are kept).
+``sha256-<hex>``, which other tools' referrers, signatures say, share: their entries are
+written back as they were read). The artifact has no timestamp: the same sets pushed again
+are the same manifest, so pushes do not pile up referrers; of several, a pull takes the one
+with the most pages (a host's sets only grow).
 
 Best effort both ways: the sets are a hint (a page missing is a page fault, one too many is
 restored early), so a failure here is reported and never fails the transfer, and a set whose
@@ -21,27 +24,34 @@ pagemap is not one of the image's own is ignored.
 from __future__ import annotations
 
 import hashlib
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from snapctl.criu.lazy.tuning import WORKING_SET_MAX_PAGES
 from snapctl.criu.lazy.workingset import add_pages, pagemap_key, read_working_set
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
 from snapctl.registry import layout
 from snapctl.registry.client import BlobMismatchError, RegistryClient
 
+M = TypeVar("M", bound=BaseModel)
+
 ARTIFACT_TYPE: Final = "application/vnd.snapctl.working-sets.v1"
 BLOB_MEDIA_TYPE: Final = "application/vnd.snapctl.working-sets.v1+json"
 INDEX_MEDIA_TYPE: Final = "application/vnd.oci.image.index.v1+json"
 EMPTY_MEDIA_TYPE: Final = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG: Final = b"{}"
-# Bounds on what is read whole: an index lists referrers, a blob holds sets of at most
-# WORKING_SET_MAX_PAGES pages per process.
+PAGES_ANNOTATION: Final = "io.snapctl.working-sets.pages"
+# Bounds on what is read whole: an index lists referrers; a blob holds sets of at most
+# WORKING_SET_MAX_PAGES pages (about 2 MB of JSON each) for at most MAX_PROCESSES processes.
 MAX_INDEX_BYTES = 4 << 20
-MAX_BLOB_BYTES = 64 << 20
+MAX_BLOB_BYTES = 16 << 20
+MAX_PROCESSES = 1024
+# Answers to the referrers API that mean "no such API here" (404 is the spec's; proxies and
+# older registries answer an unknown route with the others): use the referrers tag instead.
+NO_REFERRERS_API = (400, 404, 405, 501)
 
 
 class WorkingSets(StrictModel):
@@ -53,9 +63,13 @@ class WorkingSets(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> WorkingSets:
+        if len(self.sets) > MAX_PROCESSES:
+            raise ValueError(f"more than {MAX_PROCESSES} processes")
         for key, pages in self.sets.items():
             if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
                 raise ValueError(f"{key!r} is not the sha256 of a pagemap")
+            if len(pages) > WORKING_SET_MAX_PAGES:
+                raise ValueError(f"a set of more than {WORKING_SET_MAX_PAGES} pages")
             if any(page < 0 for page in pages):
                 raise ValueError("a page number is negative")
         return self
@@ -81,25 +95,38 @@ class ReferrerManifest(BaseModel):
 
 
 class IndexEntry(BaseModel):
-    """One referrer in an image index; fields of other tools' entries are kept as they are."""
+    """A working-sets referrer in an image index (other tools' entries stay raw)."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    mediaType: str
+    mediaType: Literal["application/vnd.oci.image.manifest.v1+json"]
     digest: str = Field(pattern=layout.DIGEST_PATTERN)
     size: int = Field(ge=0)
-    artifactType: str | None = None
-    annotations: dict[str, str] | None = None
+    artifactType: Literal["application/vnd.snapctl.working-sets.v1"]
+    annotations: dict[str, str] = {}
+
+    @property
+    def pages(self) -> int:
+        text = self.annotations.get(PAGES_ANNOTATION, "")
+        return int(text) if text.isdigit() else 0
 
 
 class ReferrerIndex(BaseModel):
-    """The referrers API's answer, or the index at the referrers tag."""
+    """The referrers API's answer, or the index at the referrers tag: its entries as read, so
+    that an index written back keeps other tools' entries whatever their fields."""
 
     model_config = ConfigDict(extra="allow", strict=True)
 
     schemaVersion: Literal[2]
-    mediaType: Literal["application/vnd.oci.image.index.v1+json"] = INDEX_MEDIA_TYPE
-    manifests: list[IndexEntry] = []
+    mediaType: Literal["application/vnd.oci.image.index.v1+json"]
+    manifests: list[dict[str, Any]] = []
+
+    def ours(self) -> list[IndexEntry]:
+        return [IndexEntry.model_validate(entry) for entry in self.manifests
+                if entry.get("artifactType") == ARTIFACT_TYPE]  # fmt: skip
+
+    def others(self) -> list[dict[str, Any]]:
+        return [entry for entry in self.manifests if entry.get("artifactType") != ARTIFACT_TYPE]
 
 
 class WorkingSetsTransfer(StrictModel):
@@ -137,17 +164,17 @@ def learned_sets(image: Path, views: Path) -> dict[str, list[int]]:
 
 
 def adopt(image: Path, views: Path, sets: WorkingSets) -> WorkingSetsTransfer:
-    """Add the sets of ``image``'s own processes to this host's; what was taken."""
+    """Add the sets of ``image``'s own processes to this host's: how many processes' sets
+    it holds, and how many pages were new here."""
     own = image_pagemaps(image)
     taken = {key: pages for key, pages in sets.sets.items() if key in own}
-    for key, pages in taken.items():
-        add_pages(views, key, pages)
-    return WorkingSetsTransfer(processes=len(taken), pages=sum(map(len, taken.values())))
+    added = sum(add_pages(views, key, pages) for key, pages in taken.items())
+    return WorkingSetsTransfer(processes=len(taken), pages=added)
 
 
-def _best_effort(transfer: WorkingSetsTransfer | None, error: Exception) -> WorkingSetsTransfer:
+def _failed(error: Exception) -> WorkingSetsTransfer:
     message = error.message if isinstance(error, SnapctlError) else str(error)
-    return (transfer or WorkingSetsTransfer()).model_copy(update={"error": message})
+    return WorkingSetsTransfer(error=" ".join(message.split()))  # pydantic's is many lines
 
 
 def push_working_sets(client: RegistryClient, sets: dict[str, list[int]],
@@ -156,52 +183,52 @@ def push_working_sets(client: RegistryClient, sets: dict[str, list[int]],
     when there are none)."""
     if not sets:
         return WorkingSetsTransfer()
-    transfer = None
     try:
-        transfer = WorkingSetsTransfer(processes=len(sets), pages=sum(map(len, sets.values())))
         blob = WorkingSets(sets=sets).model_dump_json().encode()
         for data in (EMPTY_CONFIG, blob):
             if not client.has_blob(_digest(data)):
                 client.upload_blob(_digest(data), data)
-        created = datetime.now(UTC).isoformat(timespec="seconds")
+        pages = sum(map(len, sets.values()))
         manifest = ReferrerManifest(
             schemaVersion=2, mediaType=layout.OCI_MANIFEST, artifactType=ARTIFACT_TYPE,
             config=layout.Descriptor(mediaType=EMPTY_MEDIA_TYPE, digest=_digest(EMPTY_CONFIG),
                                      size=len(EMPTY_CONFIG)),
             layers=[layout.Descriptor(mediaType=BLOB_MEDIA_TYPE, digest=_digest(blob),
                                       size=len(blob))],
-            subject=subject, annotations={layout.CREATED: created},
+            subject=subject, annotations={PAGES_ANNOTATION: str(pages)},
         )  # fmt: skip
         body = manifest.model_dump_json(exclude_none=True).encode()
         headers = client.put_manifest(_digest(body), layout.OCI_MANIFEST, body)
-        if not any(name.lower() == "oci-subject" for name in headers):
+        if headers.get("OCI-Subject") is None:
             # No referrers API kept it: list it under the referrers tag instead.
             entry = IndexEntry(mediaType=layout.OCI_MANIFEST, digest=_digest(body),
                                size=len(body), artifactType=ARTIFACT_TYPE,
                                annotations=manifest.annotations)  # fmt: skip
             _list_under_tag(client, subject.digest, entry)
-        return transfer
+        return WorkingSetsTransfer(processes=len(sets), pages=pages)
     except (SnapctlError, OSError, ValueError) as error:
-        return _best_effort(transfer, error)
+        return _failed(error)
 
 
 def _list_under_tag(client: RegistryClient, subject: str, entry: IndexEntry) -> None:
     """Put ``entry`` in the index at the subject's referrers tag, in place of any earlier
-    working sets (the newest has what this host learned); other referrers are kept."""
+    working sets; other tools' entries are written back as read. Read, then rewritten, as
+    every client of the tag schema does: an entry another client adds in between is lost."""
     tag = referrers_tag(subject)
     found = client.find_manifest(tag, INDEX_MEDIA_TYPE, MAX_INDEX_BYTES)
-    index = ReferrerIndex(schemaVersion=2) if found is None else _parse_index(found, tag)
-    kept = [other for other in index.manifests if other.artifactType != ARTIFACT_TYPE]
-    updated = index.model_copy(update={"manifests": [*kept, entry]})
-    client.put_manifest(tag, INDEX_MEDIA_TYPE,
-                        updated.model_dump_json(exclude_none=True).encode())  # fmt: skip
+    index = (ReferrerIndex(schemaVersion=2, mediaType=INDEX_MEDIA_TYPE) if found is None
+             else _parse(ReferrerIndex, found, f"the referrers tag {tag}"))  # fmt: skip
+    updated = index.model_copy(
+        update={"manifests": [*index.others(), entry.model_dump(exclude_none=True)]}
+    )
+    client.put_manifest(tag, INDEX_MEDIA_TYPE, updated.model_dump_json().encode())
 
 
-def _parse_index(data: bytes, where: str) -> ReferrerIndex:
+def _parse(model: type[M], data: bytes, what: str) -> M:
     try:
-        return ReferrerIndex.model_validate_json(data)
+        return model.model_validate_json(data)
     except ValidationError as error:
-        raise BlobMismatchError(f"{where} is not an OCI image index of referrers") from error
+        raise BlobMismatchError(f"{what} is not a valid {model.__name__}: {error}") from error
 
 
 def pull_working_sets(client: RegistryClient, image: Path, views: Path,
@@ -209,7 +236,7 @@ def pull_working_sets(client: RegistryClient, image: Path, views: Path,
     """Adopt the newest working sets attached to the manifest ``subject`` of the pulled
     ``image`` (nothing when none are)."""
     try:
-        listed = client.find_referrers(subject, ARTIFACT_TYPE, MAX_INDEX_BYTES)
+        listed = client.find_referrers(subject, ARTIFACT_TYPE, MAX_INDEX_BYTES, NO_REFERRERS_API)
         where = f"the referrers of {subject}"
         if listed is None:
             where = f"the referrers tag {referrers_tag(subject)}"
@@ -217,21 +244,22 @@ def pull_working_sets(client: RegistryClient, image: Path, views: Path,
                                           MAX_INDEX_BYTES)  # fmt: skip
         if listed is None:
             return WorkingSetsTransfer()
-        ours = [e for e in _parse_index(listed, where).manifests if e.artifactType == ARTIFACT_TYPE]
+        ours = _parse(ReferrerIndex, listed, where).ours()
         if not ours:
             return WorkingSetsTransfer()
-        newest = max(ours, key=lambda entry: (entry.annotations or {}).get(layout.CREATED, ""))
-        body = client.find_manifest(
-            newest.digest, layout.OCI_MANIFEST, layout.MAX_OCI_MANIFEST_BYTES
-        )
-        if body is None or _digest(body) != newest.digest:
-            raise BlobMismatchError(f"the working sets' manifest {newest.digest} is missing or "
+        chosen = max(ours, key=lambda entry: entry.pages)
+        body = client.find_manifest(chosen.digest, layout.OCI_MANIFEST,
+                                    layout.MAX_OCI_MANIFEST_BYTES)  # fmt: skip
+        if body is None or _digest(body) != chosen.digest:
+            raise BlobMismatchError(f"the working sets' manifest {chosen.digest} is missing or "
                                     "does not match its digest")  # fmt: skip
-        manifest = ReferrerManifest.model_validate_json(body)
+        manifest = _parse(ReferrerManifest, body, f"the manifest {chosen.digest}")
         if manifest.subject.digest != subject:
-            raise BlobMismatchError(f"{newest.digest} is not attached to {subject}")
+            raise BlobMismatchError(f"{chosen.digest} is not attached to {subject}")
+        if manifest.blob.mediaType != BLOB_MEDIA_TYPE:
+            raise BlobMismatchError(f"{chosen.digest} holds {manifest.blob.mediaType}")
         data = client.read_blob(manifest.blob.digest, manifest.blob.size, MAX_BLOB_BYTES,
                                 "the working sets")  # fmt: skip
-        return adopt(image, views, WorkingSets.model_validate_json(data))
+        return adopt(image, views, _parse(WorkingSets, data, "the working sets"))
     except (SnapctlError, OSError, ValueError) as error:
-        return _best_effort(None, error)
+        return _failed(error)

@@ -6,18 +6,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import pytest
 from click.testing import CliRunner
+from requests.structures import CaseInsensitiveDict
 
 from snapctl.cli import snapctl
 from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, read_working_set
 from snapctl.criu.lazy.workingset import working_set_path as set_path
 from snapctl.images.store import ImageStaging, hash_tree
-from snapctl.registry import workingsets
+from snapctl.registry import layout, workingsets
 from snapctl.registry.cache import BlobCache
-from snapctl.registry.client import Reference, RegistryClient
+from snapctl.registry.client import Reference, RegistryClient, RegistryError
 from snapctl.registry.pull import pull_image
 from snapctl.registry.push import push_image
 from tests.images.factories import make_manifest
@@ -84,7 +87,12 @@ def test_a_pull_adopts_the_sets_the_push_attached(registry_server: RegistryServe
     assert read_working_set(host_b, "f" * 64) is None
     # The registry here has no referrers API: the artifact is listed under the tag schema.
     index = index_at_tag(registry_server, "ws/a", pushed.manifest_digest)
-    assert [m["artifactType"] for m in index["manifests"]] == [workingsets.ARTIFACT_TYPE]  # type: ignore[index]
+    listed = index["manifests"]
+    assert [m["artifactType"] for m in listed] == [workingsets.ARTIFACT_TYPE]  # type: ignore[union-attr, index, attr-defined]
+    # The same sets pushed again are the same artifact: nothing piles up.
+    push_image(image, Reference.parse(f"{registry_server.address}/ws/a:v1"),
+               client(registry_server, "ws/a:v1"), views=views)  # fmt: skip
+    assert index_at_tag(registry_server, "ws/a", pushed.manifest_digest)["manifests"] == listed
 
 
 def test_sets_pushed_again_replace_the_old_keep_the_digest_and_other_referrers(
@@ -184,3 +192,78 @@ def test_the_cli_says_what_became_of_the_sets(registry_server: RegistryServer, t
     assert json.loads(pulled.stdout)["working_sets"] == {"processes": 1, "pages": len(PAGES),
                                                          "error": None}  # fmt: skip
     assert read_working_set(tmp_path / "host-b" / "views", engine) == frozenset(PAGES)
+
+
+class FakeRegistry:
+    """The calls the working sets make, against a registry with or without the referrers API
+    (``no_api``: the status its referrers endpoint answers then), or one refusing tags."""
+
+    def __init__(self, *, referrers_api: bool, no_api: int = 404, refuse_tags: bool = False):
+        self.referrers_api, self.no_api, self.refuse_tags = referrers_api, no_api, refuse_tags
+        self.blobs: dict[str, bytes] = {}
+        self.manifests: dict[str, bytes] = {}
+
+    def has_blob(self, digest: str) -> bool:
+        return digest in self.blobs
+
+    def upload_blob(self, digest: str, data: bytes) -> None:
+        self.blobs[digest] = data
+
+    def put_manifest(self, target: str, media_type: str, body: bytes) -> Mapping[str, str]:
+        if self.refuse_tags and not target.startswith("sha256:"):
+            raise RegistryError(f"PUT {target}: DENIED")
+        self.manifests[target] = body
+        subject = json.loads(body).get("subject")
+        headers = {"oci-subject": subject["digest"]} if subject and self.referrers_api else {}
+        return CaseInsensitiveDict(headers)
+
+    def find_manifest(self, target: str, accept: str, max_bytes: int) -> bytes | None:
+        return self.manifests.get(target)
+
+    def find_referrers(self, digest: str, artifact_type: str, max_bytes: int,
+                       no_api: tuple[int, ...] = (404,)) -> bytes | None:  # fmt: skip
+        if not self.referrers_api:
+            if self.no_api in no_api:
+                return None
+            raise RegistryError(f"referrers: HTTP {self.no_api}")
+        entries = [{"mediaType": layout.OCI_MANIFEST, "digest": workingsets._digest(body),
+                    "size": len(body), "artifactType": json.loads(body)["artifactType"],
+                    "annotations": json.loads(body).get("annotations", {})}
+                   for body in self.manifests.values()
+                   if json.loads(body).get("subject", {}).get("digest") == digest]  # fmt: skip
+        return json.dumps({"schemaVersion": 2, "mediaType": workingsets.INDEX_MEDIA_TYPE,
+                           "manifests": entries}).encode()  # fmt: skip
+
+    def read_blob(self, digest: str, size: int, max_bytes: int, what: str) -> bytes:
+        return self.blobs[digest]
+
+
+SUBJECT = layout.Descriptor(mediaType=layout.OCI_MANIFEST, digest="sha256:" + "ab" * 32, size=9)
+
+
+@pytest.mark.parametrize(("referrers_api", "no_api"), [(True, 404), (False, 404), (False, 405)])
+def test_the_referrers_api_or_else_the_tag(tmp_path: Path, referrers_api: bool,
+                                           no_api: int) -> None:  # fmt: skip
+    image = tmp_path / "image"
+    engine, _ = publish_with_pagemaps(image)
+    registry = FakeRegistry(referrers_api=referrers_api, no_api=no_api)
+    fake = cast(RegistryClient, registry)
+
+    pushed = workingsets.push_working_sets(fake, {engine: PAGES}, SUBJECT)
+    assert pushed == workingsets.WorkingSetsTransfer(processes=1, pages=len(PAGES))
+    tag = workingsets.referrers_tag(SUBJECT.digest)
+    assert (tag in registry.manifests) is not referrers_api  # the API keeps it: no tag
+    adopted = workingsets.pull_working_sets(fake, image, tmp_path / "views", SUBJECT.digest)
+    assert adopted == workingsets.WorkingSetsTransfer(processes=1, pages=len(PAGES))
+
+
+def test_a_registry_refusing_the_tag_or_the_api_fails_only_the_sets(tmp_path: Path) -> None:
+    image = tmp_path / "image"
+    engine, _ = publish_with_pagemaps(image)
+    refusing = cast(RegistryClient, FakeRegistry(referrers_api=False, refuse_tags=True))
+    pushed = workingsets.push_working_sets(refusing, {engine: PAGES}, SUBJECT)
+    assert pushed.processes == 0 and pushed.error is not None and "DENIED" in pushed.error
+
+    broken = cast(RegistryClient, FakeRegistry(referrers_api=False, no_api=500))
+    pulled = workingsets.pull_working_sets(broken, image, tmp_path / "views", SUBJECT.digest)
+    assert pulled.error == "referrers: HTTP 500" and not (tmp_path / "views").exists()
