@@ -352,9 +352,10 @@ def render(results: VllmResults) -> str:
             continue
         ready = _median([s["ready_s"] for s in samples])
         speedup = results.cold_start_s / ready if ready else 0.0
+        each = ", ".join(f"{s['ready_s']:.2f}" for s in samples)
         lines.append(
-            f"| {kind} copy → first correct completion | {ready:.2f} s ({speedup:.0f}x sooner) "
-            f"| {target} |"
+            f"| {kind} copy → first correct completion | {ready:.2f} s ({speedup:.0f}x sooner; "
+            f"{each} s) | {target} |"
         )
         for phase in samples[0]["phases"]:
             value = _median([s["phases"][phase] for s in samples])
@@ -362,6 +363,13 @@ def render(results: VllmResults) -> str:
             lines.append(f"| {kind}: {phase} | {value * 1000:.0f} ms | {target_text} |")
         after = _median([s["validated_to_http_200"] for s in samples])
         lines.append(f"| {kind}: validated → first 200 | {after * 1000:.0f} ms | ≤ 0.1 s |")
+    if results.new_host:
+        host = results.new_host
+        lines.append(
+            f"| new host: push, pull; working sets pulled | {host['push_s']:.1f} s, "
+            f"{host['pull_s']:.1f} s; {host['sets_processes']:.0f} processes, "
+            f"{host['sets_pages']:.0f} pages | |"
+        )
     return "\n".join(lines) + "\n"
 
 

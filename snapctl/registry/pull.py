@@ -39,7 +39,7 @@ from snapctl.progress import ByteProgress
 from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache, pulled_image, write_record
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
-from snapctl.registry.workingsets import WorkingSetsTransfer, pull_working_sets
+from snapctl.registry.workingsets import WorkingSetsTransfer, learned_sets, pull_working_sets
 from snapctl.statedir import StateDir
 
 M = TypeVar("M", bound=BaseModel)
@@ -407,8 +407,11 @@ def pull_cached(
             write_record(target, manifest_digest=remote.manifest_digest,
                          image_id=present.image_id, reference=str(client.reference),
                          pulled=now)  # fmt: skip
-            # Sets pushed since it was pulled (or grown) are adopted all the same.
-            adopted = pull_working_sets(client, target, state.views, remote.manifest_digest)
+            # Sets pushed since it was pulled are adopted, while this host knows none of its
+            # own (they cost a few requests: not on every copy).
+            adopted = WorkingSetsTransfer()
+            if not learned_sets(target, state.views):
+                adopted = pull_working_sets(client, target, state.views, remote.manifest_digest)
             report = _report(remote, target, None, len(remote.oci.layers), started, already=True)
             return report.model_copy(update={"working_sets": adopted})
     report = pull_image(client, target, cache=cache, verified_cache=state.verified,

@@ -21,8 +21,9 @@ from snapctl.images.store import ImageStaging, hash_tree
 from snapctl.registry import layout, workingsets
 from snapctl.registry.cache import BlobCache
 from snapctl.registry.client import Reference, RegistryClient, RegistryError
-from snapctl.registry.pull import pull_image
+from snapctl.registry.pull import pull_cached, pull_image
 from snapctl.registry.push import push_image
+from snapctl.statedir import StateDir
 from tests.images.factories import make_manifest
 from tests.registry.server import RegistryServer
 
@@ -267,3 +268,24 @@ def test_a_registry_refusing_the_tag_or_the_api_fails_only_the_sets(tmp_path: Pa
     broken = cast(RegistryClient, FakeRegistry(referrers_api=False, no_api=500))
     pulled = workingsets.pull_working_sets(broken, image, tmp_path / "views", SUBJECT.digest)
     assert pulled.error == "referrers: HTTP 500" and not (tmp_path / "views").exists()
+
+
+def test_an_image_pulled_already_adopts_sets_only_while_none_are_known(
+    registry_server: RegistryServer, tmp_path: Path
+) -> None:
+    image = tmp_path / "image"
+    engine, _ = publish_with_pagemaps(image)
+    ref = Reference.parse(f"{registry_server.address}/ws/again:v1")
+    learn(tmp_path / "views", engine, PAGES)
+    push_image(image, ref, client(registry_server, "ws/again:v1"), views=tmp_path / "views")
+    host = StateDir(tmp_path / "host")
+    host.ensure()
+
+    first = pull_cached(client(registry_server, "ws/again:v1"), host)
+    assert not first.already_pulled and first.working_sets.processes == 1
+    set_path(host.views, engine).unlink()  # say, pulled before the sets were pushed
+    second = pull_cached(client(registry_server, "ws/again:v1"), host)
+    assert second.already_pulled and second.working_sets.processes == 1
+    assert read_working_set(host.views, engine) == frozenset(PAGES)
+    third = pull_cached(client(registry_server, "ws/again:v1"), host)
+    assert third.already_pulled and third.working_sets == workingsets.WorkingSetsTransfer()
