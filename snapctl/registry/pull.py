@@ -410,7 +410,7 @@ def pull_cached(
             # Sets pushed since it was pulled are adopted, while this host knows none of its
             # own (they cost a few requests: not on every copy).
             adopted = WorkingSetsTransfer()
-            if not learned_sets(target, state.views):
+            if not _knows_sets(target, state.views):
                 adopted = pull_working_sets(client, target, state.views, remote.manifest_digest)
             report = _report(remote, target, None, len(remote.oci.layers), started, already=True)
             return report.model_copy(update={"working_sets": adopted})
@@ -420,3 +420,10 @@ def pull_cached(
     write_record(target, manifest_digest=remote.manifest_digest, image_id=report.image_id,
                  reference=str(client.reference), pulled=now)  # fmt: skip
     return report
+
+
+def _knows_sets(image: Path, views: Path) -> bool:
+    try:
+        return bool(learned_sets(image, views))
+    except OSError:
+        return True  # the image cannot be read now: nothing to adopt for it

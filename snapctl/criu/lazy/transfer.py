@@ -45,6 +45,10 @@ class PagesStatus(BaseModel):
     failure: str | None = None
 
 
+# How long stop() waits for a copy's learning (reading its daemon's log, writing its sets).
+LEARN_JOIN_S = 5.0
+
+
 class LazyTransfer:
     """Watches one lazy-pages daemon from a thread; reports its end through two callbacks.
 
@@ -69,6 +73,7 @@ class LazyTransfer:
         self.daemon = daemon
         self._learn = learn
         self._learned = False
+        self._learner: threading.Thread | None = None
         self._released_at: float | None = None
         self._restore_started = restore_started
         self._on_failure = on_failure
@@ -118,14 +123,20 @@ class LazyTransfer:
         finally:
             self._finished.set()
 
-    def _learn_until_release(self) -> None:
+    def _claim_learning(self) -> float | None:
+        """The ``until_s`` to learn until, for the one caller that is to learn (else None)."""
         with self._lock:
-            released_at = self._released_at
-            if self._learn is None or released_at is None or self._learned:
-                return
+            if self._learn is None or self._released_at is None or self._learned:
+                return None
             self._learned = True
+            return self._released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S
+
+    def _learn_until_release(self, until_s: float | None = None) -> None:
+        until_s = self._claim_learning() if until_s is None else until_s
+        if until_s is None or self._learn is None:
+            return
         with contextlib.suppress(Exception):  # a cache: never the copy's failure
-            self._learn(released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S)
+            self._learn(until_s)
 
     def release_transfer(self, delay_s: float = 0.0) -> None:
         """The copy is ready, or about to need its memory in bulk: start the background
@@ -136,10 +147,12 @@ class LazyTransfer:
                 self._released_at = release_at
             ended = self._status.state == "complete"
         self.daemon.release_transfer(delay_s)
-        if ended:
-            # Off the caller's path: it is the copy becoming ready.
-            threading.Thread(target=self._learn_until_release, name="lazy-pages-learn",
-                             daemon=True).start()  # fmt: skip
+        until_s = self._claim_learning() if ended else None
+        if until_s is not None:
+            # Off the caller's path (it is the copy becoming ready); stop() waits for it.
+            self._learner = threading.Thread(target=self._learn_until_release, args=(until_s,),
+                                             name="lazy-pages-learn", daemon=True)  # fmt: skip
+            self._learner.start()
 
     def wait(self, timeout_s: float | None = None) -> PagesStatus:
         """Wait until the transfer ended (or ``timeout_s``, if given); return the status then."""
@@ -153,4 +166,6 @@ class LazyTransfer:
         self.daemon.kill()
         if self._thread is not threading.current_thread():
             self._thread.join()
+        if self._learner is not None:
+            self._learner.join(LEARN_JOIN_S)  # a cache: not worth holding a stop for longer
         return self.status
