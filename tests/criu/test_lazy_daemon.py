@@ -197,18 +197,25 @@ def test_releasing_an_unheld_transfer_does_nothing(
     assert transfer.stop().state == "stopped" and failures == []
 
 
-@pytest.mark.parametrize("released", [True, False])
-def test_a_complete_transfer_learns_until_its_first_release(
-    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, released: bool
-) -> None:
+def learning(fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *,
+             sleep_s: float) -> tuple[LazyTransfer, float, list[float]]:  # fmt: skip
+    """A transfer whose daemon ends after ``sleep_s``, the restore's start, what it learns."""
     monkeypatch.setenv("FAKE_MODE", "ready")
-    monkeypatch.setenv("FAKE_SLEEP", "0.3")
+    monkeypatch.setenv("FAKE_SLEEP", str(sleep_s))
     started = time.monotonic()
     learned: list[float] = []
     transfer = LazyTransfer(
         start(fake, tmp_path), restore_started=started, on_failure=lambda reason: None,
         on_done=lambda status: None, learn=learned.append,
     )  # fmt: skip
+    return transfer, started, learned
+
+
+@pytest.mark.parametrize("released", [True, False])
+def test_a_complete_transfer_learns_until_its_first_release(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, released: bool
+) -> None:
+    transfer, started, learned = learning(fake, tmp_path, monkeypatch, sleep_s=0.3)
     if released:
         transfer.release_transfer(0.05)
         transfer.release_transfer(10)  # later: the first release counts
@@ -225,14 +232,7 @@ def test_a_transfer_that_ended_before_the_copy_was_ready_learns_at_its_release(
     fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Not held back, a transfer can end before the handshake does: its faults still count.
-    monkeypatch.setenv("FAKE_MODE", "ready")
-    monkeypatch.setenv("FAKE_SLEEP", "0.1")
-    started = time.monotonic()
-    learned: list[float] = []
-    transfer = LazyTransfer(
-        start(fake, tmp_path), restore_started=started, on_failure=lambda reason: None,
-        on_done=lambda status: None, learn=learned.append,
-    )  # fmt: skip
+    transfer, started, learned = learning(fake, tmp_path, monkeypatch, sleep_s=0.1)
     assert transfer.wait(10).state == "complete" and learned == []
     before = time.monotonic() + 0.05 - started + tuning.LEARN_AFTER_RELEASE_S
     transfer.release_transfer(0.05)
