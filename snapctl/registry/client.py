@@ -309,8 +309,10 @@ class RegistryClient:
             if response.status_code not in (201, 204):
                 raise self.refuse(response, f"the upload of blob {digest}")
 
-    def read_blob(self, digest: str, size: int, max_bytes: int, what: str) -> bytes:
-        """A small blob read whole (at most ``max_bytes``), checked against its digest."""
+    def read_blob(self, digest: str, size: int, max_bytes: int, what: str,
+                  outcome: str = "nothing was published") -> bytes:  # fmt: skip
+        """A small blob read whole (at most ``max_bytes``), checked against its digest; a
+        mismatch's message ends with ``outcome``."""
         if size > max_bytes:
             raise BlobMismatchError(f"{what} of {self.reference} exceeds {max_bytes} bytes")
         data = bytearray()
@@ -321,7 +323,7 @@ class RegistryClient:
         if len(data) != size or "sha256:" + hashlib.sha256(data).hexdigest() != digest:
             raise BlobMismatchError(
                 f"{what} of {self.reference} does not match its digest {digest} "
-                "(damaged in the registry or in transit): nothing was published"
+                f"(damaged in the registry or in transit): {outcome}"
             )
         return bytes(data)
 

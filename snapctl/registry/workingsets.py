@@ -9,7 +9,7 @@ memory eagerly and is the slowest one (docs/lazy.md), on every host of a fleet.
 How: the sets of the image's processes that this host learned are one JSON blob, put in an
 artifact manifest whose ``subject`` is the image's OCI manifest. The image's manifest and its
 digest do not change (digest pins and signatures hold), and the sets can be pushed again as
-they grow. A pull finds the newest such artifact through the referrers API or, where the
+they grow. A pull finds such artifacts through the referrers API or, where the
 registry has none, the referrers tag schema of OCI distribution 1.1 (an image index tagged
 ``sha256-<hex>``, which other tools' referrers, signatures say, share: their entries are
 written back as they were read). The artifact has no timestamp: the same sets pushed again
@@ -233,8 +233,8 @@ def _parse(model: type[M], data: bytes, what: str) -> M:
 
 def pull_working_sets(client: RegistryClient, image: Path, views: Path,
                       subject: str) -> WorkingSetsTransfer:  # fmt: skip
-    """Adopt the newest working sets attached to the manifest ``subject`` of the pulled
-    ``image`` (nothing when none are)."""
+    """Adopt the working sets attached to the manifest ``subject`` of the pulled ``image``
+    (of several, those with the most pages; nothing when none are)."""
     try:
         listed = client.find_referrers(subject, ARTIFACT_TYPE, MAX_INDEX_BYTES, NO_REFERRERS_API)
         where = f"the referrers of {subject}"
@@ -259,7 +259,7 @@ def pull_working_sets(client: RegistryClient, image: Path, views: Path,
         if manifest.blob.mediaType != BLOB_MEDIA_TYPE:
             raise BlobMismatchError(f"{chosen.digest} holds {manifest.blob.mediaType}")
         data = client.read_blob(manifest.blob.digest, manifest.blob.size, MAX_BLOB_BYTES,
-                                "the working sets")  # fmt: skip
+                                "the working sets", outcome="none were adopted")  # fmt: skip
         return adopt(image, views, _parse(WorkingSets, data, "the working sets"))
     except (SnapctlError, OSError, ValueError) as error:
         return _failed(error)
