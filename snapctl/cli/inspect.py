@@ -12,6 +12,7 @@ from snapctl.cli.output import emit_json, json_option, stdout
 
 if TYPE_CHECKING:
     from snapctl.images import Manifest
+    from snapctl.registry.workingsets import AttachedSets
     from snapctl.statedir import StateDir
 
 
@@ -37,15 +38,16 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     if is_reference(source):
         if verify:
             raise click.UsageError("--verify reads every file: pull the image first")
-        remote = describe_remote(source, StateDir(), plain_http=plain_http)
+        remote, sets = describe_remote(source, StateDir(), plain_http=plain_http)
         if as_json:
             emit_json(
                 {"reference": source, "manifest_digest": remote.manifest_digest,
                  "annotations": remote.oci.annotations,
-                 "manifest": remote.manifest.model_dump(mode="json"), "verified": False}
+                 "manifest": remote.manifest.model_dump(mode="json"), "verified": False,
+                 "working_sets": sets.model_dump(mode="json")}
             )  # fmt: skip
             return
-        _show(source, remote.manifest, False, brief)
+        _show(source, remote.manifest, False, brief, sets=_sets_text(sets))
         return
     from snapctl.cli.remote import agent_client, call
 
@@ -81,9 +83,18 @@ def inspect_record(image: Path, verify: bool, state: StateDir) -> dict[str, Any]
             "verified": verify}  # fmt: skip
 
 
-def _show(where: str, manifest: Manifest, verify: bool, brief: bool) -> None:
+def _sets_text(sets: AttachedSets) -> str:
+    if sets.error is not None:
+        return f"not readable ({sets.error})"
+    if not sets.artifacts:
+        return "none attached (a push after lazy copies attaches them)"
+    return f"{sets.pages:,} pages attached ({sets.artifacts} artifacts)"
+
+
+def _show(where: str, manifest: Manifest, verify: bool, brief: bool,
+          sets: str | None = None) -> None:  # fmt: skip
     console = stdout()
-    console.print(_summary(where, manifest, verify))
+    console.print(_summary(where, manifest, verify, sets))
     if brief:
         return
     console.print(_processes(manifest))
@@ -102,7 +113,7 @@ def _table(title: str, *columns: str) -> Any:
     return table
 
 
-def _summary(image: str, manifest: Manifest, verify: bool) -> Any:
+def _summary(image: str, manifest: Manifest, verify: bool, sets: str | None) -> Any:
     from snapctl.criu.external import host_mounts
 
     table = _table(f"image {manifest.image_id}")
@@ -124,6 +135,7 @@ def _summary(image: str, manifest: Manifest, verify: bool) -> Any:
         ("files", f"{len(manifest.files)} ({manifest.total_bytes / 1e6:.1f} MB)"),
         ("oracle", f"{manifest.oracle.token_ids} {manifest.oracle.text!r}"),
         ("verified", "yes, every sha256 matches" if verify else "not checked (--verify)"),
+        *([("working sets", sets)] if sets is not None else []),
     ]:
         table.add_row(label, value)
     return table

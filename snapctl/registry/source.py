@@ -11,6 +11,7 @@ from snapctl.images.store import ImageError
 from snapctl.registry.cache import blob_cache, pulled_root, read_record
 from snapctl.registry.client import Reference, RegistryClient
 from snapctl.registry.pull import DEFAULT_JOBS, PullReport, Remote, describe, pull_cached
+from snapctl.registry.workingsets import AttachedSets, attached
 from snapctl.statedir import StateDir
 
 
@@ -53,11 +54,15 @@ def pull_for_copy(
         client.close()
 
 
-def describe_remote(reference: str, state: StateDir, *, plain_http: bool) -> Remote:
-    """The manifest, config and manifest.json of ``reference``: no page data is fetched."""
+def describe_remote(
+    reference: str, state: StateDir, *, plain_http: bool
+) -> tuple[Remote, AttachedSets]:
+    """The manifest, config and manifest.json of ``reference``, and the working sets attached
+    to it (their list only): no page data is fetched."""
     client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
     try:
-        return describe(client, blob_cache(state))
+        remote = describe(client, blob_cache(state))
+        return remote, attached(client, remote.manifest_digest)
     finally:
         client.close()
 

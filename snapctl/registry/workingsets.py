@@ -172,6 +172,34 @@ def adopt(image: Path, views: Path, sets: WorkingSets) -> WorkingSetsTransfer:
     return WorkingSetsTransfer(processes=len(taken), pages=added)
 
 
+class AttachedSets(StrictModel):
+    """The working sets attached to an image in its registry (``inspect REF``): how many
+    artifacts, the pages of the one a pull takes; the reason when they could not be read."""
+
+    artifacts: int = 0
+    pages: int = 0
+    error: str | None = None
+
+
+def attached(client: RegistryClient, subject: str) -> AttachedSets:
+    """What is attached to the image manifest ``subject``: the referrers' list only."""
+    try:
+        ours = _attached(client, subject)
+    except (SnapctlError, OSError, ValueError) as error:
+        return AttachedSets(error=_failed(error).error)
+    return AttachedSets(artifacts=len(ours), pages=max((e.pages for e in ours), default=0))
+
+
+def _attached(client: RegistryClient, subject: str) -> list[IndexEntry]:
+    listed = client.find_referrers(subject, ARTIFACT_TYPE, MAX_INDEX_BYTES, NO_REFERRERS_API)
+    where = f"the referrers of {subject}"
+    if listed is None:
+        where = f"the referrers tag {referrers_tag(subject)}"
+        listed = client.find_manifest(referrers_tag(subject), INDEX_MEDIA_TYPE,
+                                      MAX_INDEX_BYTES)  # fmt: skip
+    return [] if listed is None else _parse(ReferrerIndex, listed, where).ours()
+
+
 def _failed(error: Exception) -> WorkingSetsTransfer:
     message = error.message if isinstance(error, SnapctlError) else str(error)
     return WorkingSetsTransfer(error=" ".join(message.split()))  # pydantic's is many lines
@@ -236,15 +264,7 @@ def pull_working_sets(client: RegistryClient, image: Path, views: Path,
     """Adopt the working sets attached to the manifest ``subject`` of the pulled ``image``
     (of several, those with the most pages; nothing when none are)."""
     try:
-        listed = client.find_referrers(subject, ARTIFACT_TYPE, MAX_INDEX_BYTES, NO_REFERRERS_API)
-        where = f"the referrers of {subject}"
-        if listed is None:
-            where = f"the referrers tag {referrers_tag(subject)}"
-            listed = client.find_manifest(referrers_tag(subject), INDEX_MEDIA_TYPE,
-                                          MAX_INDEX_BYTES)  # fmt: skip
-        if listed is None:
-            return WorkingSetsTransfer()
-        ours = _parse(ReferrerIndex, listed, where).ours()
+        ours = _attached(client, subject)
         if not ours:
             return WorkingSetsTransfer()
         chosen = max(ours, key=lambda entry: entry.pages)

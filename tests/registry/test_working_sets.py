@@ -182,9 +182,14 @@ def test_the_cli_says_what_became_of_the_sets(registry_server: RegistryServer, t
     before = CliRunner().invoke(snapctl, ["image", "push", str(image), ref, "--plain-http"])
     assert before.exit_code == 0, before.output
     assert "working sets: none learned here yet" in before.stdout
+    shown = CliRunner().invoke(snapctl, ["inspect", ref, "--plain-http", "--brief"])
+    assert "none attached" in shown.stdout, shown.output
     learn(tmp_path / "state" / "views", engine, PAGES)
     pushed = CliRunner().invoke(snapctl, ["image", "push", str(image), ref, "--plain-http"])
     assert f"working sets: 1 processes, {len(PAGES)} pages attached" in pushed.stdout
+    shown = CliRunner().invoke(snapctl, ["inspect", ref, "--plain-http", "--json"])
+    assert json.loads(shown.stdout)["working_sets"] == {"artifacts": 1, "pages": len(PAGES),
+                                                        "error": None}  # fmt: skip
 
     monkeypatch.setenv("SNAPCTL_STATE_DIR", str(tmp_path / "host-b"))
     pulled = CliRunner().invoke(snapctl, ["image", "pull", ref, "--to", str(tmp_path / "out"),
