@@ -88,7 +88,8 @@ def _sets_text(sets: AttachedSets) -> str:
         return f"not readable ({sets.error})"
     if not sets.artifacts:
         return "none attached (a push after lazy copies attaches them)"
-    return f"{sets.pages:,} pages attached ({sets.artifacts} artifacts)"
+    artifacts = "1 artifact" if sets.artifacts == 1 else f"{sets.artifacts} artifacts"
+    return f"{sets.pages:,} pages attached ({artifacts})"
 
 
 def _show(where: str, manifest: Manifest, verify: bool, brief: bool,
