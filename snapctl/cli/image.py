@@ -182,9 +182,10 @@ def working_sets_line(report: PushReport | PullReport) -> str:
     if sets.processes == 0:
         return ("  working sets: none learned here yet (a lazy copy of the image learns them)"
                 if pushed else "  working sets: none attached to the image")  # fmt: skip
+    processes = "1 process" if sets.processes == 1 else f"{sets.processes} processes"
     if pushed:
-        return f"  working sets: {sets.processes} processes, {sets.pages:,} pages attached"
-    return f"  working sets: {sets.processes} processes adopted, {sets.pages:,} pages new here"
+        return f"  working sets: {processes}, {sets.pages:,} pages attached"
+    return f"  working sets: {processes} adopted, {sets.pages:,} pages new here"
 
 
 def render_push(report: PushReport) -> None:

@@ -186,7 +186,7 @@ def test_the_cli_says_what_became_of_the_sets(registry_server: RegistryServer, t
     assert "none attached" in shown.stdout, shown.output
     learn(tmp_path / "state" / "views", engine, PAGES)
     pushed = CliRunner().invoke(snapctl, ["image", "push", str(image), ref, "--plain-http"])
-    assert f"working sets: 1 processes, {len(PAGES)} pages attached" in pushed.stdout
+    assert f"working sets: 1 process, {len(PAGES)} pages attached" in pushed.stdout
     shown = CliRunner().invoke(snapctl, ["inspect", ref, "--plain-http", "--json"])
     assert json.loads(shown.stdout)["working_sets"] == {"artifacts": 1, "pages": len(PAGES),
                                                         "error": None}  # fmt: skip
