@@ -242,3 +242,16 @@ def test_a_transfer_that_ended_before_the_copy_was_ready_learns_at_its_release(
     (until_s,) = learned
     assert before <= until_s <= at
     assert [t for t in threading.enumerate() if t.name == "lazy-pages-learn"] == []
+
+
+def test_a_copy_released_long_after_its_transfer_ended_learns_nothing(
+    fake: CriuBinary, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Parked with every page in: its activation's touches were no faults, so no set from it.
+    monkeypatch.setattr(tuning, "LEARN_RELEASE_AFTER_END_MAX_S", 0.2)
+    transfer, _, learned = learning(fake, tmp_path, monkeypatch, sleep_s=0.05)
+    assert transfer.wait(10).state == "complete"
+    time.sleep(0.3)
+    transfer.release_transfer(0.05)
+    transfer.stop()
+    assert learned == []

@@ -73,6 +73,7 @@ class LazyTransfer:
         self.daemon = daemon
         self._learn = learn
         self._learned = False
+        self._ended_at: float | None = None  # when the transfer completed, if before a release
         self._learner: threading.Thread | None = None
         self._released_at: float | None = None
         self._restore_started = restore_started
@@ -99,6 +100,8 @@ class LazyTransfer:
             if self._stopping:
                 result = PagesStatus(state="stopped")
             elif status == 0:
+                if self._released_at is None:
+                    self._ended_at = time.monotonic()
                 result = PagesStatus(
                     state="complete",
                     complete_s=round(time.monotonic() - self._restore_started, 6),
@@ -128,6 +131,9 @@ class LazyTransfer:
         with self._lock:
             if self._learn is None or self._released_at is None or self._learned:
                 return None
+            if (self._ended_at is not None and self._released_at - self._ended_at
+                    > tuning.LEARN_RELEASE_AFTER_END_MAX_S):  # fmt: skip
+                return None  # parked meanwhile: nothing to learn from
             self._learned = True
             return self._released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S
 

@@ -40,3 +40,8 @@ WORKING_SET_MIN_GROWTH = 0.02
 # A copy's working set is what its daemon served as faults until this long after the transfer's
 # release: the request that asked for the copy comes right after it is ready.
 LEARN_AFTER_RELEASE_S = 1.0
+# A transfer that ended before its copy was ready is learned from at the copy's release, if
+# that comes within this long of the end: a copy released later was parked (a pool's) with
+# its pages in, and what it faulted while parked is not what a copy touches on its way to
+# ready (the pages its activation touched had arrived by then, and were no faults).
+LEARN_RELEASE_AFTER_END_MAX_S = 10.0
