@@ -186,7 +186,7 @@ def attached(client: RegistryClient, subject: str) -> AttachedSets:
     try:
         ours = _attached(client, subject)
     except (SnapctlError, OSError, ValueError) as error:
-        return AttachedSets(error=_failed(error).error)
+        return AttachedSets(error=_one_line(error))
     return AttachedSets(artifacts=len(ours), pages=max((e.pages for e in ours), default=0))
 
 
@@ -200,9 +200,13 @@ def _attached(client: RegistryClient, subject: str) -> list[IndexEntry]:
     return [] if listed is None else _parse(ReferrerIndex, listed, where).ours()
 
 
-def _failed(error: Exception) -> WorkingSetsTransfer:
+def _one_line(error: Exception) -> str:
     message = error.message if isinstance(error, SnapctlError) else str(error)
-    return WorkingSetsTransfer(error=" ".join(message.split()))  # pydantic's is many lines
+    return " ".join(message.split())  # pydantic's is many lines
+
+
+def _failed(error: Exception) -> WorkingSetsTransfer:
+    return WorkingSetsTransfer(error=_one_line(error))
 
 
 def push_working_sets(client: RegistryClient, sets: dict[str, list[int]],

@@ -73,7 +73,6 @@ class LazyTransfer:
         self.daemon = daemon
         self._learn = learn
         self._learned = False
-        self._ended_at: float | None = None  # when the transfer completed, if before a release
         self._learner: threading.Thread | None = None
         self._released_at: float | None = None
         self._restore_started = restore_started
@@ -100,8 +99,6 @@ class LazyTransfer:
             if self._stopping:
                 result = PagesStatus(state="stopped")
             elif status == 0:
-                if self._released_at is None:
-                    self._ended_at = time.monotonic()
                 result = PagesStatus(
                     state="complete",
                     complete_s=round(time.monotonic() - self._restore_started, 6),
@@ -131,16 +128,20 @@ class LazyTransfer:
         with self._lock:
             if self._learn is None or self._released_at is None or self._learned:
                 return None
-            if (self._ended_at is not None and self._released_at - self._ended_at
+            ended_s = self._status.complete_s
+            if (ended_s is not None and self._released_at - self._restore_started - ended_s
                     > tuning.LEARN_RELEASE_AFTER_END_MAX_S):  # fmt: skip
-                return None  # parked meanwhile: nothing to learn from
+                return None  # released long after its end: parked meanwhile, nothing to learn
             self._learned = True
             return self._released_at - self._restore_started + tuning.LEARN_AFTER_RELEASE_S
 
-    def _learn_until_release(self, until_s: float | None = None) -> None:
-        until_s = self._claim_learning() if until_s is None else until_s
-        if until_s is None or self._learn is None:
-            return
+    def _learn_until_release(self) -> None:
+        until_s = self._claim_learning()
+        if until_s is not None:
+            self._learn_until(until_s)
+
+    def _learn_until(self, until_s: float) -> None:
+        assert self._learn is not None  # claimed
         with contextlib.suppress(Exception):  # a cache: never the copy's failure
             self._learn(until_s)
 
@@ -156,7 +157,7 @@ class LazyTransfer:
         until_s = self._claim_learning() if ended else None
         if until_s is not None:
             # Off the caller's path (it is the copy becoming ready); stop() waits for it.
-            self._learner = threading.Thread(target=self._learn_until_release, args=(until_s,),
+            self._learner = threading.Thread(target=self._learn_until, args=(until_s,),
                                              name="lazy-pages-learn", daemon=True)  # fmt: skip
             self._learner.start()
 
