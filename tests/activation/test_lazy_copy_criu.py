@@ -35,7 +35,12 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.kdat import run_is_tmpfs
 from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.pagemap import PAGE_SIZE, read_pagemap
-from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
+from snapctl.criu.lazy.workingset import (
+    WorkingSet,
+    pagemap_key,
+    unlearnable_path,
+    working_set_path,
+)
 from snapctl.images.lock import ImageBusyError, hold_image
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import PinnedProcess
@@ -272,17 +277,56 @@ def test_a_native_step_gets_the_transfer_released_first(
     stop_clean(session)
 
 
+def test_a_copy_with_no_working_set_yet_leaves_its_big_process_all_lazy_and_learns(
+    donor: Donor, criu_binary: CriuBinary, running: list[Session]
+) -> None:
+    """Its short runs, restored eagerly, would hide their touches: one copy learns the set."""
+    for known in [
+        *donor.state.views.glob("*.touched.json"),
+        *donor.state.views.glob("*.unlearnable"),
+    ]:
+        known.unlink()
+    big = [
+        path.name
+        for path in (donor.image / "criu").glob("pagemap-*.img")
+        if read_pagemap(path).lazy_bytes >= tuning.EAGER_PROCESS_BELOW
+    ]
+    assert big  # the fixture's retained memory
+    session = lazy_copy(donor, criu_binary, running)
+    view = session.dirs.work / "images"
+    assert all((view / name).is_symlink() for name in big), "a big process got eager pages"
+    assert session.lazy is not None and session.lazy.daemon.hold is not None
+    assert complete(published(session)) == donor.completion
+    assert session.lazy.wait(120).state == "complete"
+    stop_clean(session)
+    try:
+        assert list(donor.state.views.glob("*.touched.json")), "the copy learned no working set"
+    finally:
+        for learned in donor.state.views.glob("*.touched.json"):
+            learned.unlink()  # the other tests' copies restore by the view's own rule
+
+
 def test_little_lazy_memory_is_not_held(
     donor: Donor, criu_binary: CriuBinary, running: list[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tuning, "HOLD_TRANSFER_MIN_BYTES", (RETAINED_MB + 1) * 2**20)
-    # What earlier copies taught would hold it (a view with a learned working set always does).
+    # A view with a learned working set, or one to learn it, always holds it: nothing to learn.
     for learned in donor.state.views.glob("*.touched.json"):
         learned.unlink()
-    session = lazy_copy(donor, criu_binary, running)
-    assert session.lazy is not None and session.lazy.daemon.hold is None
-    assert session.lazy.wait(120).state == "complete"
-    stop_clean(session)
+    markers = [
+        unlearnable_path(donor.state.views, pagemap_key(path.read_bytes()))
+        for path in (donor.image / "criu").glob("pagemap-*.img")
+    ]
+    for marker in markers:
+        marker.write_bytes(b"")
+    try:
+        session = lazy_copy(donor, criu_binary, running)
+        assert session.lazy is not None and session.lazy.daemon.hold is None
+        assert session.lazy.wait(120).state == "complete"
+        stop_clean(session)
+    finally:
+        for marker in markers:
+            marker.unlink()
 
 
 def test_a_copy_stopped_while_its_transfer_is_held_leaves_nothing(

@@ -17,7 +17,12 @@ from snapctl.criu.lazy.pagemap import (
     lazy_view,
     read_pagemap,
 )
-from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
+from snapctl.criu.lazy.workingset import (
+    WorkingSet,
+    pagemap_key,
+    unlearnable_path,
+    working_set_path,
+)
 
 PE_PRESENT = 1 << 2
 MAGICS = struct.pack("<II", 0x54564319, 0x56084025)
@@ -228,3 +233,34 @@ def test_a_learned_working_set_makes_exactly_its_pages_eager(tmp_path: Path) -> 
     again = lazy_view(image, tmp_path / "view-2", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
     assert again == ViewSummary(eager_bytes=268 * PAGE_SIZE, lazy_bytes=3 * 2**20)
     assert not again.holds_transfer
+
+
+def test_a_process_with_no_set_yet_is_left_all_lazy_for_its_copy_to_learn(tmp_path: Path) -> None:
+    image = tmp_path / "criu"
+    image.mkdir()
+    write(image, "pagemap-1.img", SMALL)
+    write(image, "pagemap-4.img", BIG)
+    cache = tmp_path / "cache"
+    summary = lazy_view(image, tmp_path / "view", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+    # The small process is restored whole as ever; the big one's heap stays lazy too, so that
+    # its touches are faults, which the daemon serves at once: the transfer is held.
+    assert summary == ViewSummary(
+        eager_bytes=266 * PAGE_SIZE,
+        lazy_bytes=(2 + 3 * MIB_PAGES) * PAGE_SIZE,
+        learning_processes=1,
+    )
+    assert summary.holds_transfer
+    assert (tmp_path / "view" / "pagemap-4.img").is_symlink()
+    # Once its set is known, the copies restore that; without a cache there is nothing to
+    # learn into, and a process marked unlearnable gets the short-run rule.
+    key = pagemap_key(BIG)
+    working_set_path(cache, key).write_text(WorkingSet(pages=[0x2000 >> 12]).model_dump_json())
+    learned = lazy_view(image, tmp_path / "view-2", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+    assert (learned.learned_processes, learned.learning_processes) == (1, 0)
+    short_runs = ViewSummary(eager_bytes=268 * PAGE_SIZE, lazy_bytes=3 * 2**20)
+    assert lazy_view(image, tmp_path / "view-3", 300 * PAGE_SIZE, 2 * 2**20) == short_runs
+    working_set_path(cache, key).unlink()
+    unlearnable_path(cache, key).write_bytes(b"")
+    marked = lazy_view(image, tmp_path / "view-4", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
+    assert marked == short_runs
+    assert not marked.holds_transfer

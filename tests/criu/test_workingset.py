@@ -9,6 +9,7 @@ import pytest
 from snapctl.criu.lazy import tuning, workingset
 from snapctl.criu.lazy.workingset import (
     faulted_pages,
+    learnable,
     pagemap_key,
     read_working_set,
     record_working_sets,
@@ -53,7 +54,11 @@ def test_faults_are_kept_under_their_process_pagemap_and_grow_only_by_enough(
     monkeypatch.setattr(workingset, "WORKING_SET_MAX_PAGES", 1)
     (images / "pagemap-27.img").write_bytes(b"another worker")
     assert record_working_sets(images, cache, log, 5.0) == 0
+    assert read_working_set(cache, pagemap_key(b"worker")) == {0x7F0000001, 0x7F0000009}
+    assert learnable(cache, pagemap_key(b"worker"))
+    # ... and one that never had a set is not to be learned again (by all-lazy copies).
     assert read_working_set(cache, pagemap_key(b"another worker")) is None
+    assert not learnable(cache, pagemap_key(b"another worker"))
     # An unreadable log or image learns nothing.
     assert record_working_sets(images, cache, tmp_path / "missing.log", 5.0) == 0
     (images / "pagemap-1.img").unlink()

@@ -14,7 +14,9 @@ KV or pinned buffers, device memory saved by cuda-checkpoint, each one long cont
   whole (the frontend and helpers: nothing to gain, and each of their faults would wait for a
   chunk);
 - in the others, every run of contiguous lazy pages shorter than ``EAGER_RUN_BELOW`` is
-  restored eagerly too, so only the big runs are left to the daemon.
+  restored eagerly too, so only the big runs are left to the daemon;
+- but where copies of the process learned its working set (:mod:`.workingset`), exactly
+  that is restored eagerly, and where the copy is to learn it, nothing.
 
 How: ``pagemap-PID.img`` flags each entry (at most 1 MiB of pages) ``PE_LAZY``; without that flag
 ``criu restore --lazy-pages`` reads the pages itself and the daemon skips them. The view is a
@@ -40,7 +42,7 @@ from pydantic import ValidationError
 
 from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
-from snapctl.criu.lazy.workingset import WorkingSet, pagemap_key, working_set_path
+from snapctl.criu.lazy.workingset import WorkingSet, learnable, pagemap_key, working_set_path
 from snapctl.criu.wire import encode_varint, read_varint
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
@@ -268,25 +270,32 @@ def touched_ranges(pagemap: Pagemap, touched: Collection[int]) -> dict[int, list
 
 
 class ViewSummary(StrictModel):
-    """What a view left lazy and what it made eager, in bytes (of one process or of all), and
-    in how many processes the eager pages were a learned working set."""
+    """What a view left lazy and what it made eager, in bytes (of one process or of all), in
+    how many processes the eager pages were a learned working set, and in how many all was
+    left lazy for the copy to learn one."""
 
     eager_bytes: int = 0
     lazy_bytes: int = 0
     learned_processes: int = 0
+    learning_processes: int = 0
 
     @property
     def holds_transfer(self) -> bool:
         """Whether the background transfer waits until the copy is ready: with much memory
-        left lazy, or where a working set was learned (its misses are page faults, which must
-        not wait behind the transfer's chunks)."""
-        return self.lazy_bytes >= tuning.HOLD_TRANSFER_MIN_BYTES or self.learned_processes > 0
+        left lazy, or where a working set was learned or is being learned (what the copy
+        touches is then page faults, which must not wait behind the transfer's chunks)."""
+        return (
+            self.lazy_bytes >= tuning.HOLD_TRANSFER_MIN_BYTES
+            or self.learned_processes > 0
+            or self.learning_processes > 0
+        )
 
     def __add__(self, other: ViewSummary) -> ViewSummary:
         return ViewSummary(
             eager_bytes=self.eager_bytes + other.eager_bytes,
             lazy_bytes=self.lazy_bytes + other.lazy_bytes,
             learned_processes=self.learned_processes + other.learned_processes,
+            learning_processes=self.learning_processes + other.learning_processes,
         )
 
 
@@ -307,7 +316,9 @@ def lazy_view(
     views of the same image cost a hash per pagemap (a big process has one entry per MiB to
     parse). Where ``cache_dir`` also holds a working set learned for the process
     (:mod:`snapctl.criu.lazy.workingset`), a process not restored whole gets exactly those
-    pages eagerly, instead of its short runs.
+    pages eagerly, instead of its short runs; where it holds none yet, the process is left
+    all lazy, so that this copy's faults are the whole set (its short runs, restored eagerly,
+    would hide their touches, and the set would take a second copy to learn).
     """
     target.mkdir(mode=0o700)
     summary = ViewSummary()
@@ -320,12 +331,15 @@ def lazy_view(
             data = path.read_bytes()
             content = pagemap_key(data)
             learned = _learned(cache_dir, content) if cache_dir is not None else None
+            learning = learned is None and cache_dir is not None and learnable(cache_dir, content)
             key = f"{content}-{process_below}-{run_below}"
             if learned is not None:
                 key += f"-learned-{hashlib.sha256(learned).hexdigest()[:32]}"
+            if learning:
+                key += "-learning"
             found = _cached(cache_dir, key) if cache_dir is not None else None
             if found is None:
-                found = _viewed(path, data, process_below, run_below, learned)
+                found = _viewed(path, data, process_below, run_below, learned, learning)
                 if cache_dir is not None:
                     _cache(cache_dir, key, found)
             process, rewritten = found
@@ -366,10 +380,12 @@ def _learned(cache_dir: Path, key: str) -> bytes | None:
 
 
 def _viewed(
-    path: Path, data: bytes, process_below: int, run_below: int, learned: bytes | None = None
-) -> tuple[ViewSummary, bytes | None]:
+    path: Path, data: bytes, process_below: int, run_below: int,
+    learned: bytes | None = None, learning: bool = False,
+) -> tuple[ViewSummary, bytes | None]:  # fmt: skip
     """What one pagemap leaves lazy and makes eager, and its rewritten bytes (None: as is);
-    ``learned``: the process's working set file, if any."""
+    ``learned``: the process's working set file, if any; ``learning``: none is known and this
+    copy is to learn one, so a process not restored whole is left all lazy."""
     pagemap = read_pagemap(path, data)
     touched = None
     if learned is not None and pagemap.lazy_bytes >= process_below:
@@ -382,6 +398,8 @@ def _viewed(
             eager_bytes=eager, lazy_bytes=pagemap.lazy_bytes - eager, learned_processes=1
         )
         return summary, pagemap.with_eager_pages(ranges) if ranges else None
+    if learning and pagemap.lazy_bytes >= process_below:
+        return ViewSummary(lazy_bytes=pagemap.lazy_bytes, learning_processes=1), None
     made_eager = eager_entries(pagemap, process_below, run_below)
     eager = sum(e.nr_pages for e in made_eager) * PAGE_SIZE
     summary = ViewSummary(eager_bytes=eager, lazy_bytes=pagemap.lazy_bytes - eager)

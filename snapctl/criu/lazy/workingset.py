@@ -19,8 +19,11 @@ released (the copy was ready and had a head start for its first request,
 :data:`~snapctl.criu.lazy.tuning.TRANSFER_AFTER_READY_S`) are added to its processes' working
 sets, kept beside the view cache under the sha256 of each process's pagemap: a different image,
 or a changed process, has a different key, so a set never applies to memory it was not learned
-on. Nothing here is needed for correctness: a page missing from the set is a fault, a page in
-it that the copy does not touch is a page restored early.
+on. The first copy of a process learns its whole set alone: with no set known, its view leaves
+the process all lazy (:mod:`.pagemap`), so every page it touches is a fault; a process whose
+copies touch too much for a set is marked ``<key>.unlearnable``, and its next copies get the
+short-run rule again. Nothing here is needed for correctness: a page missing from the set is
+a fault, a page in it that the copy does not touch is a page restored early.
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ class WorkingSet(StrictModel):
 
 def working_set_path(cache_dir: Path, pagemap_key: str) -> Path:
     return cache_dir / f"{pagemap_key}.touched.json"
+
+
+def unlearnable_path(cache_dir: Path, pagemap_key: str) -> Path:
+    return cache_dir / f"{pagemap_key}.unlearnable"
+
+
+def learnable(cache_dir: Path, key: str) -> bool:
+    """Whether a copy of the process whose pagemap has ``key`` may learn its working set: not
+    when one of its copies touched too much for a set (:func:`add_pages`)."""
+    return not unlearnable_path(cache_dir, key).exists()
 
 
 def pagemap_key(data: bytes) -> str:
@@ -106,9 +119,13 @@ def add_pages(cache_dir: Path, key: str, pages: Iterable[int]) -> int:
         # Nothing new, or too little to be worth a new view (each set has its own cached
         # pagemap, made once): the few pages a copy misses stay page faults.
         return 0
-    if len(union) > WORKING_SET_MAX_PAGES:
-        return 0  # not a working set any more: keep what was learned
     cache_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
+    if len(union) > WORKING_SET_MAX_PAGES:
+        # Not a working set any more: keep what was learned, or, with nothing learned yet,
+        # stop the next copies learning (each would fault all of it in a page at a time).
+        if not known:
+            replace_file(unlearnable_path(cache_dir, key), b"", mode=0o600)
+        return 0
     content = WorkingSet(pages=sorted(union)).model_dump_json().encode()
     replace_file(working_set_path(cache_dir, key), content, mode=0o600)
     return len(union) - len(known)
