@@ -21,7 +21,7 @@ from snapctl.criu import CriuBinary, CriuError
 from snapctl.criu.external import host_mount_sources, is_host_key
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.lazy.netdumps import redundant_net_dumps
-from snapctl.criu.lazy.pagemap import lazy_view
+from snapctl.criu.lazy.pagemap import cache_views, lazy_view
 from snapctl.criu.lazy.transfer import LazyTransfer
 from snapctl.criu.lazy.workingset import record_working_sets
 from snapctl.errors import ExitStatus, SnapctlError
@@ -115,7 +115,7 @@ class LazyRestore(RestoreStrategy):
                 LazyTransfer(
                     daemon, restore_started=restore_started, on_failure=session.kill_unsafe,
                     on_done=session.pages_done,
-                    learn=lambda until_s: record_working_sets(
+                    learn=lambda until_s: learn_working_sets(
                         image / "criu", session.state_dir.views, daemon.log_path, until_s
                     ),
                 )
@@ -139,6 +139,13 @@ class LazyRestore(RestoreStrategy):
             session.failure = None
             raise criu_failed("criu restore failed", error, session, "restore") from error
         timings["restore"] = clock() - started
+
+
+def learn_working_sets(images_dir: Path, views: Path, log_path: Path, until_s: float) -> None:
+    """A lazy copy's faults into its image's working sets; where they changed, the next copy's
+    view is made now, so that copy does not pay for it."""
+    if record_working_sets(images_dir, views, log_path, until_s):
+        cache_views(images_dir, views)
 
 
 def pidfile(session: Session) -> Path:

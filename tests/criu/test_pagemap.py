@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from snapctl.activation.restore import learn_working_sets
 from snapctl.criu.lazy import pagemap as pagemap_module
 from snapctl.criu.lazy.pagemap import (
     PAGE_SIZE,
@@ -264,3 +265,34 @@ def test_a_process_with_no_set_yet_is_left_all_lazy_for_its_copy_to_learn(tmp_pa
     marked = lazy_view(image, tmp_path / "view-4", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
     assert marked == short_runs
     assert not marked.holds_transfer
+
+
+def test_a_copy_that_changed_a_working_set_leaves_the_next_copy_its_view_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    image = tmp_path / "criu"
+    image.mkdir()
+    # Big enough for the default thresholds, which copies use: a heap page run and 65 MiB.
+    buffer = [(0x7E0000000000 + i * 2**20, MIB_PAGES, LAZY) for i in range(65)]
+    big = pagemap((0x2000, 2, LAZY), *buffer)
+    write(image, "pagemap-4.img", big)
+    cache = tmp_path / "cache"
+    log = tmp_path / "lazy-pages.log"
+    # What the daemon served as faults: a heap page, then (too late to count) a buffer page.
+    log.write_bytes(
+        b"(0.100000) pr4-1 Read 2000 1 pages\n(0.200000) pr4-1 Read 7e0000000000 1 pages\n"
+    )
+    learn_working_sets(image, cache, log, 0.15)
+    assert working_set_path(cache, pagemap_key(big)).exists()
+
+    def not_again(*args: object) -> None:
+        raise AssertionError("the view was rewritten, not taken from the cache")
+
+    monkeypatch.setattr(pagemap_module, "_viewed", not_again)
+    summary = lazy_view(image, tmp_path / "view", cache_dir=cache)
+    assert summary == ViewSummary(
+        eager_bytes=PAGE_SIZE, lazy_bytes=(1 + 65 * MIB_PAGES) * PAGE_SIZE, learned_processes=1
+    )
+    # Nothing learned (the faults came later), nothing made.
+    learn_working_sets(image, tmp_path / "cache-2", log, 0.05)
+    assert not (tmp_path / "cache-2").exists()
