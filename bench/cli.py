@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--frozen-pairs",
         type=_positive,
         default=1,
-        help="with --vllm: donors and bare dumps to compare, each launched anew (default 1)",
+        help="with --vllm: donors to launch, each dumped by snapctl and by bare CRIU at the "
+        "same barrier, in turns first (default 1)",
     )
     return parser
 

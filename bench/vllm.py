@@ -3,7 +3,8 @@
 Optional (it needs ``scripts/setup --vllm``): the tiny Llama served by
 ``python -m snapctl.launcher.vllm serve``. In one run it measures an ordinary cold start to the
 first correct completion, the snapctl donor (capture-ready, dump, frozen time, image size), a
-bare ``criu dump`` of the same tree launched the same way, and plain and lazy copies of the
+bare ``criu dump`` of the same tree at the same barrier (just before or just after snapctl's,
+in turns), and plain and lazy copies of the
 donor's image to their first correct completion with the per-phase split, and copies taken
 from the agent's pool (one parked plain copy), each a fresh ``snapctl copy ... --detach --json``
 as users run it, to the first correct completion. The donor is stopped before the copies,
@@ -18,7 +19,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,17 +29,12 @@ from bench.agent import AgentCli
 from bench.contenders import copy_phases
 from bench.workload import Answer, free_port, host_connect
 from snapctl.activation.copy import start_copy
-from snapctl.activation.core import new_session
 from snapctl.activation.donor import start_donor
-from snapctl.activation.launch import (
-    LaunchOptions,
-    launch_in_sandbox,
-    repo_root,
-    snapshot_config_arg,
-    wait_capture_ready,
-)
+from snapctl.activation.launch import LaunchOptions, repo_root
 from snapctl.activation.native import NoNativeStep
+from snapctl.activation.tools import RealCriu, Tools
 from snapctl.criu import CriuBinary, read_dump_stats
+from snapctl.criu.stats import DumpStats
 from snapctl.statedir import StateDir
 
 TIMEOUT_S = 900.0
@@ -59,7 +55,7 @@ class VllmResults:
     # Through a registry on loopback: push and pull seconds, the working sets the pull adopted.
     new_host: dict[str, float] = field(default_factory=dict)
     copies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    # Frozen seconds of each donor and bare dump, one pair per launch pair, in turns first.
+    # Frozen seconds of snapctl's and a bare dump of the same tree, one pair per launch.
     frozen_pairs: list[dict[str, float]] = field(default_factory=list)
 
 
@@ -92,8 +88,8 @@ def first_correct(
 
 
 def run(criu: CriuBinary, work: Path, reps: int, say: Say, frozen_pairs: int = 1) -> VllmResults:
-    """``frozen_pairs``: how many donors and bare dumps to compare, each of its own launch,
-    taking turns at going first (one pair's difference is mostly the two trees' noise)."""
+    """``frozen_pairs``: how many donors to launch, each dumped by snapctl and by a bare
+    ``criu dump`` at the same barrier, taking turns at going first."""
     python, model = vllm_setup()
     os.environ.update(SERVER_ENV)  # the donor's environment, which every copy must match
     state = StateDir(work / "state")
@@ -104,13 +100,12 @@ def run(criu: CriuBinary, work: Path, reps: int, say: Say, frozen_pairs: int = 1
     for pair in range(frozen_pairs):
         # The first pair's donor image is the one the copies restore; later ones are dropped.
         donor_image = image if pair == 0 else work / f"vllm-image-{pair}"
-        donor_first = pair % 2 == 0
-        if not donor_first:
-            bare_s = _bare_dump(python, model, criu, state, work, results, say)
-        donor_s = _donor(python, model, donor_image, criu, state, results, say)
-        if donor_first:
-            bare_s = _bare_dump(python, model, criu, state, work, results, say)
-        results.frozen_pairs.append({"donor": donor_s, "bare": bare_s, "donor_first": donor_first})
+        bare_first = pair % 2 == 1
+        donor_s, bare_s = _donor(python, model, donor_image, criu, state, work, bare_first,
+                                 results, say)  # fmt: skip
+        results.frozen_pairs.append(
+            {"donor": donor_s, "bare": bare_s, "donor_first": not bare_first}
+        )
         if pair:
             shutil.rmtree(donor_image, ignore_errors=True)
     for rep in range(reps):
@@ -147,21 +142,60 @@ def _options(python: Path, model: Path) -> LaunchOptions:
     )
 
 
+class BareBeside(RealCriu):
+    """snapctl's dump with a bare ``criu dump`` of the same tree just before or just after it.
+    Both dump the tree at its barrier (``--leave-running`` leaves it as it was, link-remap files
+    removed), each after a sync, so neither writes behind the other's dirty pages and the pair
+    differs only by what snapctl adds (its post-dump copy of /dev/shm, its log level)."""
+
+    def __init__(self, images: Path, first: bool) -> None:
+        self.images, self.first = images, first
+        self.frozen_s = self.wall_s = 0.0
+        self.own_wall_s = 0.0  # snapctl's dump alone: the donor's "dump" includes the bare one
+
+    def dump(
+        self, criu: CriuBinary, root_pid: int, images_dir: Path, log_path: Path, *,
+        external_mounts: Mapping[str, str], action_script: Path, timeout_s: float,
+    ) -> DumpStats:  # fmt: skip
+        if self.first:
+            self._bare(criu, root_pid)
+        os.sync()
+        started = time.monotonic()
+        stats = super().dump(
+            criu, root_pid, images_dir, log_path, external_mounts=external_mounts,
+            action_script=action_script, timeout_s=timeout_s,
+        )  # fmt: skip
+        self.own_wall_s = time.monotonic() - started
+        if not self.first:
+            self._bare(criu, root_pid)
+        return stats
+
+    def _bare(self, criu: CriuBinary, root_pid: int) -> None:
+        os.sync()
+        try:
+            self.wall_s = bare.dump(criu.path, root_pid, self.images)
+            self.frozen_s = read_dump_stats(self.images).frozen_time_us / 1e6
+        finally:
+            shutil.rmtree(self.images, ignore_errors=True)
+
+
 def _donor(
-    python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir,
-    results: VllmResults, say: Say,
-) -> float:  # fmt: skip
-    """One donor; its frozen seconds. The first one's figures are the donor's figures."""
+    python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir, work: Path,
+    bare_first: bool, results: VllmResults, say: Say,
+) -> tuple[float, float]:  # fmt: skip
+    """One donor; snapctl's and the bare dump's frozen seconds. The first one's figures are
+    the donor's and the bare dump's figures."""
+    beside = BareBeside(work / f"bare-dump-{uuid.uuid4().hex[:8]}", first=bare_first)
     session, report = start_donor(
         _options(python, model), image=image, force=False, criu=criu, native=NoNativeStep(),
-        publish=None, state=state, progress=lambda step: None,
+        publish=None, state=state, progress=lambda step: None, tools=Tools(criu=beside),
     )  # fmt: skip
     try:
         assert report.dump_stats is not None
         frozen = report.dump_stats.frozen_time_us / 1e6
         if not results.donor:
-            results.donor = dict(report.timings_s)
-            results.donor["frozen"] = frozen
+            results.donor = {**report.timings_s, "dump": beside.own_wall_s, "frozen": frozen}
+            results.bare_dump = {"dump": beside.wall_s, "frozen": beside.frozen_s}
             # On disk: the saved /dev/shm segments are mostly holes.
             results.image_bytes = sum(
                 p.stat().st_blocks * 512 for p in image.rglob("*") if p.is_file()
@@ -170,35 +204,11 @@ def _donor(
         session.stop()
     say(
         f"vllm donor: capture-ready {report.timings_s['launch_to_capture_ready']:.1f} s, "
-        f"frozen {frozen:.2f} s, image {results.image_bytes / 2**30:.2f} GiB"
+        f"frozen {frozen:.2f} s, image {results.image_bytes / 2**30:.2f} GiB; bare criu dump "
+        f"{'before' if bare_first else 'after'} it: frozen {beside.frozen_s:.2f} s "
+        f"(dump {beside.wall_s:.2f} s)"
     )
-    return frozen
-
-
-def _bare_dump(
-    python: Path, model: Path, criu: CriuBinary, state: StateDir, work: Path,
-    results: VllmResults, say: Say,
-) -> float:  # fmt: skip
-    """The same tree, launched the same way, dumped by raw CRIU without snapctl; its frozen
-    seconds (the first one's figures are the bare dump's figures)."""
-    options = _options(python, model)
-    assert options.server_argv is not None
-    session = new_session(state, "donor", None)
-    images = work / f"bare-dump-{uuid.uuid4().hex[:8]}"
-    try:
-        argv = [*options.server_argv, "--snapshot-config", snapshot_config_arg(TIMEOUT_S)]
-        session.launcher, session.root = launch_in_sandbox(
-            argv, Path.cwd(), session.dirs, options, dict(os.environ)
-        )
-        wait_capture_ready(session.dirs, session.root, TIMEOUT_S)
-        wall = bare.dump(criu.path, session.root.pid, images)
-        frozen = read_dump_stats(images).frozen_time_us / 1e6
-        results.bare_dump = results.bare_dump or {"dump": wall, "frozen": frozen}
-    finally:
-        session.stop()
-        shutil.rmtree(images, ignore_errors=True)
-    say(f"vllm bare criu dump: frozen {frozen:.2f} s (dump {wall:.2f} s)")
-    return frozen
+    return frozen, beside.frozen_s
 
 
 def _copy(
