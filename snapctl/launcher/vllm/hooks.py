@@ -16,7 +16,9 @@ blocks); each runs its coroutine on the server's event loop and waits for it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import logging
+import time
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from snapctl.errors import CanaryMismatchError, SnapctlError
@@ -26,6 +28,9 @@ CANARY_PROMPT = "The capital of France is"  # vLLM's own (vllm/snapshot/engine.p
 CANARY_REQUEST_ID = "vllm-snapshot-canary"
 
 T = TypeVar("T")
+
+# Under "vllm.", so vLLM's logging configuration (handler and format) applies.
+log = logging.getLogger("vllm.snapctl")
 
 # run_startup_capture calls the hooks in a fixed order: canary, release, restore, canary, release
 # (prepare), then, after the barrier, restore and canary (recovery). The phase of each call:
@@ -70,7 +75,10 @@ class VllmHooks:
             self.calls_done += 1
 
     def canary(self) -> Oracle:
-        return self._run(run_canary(self.engine))
+        started = time.monotonic()
+        oracle = self._run(run_canary(self.engine))
+        log.info("snapctl: canary %.1f ms", (time.monotonic() - started) * 1e3)
+        return oracle
 
     def release_memory(self) -> None:
         self._run(self._release())
@@ -88,20 +96,35 @@ class VllmHooks:
         await self.engine.collective_rpc("snapctl_drop_compile_caches")
 
     async def _restore(self) -> None:
+        steps: dict[str, float] = {}
+
+        async def step(name: str, call: Awaitable[T]) -> T:
+            started = time.monotonic()
+            try:
+                return await call
+            finally:
+                steps[name] = (time.monotonic() - started) * 1e3
+
         if self.sleep_mode:
-            await self.engine.wake_up(tags=["weights"])
-        await self.engine.collective_rpc("reload_weights")
+            await step("wake weights", self.engine.wake_up(tags=["weights"]))
+        # The weights read from their files again, with the reloaded parameters' digests.
+        (digests,) = await step(
+            "reload weights and digests", self.engine.collective_rpc("snapctl_reload_weights")
+        )
         if self.sleep_mode:
-            await self.engine.wake_up(tags=["kv_cache"])
+            await step("wake kv cache", self.engine.wake_up(tags=["kv_cache"]))
         # Nothing cached from before the reload may answer a request after it.
-        await self.engine.reset_prefix_cache()
+        await step("reset prefix cache", self.engine.reset_prefix_cache())
         assert self.loaded_digests is not None
-        difference = digest_difference(self.loaded_digests, await parameter_digests(self.engine))
+        difference = digest_difference(self.loaded_digests, _by_name(digests))
         if difference is not None:
             raise CanaryMismatchError(
                 f"the reloaded weights differ from the first load: {difference}"
             )
-        await self.engine.resume_generation()
+        await step("resume", self.engine.resume_generation())
+        log.info(
+            "snapctl: memory restored: %s", ", ".join(f"{k} {v:.1f} ms" for k, v in steps.items())
+        )
 
 
 async def run_canary(engine: Any) -> Oracle:
@@ -127,6 +150,10 @@ async def run_canary(engine: Any) -> Oracle:
 async def parameter_digests(engine: Any) -> dict[str, str]:
     """The worker's parameter digests (one worker: local single-rank execution)."""
     (digests,) = await engine.collective_rpc("snapctl_parameter_digests")
+    return _by_name(digests)
+
+
+def _by_name(digests: dict[Any, Any]) -> dict[str, str]:
     return {str(name): str(value) for name, value in digests.items()}
 
 

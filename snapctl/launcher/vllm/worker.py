@@ -6,6 +6,12 @@ CPU build packs linear weights into kernel handles and leaves an empty ``weight`
 for such a layer the digest is of the weight the handle applies (the layer run on an identity
 matrix, exact in its dtype), in the parameter's layout. :mod:`.reference` computes the same
 digests from the checkpoint files.
+
+A recovery's reload hashes each linear weight just before vLLM packs it instead
+(:func:`recording_packed_weights`): the identity product costs as much as a forward pass over
+``in_features`` tokens per layer, too much for every copy of a large model on CPU. The first
+load's digests, taken the identity way, are compared with the rehearsal's, taken this way,
+before the capture, so the two agree on every image.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -51,34 +58,72 @@ def drop_precompiled_headers(header_dir: Path, temp_dir: Path) -> int:
     return removed
 
 
-def effective_parameters(model: Any) -> Iterator[tuple[str, Any]]:
-    """Every named parameter; an emptied linear weight replaced by the weight its kernel holds."""
+@contextmanager
+def recording_packed_weights() -> Iterator[dict[Any, str]]:
+    """While vLLM (re)loads weights: the sha256 of each 2-D weight that
+    ``dispatch_cpu_unquantized_gemm`` is to empty, by its layer, taken before it packs it.
+    Both of its callers (linear and embedding layers) import it from its module at each call."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    recorded: dict[Any, str] = {}
+
+    def recording(layer: Any, remove_weight: bool) -> None:
+        weight = layer.weight
+        if remove_weight and not weight.is_meta and weight.ndim == 2:
+            recorded[layer] = tensor_sha256(weight)[0]
+        original(layer, remove_weight)
+
+    utils.dispatch_cpu_unquantized_gemm = recording
+    try:
+        yield recorded
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = original
+
+
+def parameter_digests(model: Any, packed: Mapping[Any, str] | None = None) -> dict[str, str]:
+    """sha256 of every named parameter, by name; an emptied linear weight's is of the weight
+    its kernel holds: from ``packed`` (by layer, :func:`recording_packed_weights`) where it is
+    there, else the layer run on an identity matrix."""
     import torch
 
+    packed = packed or {}
+    digests: dict[str, str] = {}
     for name, parameter in model.named_parameters():
         module_name, _, leaf = name.rpartition(".")
+        tensor = parameter
         if parameter.numel() == 0 and leaf == "weight":
             module = model.get_submodule(module_name)
+            if module in packed:
+                digests[name] = packed[module]
+                continue
             linear = getattr(module, "cpu_linear", None)
             size = getattr(module, "input_size_per_partition", None)
             if linear is not None and size:
                 with torch.inference_mode():
                     identity = torch.eye(int(size), dtype=parameter.dtype)
                     # x @ W.T with x = I is W.T, exactly: one product by 1 per element.
-                    yield name, linear(identity, parameter, None).t()
-                continue
-        yield name, parameter
+                    tensor = linear(identity, parameter, None).t()
+        digests[name] = tensor_sha256(tensor)[0]
+    return digests
 
 
 class SnapshotWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
     model_runner: Any
+    reload_weights: Callable[[], None]  # annotations only: vLLM refuses names its worker has
 
     def snapctl_parameter_digests(self) -> dict[str, str]:
         """sha256 of every named parameter, by name."""
-        model = self.model_runner.get_model()
-        return {name: tensor_sha256(t)[0] for name, t in effective_parameters(model)}
+        return parameter_digests(self.model_runner.get_model())
+
+    def snapctl_reload_weights(self) -> dict[str, str]:
+        """vLLM's ``reload_weights`` (from the weights files), then the reloaded parameters'
+        digests, in one call."""
+        with recording_packed_weights() as packed:
+            self.reload_weights()
+        return parameter_digests(self.model_runner.get_model(), packed)
 
     def snapctl_drop_compile_caches(self) -> int:
         """Before a capture: :func:`drop_precompiled_headers` for torch inductor's headers."""
