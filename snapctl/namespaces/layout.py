@@ -28,6 +28,8 @@ SANDBOX_INIT_MODULE = "snapctl.namespaces.init"
 # on each write (five writes per handshake), which on a disk costs a journal commit each and
 # nothing on tmpfs. Small: six files of at most 64 KiB each, plus a write's .tmp.
 CONTROL_TMPFS_OPTIONS = "mode=0700,size=1m,nr_inodes=64"
+# How long a removal waits for a tmpfs to stop being busy once the processes are gone.
+UMOUNT_BUSY_WAIT_S = 2.0
 CONTROL_TMPFS_FLAGS = mounts.MS_NOSUID | mounts.MS_NODEV | mounts.MS_NOEXEC
 
 # CRIU external-mount keys: the image records these instead of the host directories, and
@@ -223,17 +225,19 @@ class ActivationDirs:
                 self.remove()
             raise
 
-    def remove(self) -> None:
+    def remove(self, busy_wait_s: float = UMOUNT_BUSY_WAIT_S) -> None:
         """Unmount both tmpfs and delete everything but the logs (processes must be gone).
 
         Every unmount is tried even if one fails; then the first failure is raised and the
-        directories are kept (they still hold whatever stayed mounted).
+        directories are kept (they still hold whatever stayed mounted). A mount still busy is
+        retried for up to ``busy_wait_s``: the files of processes just ended may be released a
+        moment after the processes are (the kernel defers some final closes to a worker).
         """
         failures: list[OSError] = []
         for point in (self.control, self.shm):
             try:
                 if mounts.is_mountpoint(point):
-                    mounts.umount(point)
+                    mounts.umount_when_free(point, busy_wait_s)
             except OSError as error:
                 failures.append(error)
         if failures:

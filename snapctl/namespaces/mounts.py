@@ -4,8 +4,10 @@ mount-table reader."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import re
+import time
 from pathlib import Path
 
 MS_RDONLY = 0x1
@@ -41,8 +43,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 def _check(result: int, what: str) -> None:
     if result != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"{what}: {os.strerror(errno)}")
+        code = ctypes.get_errno()
+        raise OSError(code, f"{what}: {os.strerror(code)}")
 
 
 def mount(source: str, target: str | Path, fstype: str | None, flags: int, data: str = "") -> None:
@@ -60,6 +62,20 @@ def mount(source: str, target: str | Path, fstype: str | None, flags: int, data:
 
 def umount(target: str | Path, detach: bool = False) -> None:
     _check(_libc.umount2(str(target).encode(), MNT_DETACH if detach else 0), f"umount {target}")
+
+
+def umount_when_free(target: str | Path, wait_s: float, poll_s: float = 0.02) -> None:
+    """:func:`umount`, retried while it is busy (EBUSY) for up to ``wait_s``; then the last
+    EBUSY is raised."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            umount(target)
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY or time.monotonic() >= deadline:
+                raise
+        time.sleep(poll_s)
 
 
 def mount_tmpfs(target: str | Path, options: str, source: str = "tmpfs", flags: int = 0) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -84,12 +85,26 @@ def test_remove_tries_every_unmount_and_keeps_what_stays_mounted(dirs: Activatio
     busy = os.open(dirs.control, os.O_RDONLY | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError, match="umount"):
-            dirs.remove()
+            dirs.remove(busy_wait_s=0.1)
         # The shm tmpfs came off all the same; the root stays, holding the busy mount.
         assert list(mount_sources(dirs).values()) == [(dirs.control_source, "tmpfs")]
         assert dirs.root.is_dir()
     finally:
         os.close(busy)
     dirs.remove()
+    assert not dirs.root.exists()
+    assert mount_sources(dirs) == {}
+
+
+def test_remove_waits_for_a_mount_that_is_busy_a_moment_longer(dirs: ActivationDirs) -> None:
+    # As a killed process's files can be released a moment after it is gone.
+    dirs.create()
+    busy = os.open(dirs.shm, os.O_RDONLY | os.O_DIRECTORY)
+    releaser = threading.Timer(0.2, os.close, (busy,))
+    releaser.start()
+    try:
+        dirs.remove(busy_wait_s=10)
+    finally:
+        releaser.join()
     assert not dirs.root.exists()
     assert mount_sources(dirs) == {}
