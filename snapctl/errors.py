@@ -30,11 +30,11 @@ drawing lists every class, under its base, with its code)::
     ├── RelayedError             relayed  errors: another process's error, with its code
     │   ├── DetachedStartError   relayed  activation.supervise: the supervisor's error
     │   ├── SupervisorError      relayed  pool.serve: an agent's copy supervisor failed the start
-    │   └── AgentError           relayed  agent.client: the agent refused or failed a request
+    │   └── AgentError           relayed  agent.errors: the agent refused or failed a request
     ├── ParkedCopyUnusableError        4  pool.serve: a parked copy refused before activating
     ├── PoolError                      2  pool.warm: a pool request that cannot be done
     ├── PoolTargetsError               1  pool.warm: the kept pool targets cannot be read
-    ├── AgentUnavailableError          7  agent.client: no agent answers, or it stopped
+    ├── AgentUnavailableError          7  agent.errors: no agent answers, or it stopped
     ├── AgentRunningError              6  agent.daemon: another agent owns the state directory
     ├── ListenError                    7  agent.daemon: cannot listen where asked
     ├── TokenFileError                 2  agent.daemon: the --token-file is unusable
@@ -79,8 +79,9 @@ from enum import IntEnum
 
 from snapctl.phases import HostPhase
 
-# Not typing's: the agent's thin client imports this module, and typing or pathlib would be a
-# tenth of its wall time (mypy reads any TYPE_CHECKING as true). pydantic only when it fails.
+# Not typing's: the agent's thin client imports this module once a request failed, and typing
+# or pathlib would be a tenth of its wall time (mypy reads any TYPE_CHECKING as true).
+# pydantic only when it fails.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -11,8 +11,9 @@ head, light body) so they sit with the other commands' tables.
 
 from __future__ import annotations
 
-import json
 import sys
+
+from snapctl.agent import wire
 
 TYPE_CHECKING = False  # not typing's: see snapctl.errors
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ def emit_json(record: Any, *, sort_keys: bool = True) -> None:
     :func:`snapctl.cli.output.emit_json` formats it (``sort_keys=False``: as pydantic's
     ``model_dump_json`` does, in field order)."""
     # json.dumps escapes what is not ASCII, pydantic does not.
-    text = json.dumps(record, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=sort_keys)
+    text = wire.dumps(record, sort_keys=sort_keys, ensure_ascii=sort_keys)
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 

@@ -1,6 +1,7 @@
 """Commands the agent answers before click is imported: ``snapctl ps [--json]`` and the
 detached ``snapctl copy --image DIR ... --detach --json`` that scripts, hooks and autoscalers
-run. Standard library and :mod:`snapctl.agent.client` only.
+run. The standard library's cheapest modules and :mod:`snapctl.agent.client` only: no ``re``,
+``json``, ``socket`` or ``enum`` either (:mod:`snapctl.agent.wire` says why).
 
 Through the agent such a command is a socket write and a few reads, so the interpreter's start,
 click and the CLI's modules (tens of milliseconds) would be most of its wall time. Each path
@@ -13,6 +14,9 @@ raised before anything starts: the full CLI then asks again and reports it as cl
 
 from __future__ import annotations
 
+# signal's C half, which the interpreter imported already (no stub in typeshed): signal itself
+# imports enum (see snapctl.agent.wire).
+import _signal  # type: ignore[import-not-found]
 import os
 
 from snapctl.agent import NO_AGENT_ENV, absolute
@@ -78,6 +82,15 @@ def copy_request_body(
     }
 
 
+_NAME_CHARACTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
+
+
+def is_activation_name(name: str) -> bool:
+    """Whether ``name`` matches :data:`snapctl.statedir.names.NAME_PATTERN` (without ``re``:
+    tests/agent/test_thin.py holds the two to the same answers)."""
+    return 0 < len(name) <= 64 and name[0] not in "_.-" and _NAME_CHARACTERS.issuperset(name)
+
+
 def split_publish(value: str) -> tuple[str, int]:
     """``[ADDR:]PORT`` as (address, port), the address 127.0.0.1 when not given (an IPv6 one
     may be bracketed: ``[::1]:8000``); ValueError, saying why, when it is not that."""
@@ -126,7 +139,6 @@ def parse_fast_copy(args: list[str]) -> dict[str, Any] | None:
 def _copy_fields(seen: dict[str, str | bool]) -> dict[str, Any] | None:
     """The options' values, or None where one is not what the full CLI would accept as is."""
     from snapctl.activation.timeouts import is_positive_seconds
-    from snapctl.statedir.names import NAME_PATTERN
 
     values = {key: value for key, value in seen.items() if isinstance(value, str)}
     if not os.path.isdir(values["--image"]):
@@ -137,7 +149,7 @@ def _copy_fields(seen: dict[str, str | bool]) -> dict[str, Any] | None:
     for option, field in (("--name", "name"), ("--host", "host"), ("--api-key-env", "api_key_env")):
         if option in values:
             fields[field] = values[option]
-    if "name" in fields and not NAME_PATTERN.fullmatch(fields["name"]):
+    if "name" in fields and not is_activation_name(fields["name"]):
         return None
     try:
         if "--publish" in values:
@@ -171,26 +183,20 @@ class HeldSignals:
             self._notify()
 
     def __enter__(self) -> HeldSignals:
-        import signal
-
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self._previous[signum] = signal.signal(signum, self._hold)
+        for signum in (_signal.SIGINT, _signal.SIGTERM):
+            self._previous[signum] = _signal.signal(signum, self._hold)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        import signal
-
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            _signal.signal(signum, handler)
 
 
 def relay_report(
     messages: Iterator[Any], on_progress: LaneProgress | None, on_note: Callable[[str], None]
 ) -> dict[str, Any]:
     """A start request's stream (copy, donor, bake) up to its report; the agent's error
-    raised as its :class:`~snapctl.agent.client.AgentError`."""
-    from snapctl.agent.client import AgentUnavailableError, error_from
-
+    raised as its :class:`~snapctl.agent.errors.AgentError`."""
     for message in messages:
         if "progress" in message:
             if on_progress is not None:
@@ -201,7 +207,11 @@ def relay_report(
             report: dict[str, Any] = message["report"]
             return report
         elif "error" in message:
+            from snapctl.agent.errors import error_from
+
             raise error_from(message)
+    from snapctl.agent.errors import AgentUnavailableError
+
     raise AgentUnavailableError("the agent ended the request without a report")
 
 
@@ -210,7 +220,8 @@ def stop_interrupted(client_path: str | os.PathLike[str], report: dict[str, Any]
     with, as an interrupted in-process start fails (exit 130)."""
     import contextlib
 
-    from snapctl.agent.client import AgentClient, AgentError
+    from snapctl.agent.client import AgentClient
+    from snapctl.agent.errors import AgentError
     from snapctl.errors import ExitStatus
 
     for copy in report.get("copies", [report]):
@@ -254,7 +265,7 @@ def fast_copy(args: list[str]) -> int | None:
     request = parse_fast_copy(args)
     if request is None:
         return None
-    from snapctl.agent.client import AgentError, connect
+    from snapctl.agent.client import connect
 
     client = connect()
     if client is None:
@@ -268,11 +279,11 @@ def fast_copy(args: list[str]) -> int | None:
                 raise stop_interrupted(client.path, report)
             # Inside the held signals: a copy that started is never left unprinted.
             emit_json(report)  # sorted keys, as the detached in-process start prints its record
-    except AgentError as error:
-        if error.usage is not None:
-            return None  # refused before anything started: the full CLI reports it as click
-        return _report_failure(error)
     except Exception as error:
+        from snapctl.agent.errors import AgentError  # only now: see snapctl.agent.errors
+
+        if isinstance(error, AgentError) and error.usage is not None:
+            return None  # refused before anything started: the full CLI reports it as click
         return _report_failure(error)
     return 0
 

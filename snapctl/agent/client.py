@@ -1,59 +1,44 @@
 """The thin client: the CLI's side of the agent's API, over its unix socket.
 
-Standard library only, and not ``http.client`` either (it imports ``email`` and ``ssl``, tens of
-milliseconds): the CLI's fast path (``snapctl ps`` through the agent) must not pay for imports a
-few socket writes do not need. One request per connection (``Connection: close``); a response is
+Not ``http.client`` (it imports ``email`` and ``ssl``, tens of milliseconds), nor ``json`` and
+``socket`` (:mod:`snapctl.agent.wire` says why), nor :mod:`snapctl.errors` until something
+fails: the CLI's fast path (``snapctl ps`` through the agent) must not pay for imports a few
+socket writes do not need. One request per connection (``Connection: close``); a response is
 JSON (``Content-Length``) or, for long operations, NDJSON in chunks, one message per chunk.
+Its errors are :mod:`snapctl.agent.errors`'.
 """
 
 from __future__ import annotations
 
-import json
+import io
 import os
-import socket
 
-from snapctl.agent import API_PREFIX, default_socket
-from snapctl.errors import ExitStatus, RelayedError, SnapctlError
+from snapctl.agent import API_PREFIX, default_socket, wire
 
 TYPE_CHECKING = False  # not typing's, nor pathlib or contextlib: see snapctl.errors
 if TYPE_CHECKING:
     from collections.abc import Iterator
-    from typing import Any, BinaryIO
+    from typing import Any
+
+    from snapctl.agent.errors import AgentError
 
 # Long operations stream: a copy's restore may take minutes, each step its own --timeout.
 READ_TIMEOUT_S = 3600.0
 _MAX_HEADER_BYTES = 64 * 1024
 
 
-class AgentError(RelayedError):
-    """The agent refused or failed a request: its error, relayed with its own exit status."""
+def _unavailable(message: str, **fields: Any) -> Exception:
+    from snapctl.agent.errors import AgentUnavailableError
 
-    def __init__(
-        self, message: str, *, exit_status: int = 1, usage: str | None = None, **fields: Any
-    ) -> None:
-        super().__init__(message, exit_status=exit_status, **fields)
-        # A refused option: its name ("" for the command as a whole), as the CLI reports it.
-        self.usage = usage
-        # The answer's HTTP status (404: no such activation), when it came as one.
-        self.http_status: int | None = None
+    return AgentUnavailableError(message, **fields)
 
 
-class AgentUnavailableError(SnapctlError):
-    """The agent stopped answering in the middle of a request (it was stopped or killed)."""
+def _agent_error(body: Any, http_status: int) -> AgentError:
+    from snapctl.agent.errors import error_from
 
-    exit_status = ExitStatus.UNAVAILABLE
-
-
-def error_from(body: dict[str, Any]) -> AgentError:
-    """The :class:`AgentError` an error body (see ``snapctl.agent.api.ErrorBody``) describes."""
-    return AgentError(
-        str(body.get("error", "the agent failed the request")),
-        exit_status=int(body.get("status", ExitStatus.ERROR)),
-        phase=body.get("phase"),
-        path=body.get("path"),
-        log_tail=body.get("log_tail"),
-        usage=body.get("usage"),
-    )
+    error = error_from(body if isinstance(body, dict) else {})
+    error.http_status = http_status
+    return error
 
 
 class Hangup:
@@ -63,7 +48,7 @@ class Hangup:
     signal handler; a hang-up before the request went out happens as soon as it has."""
 
     def __init__(self) -> None:
-        self._sock: socket.socket | None = None
+        self._sock: wire.Socket | None = None
         self.wanted = False
 
     def hang_up(self) -> None:
@@ -72,9 +57,9 @@ class Hangup:
             import contextlib  # here: the thin client's copy never hangs up
 
             with contextlib.suppress(OSError):  # closed already: nothing left to hang up
-                self._sock.shutdown(socket.SHUT_WR)
+                self._sock.shutdown(wire.SHUT_WR)
 
-    def attach(self, sock: socket.socket | None) -> None:
+    def attach(self, sock: wire.Socket | None) -> None:
         self._sock = sock
         if sock is not None and self.wanted:
             self.hang_up()
@@ -84,19 +69,19 @@ class AgentClient:
     """Requests to the agent listening on ``path``. :func:`connect` makes one only when an agent
     answers there; its first request reuses the connection that found it."""
 
-    def __init__(self, path: str | os.PathLike[str], sock: socket.socket | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], sock: wire.Socket | None = None) -> None:
         self.path = path
         self._sock = sock
 
-    def _open(self, read_timeout_s: float | None) -> socket.socket:
+    def _open(self, read_timeout_s: float | None) -> wire.Socket:
         sock, self._sock = self._sock, None
         if sock is None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock = wire.unix_socket()
             try:
                 sock.connect(os.fspath(self.path))
             except OSError as error:
                 sock.close()
-                raise AgentUnavailableError(
+                raise _unavailable(
                     f"the agent does not answer on {self.path} ({error.strerror}); start it "
                     "(snapctl agent) or run in-process (--no-agent)",
                     path=os.fspath(self.path),
@@ -111,8 +96,8 @@ class AgentClient:
 
     def _send(
         self, method: str, target: str, body: Any, read_timeout_s: float | None
-    ) -> tuple[socket.socket, BinaryIO]:
-        payload = b"" if body is None else json.dumps(body).encode()
+    ) -> tuple[wire.Socket, io.BufferedReader]:
+        payload = b"" if body is None else wire.dumps(body).encode()
         head = (
             f"{method} {API_PREFIX}{target} HTTP/1.1\r\nHost: snapctl-agent\r\n"
             f"Connection: close\r\nAccept: application/json, application/x-ndjson\r\n"
@@ -123,14 +108,14 @@ class AgentClient:
             sock.sendall(head.encode() + payload)
         except OSError as error:
             sock.close()
-            raise AgentUnavailableError(f"cannot send to the agent: {error}") from error
-        return sock, sock.makefile("rb")
+            raise _unavailable(f"cannot send to the agent: {error}") from error
+        return sock, wire.reader(sock)
 
     def call(self, method: str, target: str, body: Any = None) -> Any:
         """One request; its JSON answer, or the agent's error raised as :class:`AgentError`."""
         messages = list(self.stream(method, target, body))
         if len(messages) != 1:
-            raise AgentUnavailableError(f"the agent answered {target} with {len(messages)} records")
+            raise _unavailable(f"the agent answered {target} with {len(messages)} records")
         return messages[0]
 
     def stream(
@@ -157,14 +142,12 @@ class AgentClient:
                     for line in lines:
                         if not line.strip():
                             continue
-                        message = json.loads(line)
+                        message = wire.loads(line)
                         if status >= 400:
-                            error = error_from(message if isinstance(message, dict) else {})
-                            error.http_status = status
-                            raise error
+                            raise _agent_error(message, status)
                         yield message
             except (OSError, ValueError) as error:
-                raise AgentUnavailableError(
+                raise _unavailable(
                     f"the agent stopped answering {method} {target}: {error}"
                 ) from error
         finally:
@@ -174,7 +157,7 @@ class AgentClient:
             sock.close()
 
 
-def _read_head(reader: BinaryIO) -> tuple[int, dict[str, str]]:
+def _read_head(reader: io.BufferedReader) -> tuple[int, dict[str, str]]:
     status_line = reader.readline(_MAX_HEADER_BYTES)
     parts = status_line.split(None, 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1."):
@@ -189,7 +172,7 @@ def _read_head(reader: BinaryIO) -> tuple[int, dict[str, str]]:
     return int(parts[1]), headers
 
 
-def _chunks(reader: BinaryIO) -> Iterator[bytes]:
+def _chunks(reader: io.BufferedReader) -> Iterator[bytes]:
     while True:
         size_line = reader.readline(_MAX_HEADER_BYTES)
         if not size_line:
@@ -209,7 +192,7 @@ def connect(socket_path: str | os.PathLike[str] | None = None) -> AgentClient | 
     """A client of the agent on ``socket_path`` (default ``STATE/agent.sock``), or None when no
     agent answers there (no socket, or a stale one: the CLI then runs in-process)."""
     path = socket_path or default_socket()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock = wire.unix_socket()
     try:
         sock.connect(os.fspath(path))
     except OSError:
@@ -218,10 +201,4 @@ def connect(socket_path: str | os.PathLike[str] | None = None) -> AgentClient | 
     return AgentClient(path, sock)
 
 
-__all__ = [
-    "AgentClient",
-    "AgentError",
-    "AgentUnavailableError",
-    "connect",
-    "error_from",
-]
+__all__ = ["AgentClient", "Hangup", "connect"]

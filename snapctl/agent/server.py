@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from snapctl.agent import API_PREFIX
 from snapctl.agent.api import ErrorBody, GcRequest, PoolRemoveRequest, StopRequest
-from snapctl.agent.client import AgentUnavailableError
+from snapctl.agent.errors import AgentUnavailableError
 from snapctl.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundError
 from snapctl.errors import ExitStatus, SnapctlError

@@ -28,7 +28,7 @@ def parse_bytes(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 
 def _client() -> AgentClient:
-    from snapctl.agent.client import AgentUnavailableError
+    from snapctl.agent.errors import AgentUnavailableError
 
     client = agent_client()
     if client is None:

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from snapctl.agent import NO_AGENT_ENV
-from snapctl.agent.client import AgentClient, AgentError, Hangup
+from snapctl.agent.client import AgentClient, Hangup
+from snapctl.agent.errors import AgentError
 from snapctl.thin import HeldSignals, relay_report, stop_interrupted
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def _terminal(as_json: bool) -> bool:
 
 def raise_for(message: dict[str, Any]) -> None:
     """An error message from the agent, raised as the CLI raises it in-process."""
-    from snapctl.agent.client import error_from
+    from snapctl.agent.errors import error_from
 
     raise as_cli_error(error_from(message))
 
@@ -64,7 +65,7 @@ def as_cli_error(error: AgentError) -> BaseException:
 
 def call(client: AgentClient, method: str, target: str, body: Any = None) -> Any:
     """One request; the agent's error raised as in-process (see :func:`as_cli_error`)."""
-    from snapctl.agent.client import AgentError
+    from snapctl.agent.errors import AgentError
 
     try:
         return client.call(method, target, body)
@@ -323,7 +324,7 @@ def _serve_until_stopped(
     the agent; if the agent stops meanwhile, the copies serve on (they live in their own
     supervisors) and this waits on from their records, then stops them itself, in-process:
     they live as long as the command, as in-process."""
-    from snapctl.agent.client import AgentUnavailableError
+    from snapctl.agent.errors import AgentUnavailableError
     from snapctl.cli.serving import pages_complete_note, report_ended, show_ended
     from snapctl.errors import SnapctlError
 
@@ -408,7 +409,7 @@ def _kept_outcome(copy: dict[str, Any]) -> dict[str, Any] | None:
 def _stop_one(client: AgentClient, name: str) -> dict[str, Any] | None:
     """Stop ``name`` through the agent, or in-process from its record when no agent answers;
     None when it is recorded no more."""
-    from snapctl.agent.client import AgentError, AgentUnavailableError
+    from snapctl.agent.errors import AgentError, AgentUnavailableError
 
     try:
         answer: dict[str, Any] = AgentClient(client.path).call(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from snapctl.agent.client import AgentClient, AgentError, connect
+from snapctl.agent.client import AgentClient, connect
 from snapctl.agent.daemon import (
     Agent,
     AgentOptions,
@@ -25,6 +25,7 @@ from snapctl.agent.daemon import (
     ListenError,
     TokenFileError,
 )
+from snapctl.agent.errors import AgentError
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle

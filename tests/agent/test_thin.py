@@ -92,6 +92,19 @@ def test_it_declines_what_it_does_not_fully_understand(extra: list[str], image: 
     assert parse_fast_copy(["copy", "--image", str(image), "--detach", "--json", *extra]) is None
 
 
+NAMES = ["a", "Z9", "a.b-c_1", "x" * 64, "x" * 65, "", "-a", ".a", "_a", "a/b", "a b", "é",
+         "a\n", "a\x00", "\u0661", "\uff41", "A" + "-" * 63, "0"]  # fmt: skip
+
+
+def test_its_name_check_is_the_name_pattern() -> None:
+    from snapctl.statedir.names import NAME_PATTERN
+    from snapctl.thin import is_activation_name
+
+    for name in NAMES:
+        assert is_activation_name(name) == bool(NAME_PATTERN.fullmatch(name)), repr(name)
+    assert sum(map(is_activation_name, NAMES)) == 6
+
+
 def test_it_needs_detach_json_and_an_image_directory(image: Path, tmp_path: Path) -> None:
     assert parse_fast_copy(["copy", "--image", str(image), "--json"]) is None
     assert parse_fast_copy(["copy", "--image", str(image), "--detach"]) is None
@@ -151,27 +164,51 @@ def test_as_a_process_it_imports_no_click_and_ends_with_the_report(
 
 
 # Standard library modules that each cost a pooled copy's command a millisecond or more to
-# import, none of which a socket request and a JSON record need.
+# import, none of which a socket request and a JSON record need (json and socket: their C
+# halves serve, see snapctl.agent.wire).
 SLOW_STDLIB = {"typing", "pathlib", "threading", "contextlib", "unicodedata", "subprocess",
-               "logging", "http", "email", "ssl", "asyncio", "dataclasses", "inspect"}  # fmt: skip
+               "logging", "http", "email", "ssl", "asyncio", "dataclasses", "inspect", "re",
+               "enum", "json", "socket", "selectors", "string"}  # fmt: skip
+# Imported only once something failed (its exit statuses are an enum).
+FAILURE_ONLY = {"snapctl.errors", "snapctl.agent.errors", "snapctl.phases"}
+COMMAND = Path(__file__).parents[2] / "bin" / "snapctl"  # the console script pip installs
 
 
-def test_a_served_copy_imports_only_the_cheapest_of_the_standard_library(
-    running_agent: RunningAgent, image: Path
+@pytest.mark.parametrize("command", ["copy", "ps"])
+def test_a_command_the_agent_answers_imports_only_the_cheapest_of_the_standard_library(
+    running_agent: RunningAgent, image: Path, command: str
 ) -> None:
-    """As the console script runs it, without ``site`` (whatever the install's .pth files
-    import is not this path's doing): nothing from :data:`SLOW_STDLIB` or :data:`HEAVY`."""
+    """The console script, run without ``site`` (whatever the install's .pth files import is
+    not this path's doing): nothing from :data:`SLOW_STDLIB`, :data:`HEAVY` or
+    :data:`FAILURE_ONLY`."""
     env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root),
            "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
-    script = "import sys\nfrom snapctl.entry import main\nsys.exit(main())"
-    done = subprocess.run(
-        [sys.executable, "-S", "-X", "importtime", "-c", script, "copy", "--image", str(image),
-         "--no-lazy", "--detach", "--json", "--name", "cheap", "--publish", "127.0.0.1:0"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0 and json.loads(done.stdout) == make_report(), done.stderr[-2000:]
+    args = ["ps", "--json"] if command == "ps" else [
+        "copy", "--image", str(image), "--no-lazy", "--detach", "--json", "--name", "cheap",
+        "--publish", "127.0.0.1:0"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-S", "-X", "importtime", str(COMMAND), *args],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout) == ([] if command == "ps" else make_report())
     imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
-    assert {name for name in imported if name.split(".")[0] in SLOW_STDLIB | HEAVY} == set()
+    assert "snapctl.agent.client" in imported  # the agent answered, not the full CLI
+    slow = {name for name in imported if name.split(".")[0] in SLOW_STDLIB | HEAVY}
+    assert slow | (imported & FAILURE_ONLY) == set()
+
+
+def test_a_failure_through_the_agent_imports_the_error_tree_and_reports_it(
+    running_agent: RunningAgent, image: Path
+) -> None:
+    failure = {"error": "criu restore failed", "status": int(ExitStatus.ACTIVATION_FAILED),
+               "phase": "restore", "path": None, "log_tail": None}  # fmt: skip
+    running_agent.spawner.script = [dict(failure)]
+    env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root),
+           "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(COMMAND), "copy", "--image", str(image), "--no-lazy", "--detach",
+         "--json"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == ExitStatus.ACTIVATION_FAILED, done.stderr[-2000:]
+    assert "criu restore failed" in done.stderr and done.stdout == ""
 
 
 def test_a_usage_refusal_is_reported_by_the_full_cli_and_starts_nothing(
@@ -197,3 +234,17 @@ def test_request_paths_are_written_as_pathlib_writes_them(
 
     monkeypatch.chdir(tmp_path)
     assert absolute(given) == str(Path(given).absolute())
+
+
+def test_held_signals_hold_sigint_and_sigterm_then_give_back_the_handlers() -> None:
+    import signal
+
+    from snapctl.thin import HeldSignals
+
+    notified: list[bool] = []
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    with HeldSignals(lambda: notified.append(True)) as held:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT)
+        assert held.signalled and notified == [True, True]
+    assert {signum: signal.getsignal(signum) for signum in before} == before

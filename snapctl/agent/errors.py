@@ -1,0 +1,46 @@
+"""The errors the thin client raises: the agent's refusal or failure, relayed, and an agent that
+stopped answering. Apart from :mod:`snapctl.agent.client`, which imports them only once
+something failed: :mod:`snapctl.errors` imports ``enum``, a few milliseconds that a command
+the agent answered need not pay (see :mod:`snapctl.agent.wire`)."""
+
+from __future__ import annotations
+
+from snapctl.errors import ExitStatus, RelayedError, SnapctlError
+
+TYPE_CHECKING = False  # not typing's: see snapctl.errors
+if TYPE_CHECKING:
+    from typing import Any
+
+
+class AgentError(RelayedError):
+    """The agent refused or failed a request: its error, relayed with its own exit status."""
+
+    def __init__(
+        self, message: str, *, exit_status: int = 1, usage: str | None = None, **fields: Any
+    ) -> None:
+        super().__init__(message, exit_status=exit_status, **fields)
+        # A refused option: its name ("" for the command as a whole), as the CLI reports it.
+        self.usage = usage
+        # The answer's HTTP status (404: no such activation), when it came as one.
+        self.http_status: int | None = None
+
+
+class AgentUnavailableError(SnapctlError):
+    """The agent stopped answering in the middle of a request (it was stopped or killed)."""
+
+    exit_status = ExitStatus.UNAVAILABLE
+
+
+def error_from(body: dict[str, Any]) -> AgentError:
+    """The :class:`AgentError` an error body (see ``snapctl.agent.api.ErrorBody``) describes."""
+    return AgentError(
+        str(body.get("error", "the agent failed the request")),
+        exit_status=int(body.get("status", ExitStatus.ERROR)),
+        phase=body.get("phase"),
+        path=body.get("path"),
+        log_tail=body.get("log_tail"),
+        usage=body.get("usage"),
+    )
+
+
+__all__ = ["AgentError", "AgentUnavailableError", "error_from"]
