@@ -4,8 +4,9 @@ standard library's ``json`` and ``socket`` wrap (``_json``, ``_socket``).
 Those wrappers import ``re`` and ``enum``: 10 to 20 ms of every command answered through the
 agent, about as much as the interpreter's own start (docs/agent.md). The C codec is the one
 ``json`` itself runs, with the arguments ``json.dumps`` and ``json.loads`` give it, so the text
-is the same (tests/agent/test_wire.py compares them); where ``_json`` lacks it (another Python
-implementation) the standard library's functions serve instead.
+is the same (tests/agent/test_wire.py compares them; bytes are read as UTF-8 only, which is
+what the agent sends); where ``_json`` lacks it (another Python implementation) the standard
+library's functions serve instead.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ class _Parsing:
 def _c_codec() -> tuple[Callable[..., str], Callable[[str | bytes], Any]] | None:
     try:
         from _json import encode_basestring, encode_basestring_ascii, make_encoder, make_scanner
-    except ImportError:
+
+        scan = make_scanner(_Parsing())  # type: ignore[arg-type]  # a duck-typed context
+    except (ImportError, AttributeError, TypeError):  # absent, or changed in another Python
         return None
-    scan = make_scanner(_Parsing())  # type: ignore[arg-type]  # a duck-typed context
 
     def c_dumps(value: Any, *, sort_keys: bool = False, ensure_ascii: bool = True) -> str:
         escape = encode_basestring_ascii if ensure_ascii else encode_basestring
@@ -79,7 +81,8 @@ def _c_codec() -> tuple[Callable[..., str], Callable[[str | bytes], Any]] | None
         return "".join(encode(value, 0))
 
     def c_loads(data: str | bytes) -> Any:
-        text = data.decode() if isinstance(data, bytes) else data
+        # As json.loads decodes UTF-8 (the agent sends ASCII; no UTF-16 or BOM sniffing).
+        text = data.decode("utf-8", "surrogatepass") if isinstance(data, bytes) else data
         start = len(text) - len(text.lstrip(_WHITESPACE))
         try:
             value, end = scan(text, start)
@@ -111,6 +114,6 @@ def dumps(value: Any, *, sort_keys: bool = False, ensure_ascii: bool = True) -> 
 
 
 def loads(data: str | bytes) -> Any:
-    """``json.loads(data)``: a ValueError (``json.JSONDecodeError`` is one) when it is not
-    JSON."""
+    """``json.loads(data)`` of a ``str`` or of UTF-8 bytes: a ValueError (``json.JSONDecodeError``
+    and ``UnicodeDecodeError`` are ones) when it is not JSON."""
     return _loads(data)

@@ -205,10 +205,15 @@ def test_a_failure_through_the_agent_imports_the_error_tree_and_reports_it(
     env = {**os.environ, "SNAPCTL_STATE_DIR": str(running_agent.state.root),
            "PYTHONPATH": str(Path(__file__).parents[2])}  # fmt: skip
     done = subprocess.run(
-        [sys.executable, str(COMMAND), "copy", "--image", str(image), "--no-lazy", "--detach",
-         "--json"], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        [sys.executable, "-X", "importtime", str(COMMAND), "copy", "--image", str(image),
+         "--no-lazy", "--detach", "--json"], env=env, capture_output=True, text=True,
+        timeout=60)  # fmt: skip
     assert done.returncode == ExitStatus.ACTIVATION_FAILED, done.stderr[-2000:]
     assert "criu restore failed" in done.stderr and done.stdout == ""
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()}
+    # The thin path asked; the full CLI's agent path (cli.remote) never ran.
+    assert {"snapctl.agent.client", "snapctl.agent.errors"} <= imported
+    assert "snapctl.cli.remote" not in imported
 
 
 def test_a_usage_refusal_is_reported_by_the_full_cli_and_starts_nothing(

@@ -29,7 +29,8 @@ VALUES: list[Any] = [
     {"text": 'quote " backslash \\ newline \n tab \t nul \x00 bell \x07'},
     {"unicode": "é ü 日本 \u2028 \U0001f600", "é": "key not ASCII"},
     [0, -0.0, 1e100, 1e-300, 2.5e-7, 12345678901234567890, -(2**70), 0.1 + 0.2],
-    [float("inf"), float("-inf")],
+    [float("inf"), float("-inf"), float("nan")],
+    ["lone surrogate \ud800", {"\udfff": "as a key"}],
     "a plain string",
     42,
     None,
@@ -73,9 +74,11 @@ def test_loads_reads_what_json_reads(codec: str) -> None:
     _, loads = CODECS[codec]
     for value in VALUES:
         spaced = f" \n\t{json.dumps(value)}\r\n"
-        for text in (json.dumps(value), json.dumps(value, indent=2), spaced):
-            assert loads(text) == json.loads(text)
-            assert loads(text.encode()) == json.loads(text)
+        raw = json.dumps(value, ensure_ascii=False)  # UTF-8 bytes below, surrogates kept
+        for text in (json.dumps(value), json.dumps(value, indent=2), spaced, raw):
+            assert repr(loads(text)) == repr(json.loads(text))  # repr: NaN is not NaN
+            utf8 = text.encode("utf-8", "surrogatepass")
+            assert repr(loads(utf8)) == repr(json.loads(utf8))
     assert math.isnan(loads('{"x": NaN}')["x"])
     assert loads("[Infinity, -Infinity]") == [math.inf, -math.inf]
     assert loads('"\\ud83d\\ude00"') == "\U0001f600"
@@ -99,6 +102,18 @@ def test_loads_refuses_what_json_refuses_with_a_value_error(codec: str) -> None:
 
 def test_the_c_codec_serves_on_cpython() -> None:
     assert "c" in CODECS and wire._dumps.__name__ == "c_dumps"
+
+
+def test_a_c_scanner_that_wants_another_context_gives_way_to_the_standard_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import _json
+
+    def wants_more(context: object) -> None:
+        raise AttributeError("'_Parsing' object has no attribute 'a_new_hook'")
+
+    monkeypatch.setattr(_json, "make_scanner", wants_more)
+    assert wire._c_codec() is None
 
 
 def test_without_the_c_codec_the_standard_library_serves() -> None:
