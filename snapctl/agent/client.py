@@ -5,7 +5,7 @@ Not ``http.client`` (it imports ``email`` and ``ssl``, tens of milliseconds), no
 fails: the CLI's fast path (``snapctl ps`` through the agent) must not pay for imports a few
 socket writes do not need. One request per connection (``Connection: close``); a response is
 JSON (``Content-Length``) or, for long operations, NDJSON in chunks, one message per chunk.
-Its errors are :mod:`snapctl.agent.errors`'.
+Its errors are in :mod:`snapctl.agent.errors`.
 """
 
 from __future__ import annotations

@@ -65,8 +65,6 @@ def as_cli_error(error: AgentError) -> BaseException:
 
 def call(client: AgentClient, method: str, target: str, body: Any = None) -> Any:
     """One request; the agent's error raised as in-process (see :func:`as_cli_error`)."""
-    from snapctl.agent.errors import AgentError
-
     try:
         return client.call(method, target, body)
     except AgentError as error:
