@@ -40,6 +40,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import CopyRequest, PoolTarget
 from snapctl.pool.cancel import Cancel
 from snapctl.pool.models import BakeRequest, DonorRequest
+from snapctl.statedir.names import NAME_PATTERN
 from snapctl.supervision.sockets import bind_private
 
 MAX_BODY_BYTES = 1 << 20
@@ -51,7 +52,7 @@ SOCKET_TIMEOUT_S = 60.0
 MAX_TCP_CONNECTIONS = 32
 MAX_TCP_CONNECTIONS_PER_ADDRESS = 8
 BusyLimit = Literal["listener", "address"]  # which of the two refused a TCP connection
-_NAME = r"(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
+_NAME = f"(?P<name>{NAME_PATTERN.pattern})"
 # They run the server command in the environment and directory the client sends: only a
 # local root client (the unix socket's peer check) may ask for that, never the TCP listener.
 _UNIX_SOCKET_ONLY = frozenset({f"{API_PREFIX}/donors", f"{API_PREFIX}/bakes"})

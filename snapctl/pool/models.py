@@ -11,6 +11,7 @@ from pydantic import Field, SecretStr, field_validator
 
 from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S, positive_seconds
 from snapctl.models import StrictModel
+from snapctl.statedir.names import NAME_PATTERN
 
 PARKED_ID_PATTERN = r"^pool-[0-9a-f]{12}$"
 ParkedState = Literal["restoring", "parked"]
@@ -43,7 +44,7 @@ class CopyRequest(StrictModel):
 
     version: Literal[1] = 1
     image: str = Field(min_length=1, pattern=r"^/")
-    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    name: str | None = Field(default=None, pattern=f"^{NAME_PATTERN.pattern}$")
     publish: PublishTarget | None = None
     expose: bool = False
     host: str = "127.0.0.1"
@@ -108,7 +109,7 @@ class DonorRequest(BakeRequest):
     (``detach`` is the client's: the donor lives in its own supervisor either way, and
     without it the client stops the donor when it ends)."""
 
-    name: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+    name: str | None = Field(default=None, pattern=f"^{NAME_PATTERN.pattern}$")
     publish: PublishTarget | None = None
     expose: bool = False
     detach: bool = False

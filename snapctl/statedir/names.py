@@ -19,10 +19,12 @@ import re
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.phases import HostPhase
 
-TYPE_CHECKING = False  # not typing's, nor pathlib: the thin client checks --name with this
+TYPE_CHECKING = False  # not typing's, nor pathlib: see snapctl.errors
 if TYPE_CHECKING:
     from pathlib import Path
 
+# The one spelling of the rule: the agent's routes and request models are built from it, and
+# snapctl.thin.is_activation_name checks it without re (tests/agent/test_thin.py compares).
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 NAME_RULE = "1 to 64 letters, digits, '_', '.' or '-', starting with a letter or digit"
 LOCK_SUFFIX = ".lock"
