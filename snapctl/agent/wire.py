@@ -72,13 +72,16 @@ def _c_codec() -> tuple[Callable[..., str], Callable[[str | bytes], Any]] | None
         from _json import encode_basestring, encode_basestring_ascii, make_encoder, make_scanner
 
         scan = make_scanner(_Parsing())  # type: ignore[arg-type]  # a duck-typed context
+
+        def c_dumps(value: Any, *, sort_keys: bool = False, ensure_ascii: bool = True) -> str:
+            escape = encode_basestring_ascii if ensure_ascii else encode_basestring
+            encode = make_encoder({}, _refuse, escape, None, ":", ",", sort_keys, False, True)
+            return "".join(encode(value, 0))
+
+        # Once here, so that an encoder whose arguments changed is found now, not at a send.
+        c_dumps({"": [0]})
     except (ImportError, AttributeError, TypeError):  # absent, or changed in another Python
         return None
-
-    def c_dumps(value: Any, *, sort_keys: bool = False, ensure_ascii: bool = True) -> str:
-        escape = encode_basestring_ascii if ensure_ascii else encode_basestring
-        encode = make_encoder({}, _refuse, escape, None, ":", ",", sort_keys, False, True)
-        return "".join(encode(value, 0))
 
     def c_loads(data: str | bytes) -> Any:
         # As json.loads decodes UTF-8 (the agent sends ASCII; no UTF-16 or BOM sniffing).

@@ -116,6 +116,18 @@ def test_a_c_scanner_that_wants_another_context_gives_way_to_the_standard_librar
     assert wire._c_codec() is None
 
 
+def test_a_c_encoder_that_wants_other_arguments_gives_way_to_the_standard_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import _json
+
+    def wants_more(*arguments: object) -> None:
+        raise TypeError(f"make_encoder() takes 10 arguments ({len(arguments)} given)")
+
+    monkeypatch.setattr(_json, "make_encoder", wants_more)
+    assert wire._c_codec() is None
+
+
 def test_without_the_c_codec_the_standard_library_serves() -> None:
     script = (
         "import sys; sys.modules['_json'] = None\n"  # import _json raises ImportError
