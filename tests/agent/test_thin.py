@@ -174,6 +174,15 @@ FAILURE_ONLY = {"snapctl.errors", "snapctl.agent.errors", "snapctl.phases"}
 COMMAND = Path(__file__).parents[2] / "bin" / "snapctl"  # the console script pip installs
 
 
+def test_the_installed_command_is_the_script_not_an_entry_point_wrapper() -> None:
+    """What the paths below time is ``bin/snapctl``; the install must be that script (pip's
+    wrapper for an entry point imports ``re``), and scripts/setup must refresh a stale copy."""
+    installed = Path(sys.executable).parent / "snapctl"
+    assert installed.exists(), f"snapctl is not installed beside {sys.executable}: scripts/setup"
+    body = installed.read_text().split("\n", 1)[1]  # pip rewrites only the shebang
+    assert body == COMMAND.read_text().split("\n", 1)[1]
+
+
 @pytest.mark.parametrize("command", ["copy", "ps"])
 def test_a_command_the_agent_answers_imports_only_the_cheapest_of_the_standard_library(
     running_agent: RunningAgent, image: Path, command: str
