@@ -4,6 +4,7 @@ TCP listener's token; and the CLI through it giving what it gives in-process."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from snapctl.agent.client import AgentClient, connect
 from snapctl.agent.daemon import (
@@ -28,7 +30,8 @@ from snapctl.agent.daemon import (
 from snapctl.agent.errors import AgentError
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
-from snapctl.pool import ParkedHandle
+from snapctl.pool import ParkedHandle, PoolListing
+from snapctl.pool.models import ParkedCopyRow, PoolEntry, PoolTarget
 from snapctl.statedir import ActivationRecord, StateDir
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
 from tests.images.factories import publish_sample
@@ -296,6 +299,9 @@ def test_copy_takes_a_parked_copy_when_one_is_ready(
     assert taken[0][0] is handle and running_agent.spawner.jobs == []
     # None: the pool's copy decides (lazy only if the request says so).
     assert taken[0][1].lazy is None
+    metrics = metrics_of(running_agent.socket)
+    assert b'snapctl_copies_started_total{source="pool"} 1.0' in metrics
+    assert b'snapctl_copies_started_total{source="restore"}' not in metrics
 
 
 def test_a_failed_copy_exits_with_its_status_and_its_message(
@@ -336,10 +342,124 @@ def test_pool_set_ls_rm_through_the_agent(
     code, out, _ = run_cli(capsys, "pool", "ls", "--json")
     assert json.loads(out)["entries"][0]["target"]["size"] == 2
     assert str(image) in run_cli(capsys, "pool", "ls")[1]
+    for flag, lazy, shown in (("--lazy", True, "(lazy,"), ("--no-lazy", False, "(not lazy,")):
+        code, out, _ = run_cli(capsys, "pool", "set", "--image", str(image), "--size", "1", flag)
+        assert code == 0 and shown in out and running_agent.pool.targets[str(image)].lazy is lazy
     code, out, _ = run_cli(capsys, "pool", "rm", "--image", str(image))
     assert code == 0 and running_agent.pool.targets == {}
     code, _, err = run_cli(capsys, "pool", "set", "--image", str(tmp_path / "none"), "--size", "1")
     assert code == ExitStatus.VERIFY_FAILED and "neither an image directory" in err
+
+
+POOL_GAUGES = {"snapctl_pool_target_size", "snapctl_pool_parked", "snapctl_pool_memory_bytes"}
+
+
+def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
+    running_agent: RunningAgent, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    image = str(tmp_path / "image")
+    rows = (
+        ParkedCopyRow(id="pool-00000000000a", state="parked", age_s=12.4,
+                      memory_bytes=96 << 20, supervisor_pid=10, root_pid=11),
+        ParkedCopyRow(id="pool-00000000000b", state="restoring", age_s=0.6,
+                      memory_bytes=None, supervisor_pid=12, root_pid=None),
+    )  # fmt: skip
+    entry = PoolEntry(target=PoolTarget(image=image, size=3, lazy=True, max_memory=1 << 30),
+                      image_id="0" * 64, memory_bytes=96 << 20, parked=rows)  # fmt: skip
+    listing = PoolListing(entries=(entry,), memory_bytes=96 << 20)
+    monkeypatch.setattr(running_agent.pool, "listing", lambda: listing)
+
+    code, out, _ = run_cli(capsys, "pool", "ls", "--json")
+    assert code == 0 and PoolListing.model_validate_json(out) == listing
+    code, out, _ = run_cli(capsys, "pool", "ls")
+    cells = [[cell.strip() for cell in line.strip("│").split("│")]
+             for line in out.splitlines() if line.startswith("│")]  # fmt: skip
+    assert cells == [
+        [image, "1/3", "lazy", "96 MiB", "1024 MiB", "", "", "", ""],
+        ["", "", "", "96 MiB", "", "pool-00000000000a", "parked", "12 s", ""],
+        ["", "", "", "-", "", "pool-00000000000b", "restoring", "1 s", ""],
+    ]
+
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(metrics_of(running_agent.socket).decode())
+        for sample in family.samples
+        if sample.name in POOL_GAUGES
+    }
+    assert samples == {
+        ("snapctl_pool_target_size", (("image", image),)): 3,
+        ("snapctl_pool_parked", (("image", image), ("state", "parked"))): 1,
+        ("snapctl_pool_parked", (("image", image), ("state", "restoring"))): 1,
+        ("snapctl_pool_memory_bytes", (("image", image),)): 96 << 20,
+    }
+
+
+def test_the_metrics_listener_serves_metrics_and_nothing_else(tmp_path: Path) -> None:
+    options = AgentOptions(socket=tmp_path / "agent.sock", metrics_listen=("127.0.0.1", 0))
+    agent = Agent(StateDir(tmp_path), options, spawner_factory=FakeSpawner,  # type: ignore[arg-type]
+                  pool_factory=FakePool)  # fmt: skip
+    agent.start()
+    try:
+        (port,) = [a[1] for a in agent.addresses if isinstance(a, tuple)]
+
+        def ask(request: str) -> tuple[int, bytes]:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(f"{request}\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+                data = b""
+                while chunk := sock.recv(65536):
+                    data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            return int(head.split()[1]), body
+
+        status, body = ask("GET /metrics HTTP/1.1")
+        assert status == 200 and b"# TYPE snapctl_copies_started_total counter" in body
+        for request in ("GET /v1/version HTTP/1.1", "GET /v1/activations HTTP/1.1",
+                        "POST /v1/pool/rm HTTP/1.1"):  # fmt: skip
+            status, body = ask(request)
+            assert status == 404 and b"serves only GET /metrics" in body, (request, body)
+        # The API itself is on the socket, as ever.
+        assert AgentClient(tmp_path / "agent.sock").call("GET", "/version")["api"] == 1
+    finally:
+        agent.stop()
+
+
+def test_no_secret_reaches_the_agent_s_log(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """The API key a copy carries and the TCP listener's bearer token, right or wrong."""
+    token = "k" * 40
+    (tmp_path / "token").write_text(token + "\n")
+    (tmp_path / "token").chmod(0o600)
+    state = StateDir(tmp_path / "state")
+    options = AgentOptions(socket=state.root / "agent.sock", listen=("127.0.0.1", 0),
+                           token_file=tmp_path / "token")  # fmt: skip
+    agent = Agent(state, options, spawner_factory=FakeSpawner,  # type: ignore[arg-type]
+                  pool_factory=FakePool)  # fmt: skip
+    monkeypatch.setenv("SNAPCTL_STATE_DIR", str(state.root))
+    monkeypatch.delenv("SNAPCTL_AGENT_SOCKET", raising=False)
+    monkeypatch.delenv("SNAPCTL_NO_AGENT", raising=False)
+    monkeypatch.setenv("TEST_KEY", "the-api-key-s3cret")
+    caplog.set_level(logging.DEBUG)
+    agent.start()
+    try:
+        image = tmp_path / "image"
+        image.mkdir()
+        code, _, _ = run_cli(capsys, "copy", "--image", str(image), "--no-lazy", "--detach",
+                             "--json", "--name", "one", "--api-key-env", "TEST_KEY")  # fmt: skip
+        assert code == 0
+        port = next(a for a in agent.addresses if isinstance(a, tuple))[1]
+        for bearer in (token, "wrong-" + token):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(f"GET /v1/nowhere?token={bearer} HTTP/1.1\r\nConnection: close\r\n"
+                             f"Authorization: Bearer {bearer}\r\n\r\n".encode())  # fmt: skip
+                assert sock.recv(65536).split()[1] in (b"401", b"404")
+    finally:
+        agent.stop()
+    logged = caplog.text + capsys.readouterr().err
+    assert "POST /v1/copies 200" in logged  # the log was captured
+    assert "s3cret" not in logged and token not in logged
 
 
 def test_pool_needs_an_agent(
