@@ -65,8 +65,17 @@ MAX_PARKING = 2
 # needs on a small host), at most this long after the take.
 REFILL_HOLD_S = 5.0
 BACKOFF_MAX_S = 30.0
-# The memory of parked copies is read (PSS, a walk of each tree's smaps) this often.
+# The memory of parked copies is looked at this often: the resident counters of each tree
+# (statm, constant time), and its PSS (smaps_rollup: a walk of every page table entry, its
+# time in proportion to the memory mapped) only where those moved by more than RESIDENT_SLACK
+# since the last PSS, or that is PSS_MAX_AGE_S old (a parked copy is idle; its share of the
+# pages that others map is not). docs/pool.md has what the walk cost.
 MEMORY_EVERY_S = 2.0
+RESIDENT_SLACK = 0.01
+PSS_MAX_AGE_S = 30.0
+# The refill thread's niceness (and so its restores' and discards' threads'): its reads of
+# /proc and images are background work, never to take the CPU from a copy being activated.
+REFILL_NICENESS = 10
 # With a budget, a copy parked this recently whose memory could not be read yet holds back
 # the refill; one unreadable longer counts at the size the others measure.
 UNMEASURED_WAIT_S = 2 * MEMORY_EVERY_S
@@ -96,6 +105,9 @@ class _Slot:
     record: ParkedRecord | None = None  # once parked
     parked_at: float | None = None
     memory_bytes: int | None = None
+    # What memory_bytes was read against: the tree's (pid, resident bytes) and when.
+    memory_basis: tuple[tuple[int, int], ...] = ()
+    memory_at: float = 0.0
     discarding: bool = False
     taken: bool = False  # handed out by take(): the taker's now, never discarded here
 
@@ -119,41 +131,74 @@ class _Image:
     copy_bytes: int = 0
 
 
-def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
-    """PSS (RSS where PSS is unreadable) of these processes and all their descendants."""
-    total, seen, found = 0, set(), False
+def tree_members(pids: list[tuple[int, float | None]]) -> list[psutil.Process]:
+    """These processes (each only while it is the one started at its recorded time) and all
+    their descendants, each once."""
+    members: dict[int, psutil.Process] = {}
     for pid, recorded in pids:
         try:
             root = psutil.Process(pid)
             if recorded is not None and not same_start(start_time(pid), recorded):
                 continue
-            members = [root, *root.children(recursive=True)]
+            tree = [root, *root.children(recursive=True)]
         except (psutil.Error, ProcessGoneError):  # gone meanwhile: psutil saw it, /proc not
             continue
-        for member in members:
-            if member.pid in seen:
-                continue
-            seen.add(member.pid)
-            try:
-                info = member.memory_full_info()
-                total += int(getattr(info, "pss", info.rss))
+        for member in tree:
+            members.setdefault(member.pid, member)
+    return list(members.values())
+
+
+def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
+    """PSS (RSS where PSS is unreadable) of these processes and all their descendants."""
+    total, found = 0, False
+    for member in tree_members(pids):
+        try:
+            info = member.memory_full_info()
+            total += int(getattr(info, "pss", info.rss))
+            found = True
+        except psutil.AccessDenied:
+            with contextlib.suppress(psutil.Error):
+                total += int(member.memory_info().rss)
                 found = True
-            except psutil.AccessDenied:
-                with contextlib.suppress(psutil.Error):
-                    total += int(member.memory_info().rss)
-                    found = True
-            except psutil.Error:
-                continue
+        except psutil.Error:
+            continue
     return total if found else None
 
 
-def record_memory(record: ParkedRecord) -> int | None:
+def tree_resident(pids: list[tuple[int, float | None]]) -> tuple[tuple[int, int], ...]:
+    """Each of these processes' and their descendants' resident bytes, by PID (statm:
+    constant time, unlike PSS)."""
+    readings = []
+    for member in tree_members(pids):
+        with contextlib.suppress(psutil.Error):
+            readings.append((member.pid, int(member.memory_info().rss)))
+    return tuple(readings)
+
+
+def _record_pids(record: ParkedRecord) -> list[tuple[int, float | None]]:
     pids: list[tuple[int, float | None]] = []
     if record.root_pid is not None:
         pids.append((record.root_pid, record.root_start_time))
     if record.lazy_pages_pid is not None:
         pids.append((record.lazy_pages_pid, record.lazy_pages_start_time))
-    return tree_memory(pids)
+    return pids
+
+
+def record_memory(record: ParkedRecord) -> int | None:
+    return tree_memory(_record_pids(record))
+
+
+def record_resident(record: ParkedRecord) -> tuple[tuple[int, int], ...]:
+    return tree_resident(_record_pids(record))
+
+
+def memory_moved(before: tuple[tuple[int, int], ...], now: tuple[tuple[int, int], ...]) -> bool:
+    """Whether the tree's resident memory changed enough to read its PSS again: another set
+    of processes, or a total that moved by more than :data:`RESIDENT_SLACK` of it."""
+    if {pid for pid, _ in before} != {pid for pid, _ in now}:
+        return True
+    old, new = sum(rss for _, rss in before), sum(rss for _, rss in now)
+    return abs(new - old) > RESIDENT_SLACK * max(old, new)
 
 
 def image_key(image: Path) -> str:
@@ -407,6 +452,8 @@ class WarmPool:
                 self._thread.start()
 
     def _run(self) -> None:
+        with contextlib.suppress(OSError):  # Linux keeps a niceness per thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REFILL_NICENESS)
         while not self._closing.is_set():
             try:
                 self._tick()
@@ -435,7 +482,7 @@ class WarmPool:
                     self._drop(entry, slot, "died")
                     continue
                 if measure or slot.memory_bytes is None:
-                    self._measure(entry, slot, record)
+                    self._measure(entry, slot, record, now)
             self._enforce(key, entry)
             self._refill(key, entry, now)
 
@@ -503,9 +550,15 @@ class WarmPool:
                 entry.last_failure = "memory budget: a parked copy was discarded"
 
     @staticmethod
-    def _measure(entry: _Image, slot: _Slot, record: ParkedRecord) -> None:
+    def _measure(entry: _Image, slot: _Slot, record: ParkedRecord, now: float) -> None:
+        basis = record_resident(record)
+        if (slot.memory_bytes is not None and now - slot.memory_at < PSS_MAX_AGE_S
+                and not memory_moved(slot.memory_basis, basis)):  # fmt: skip
+            return
         # A read that failed (a process between states) keeps the last one.
-        slot.memory_bytes = record_memory(record) or slot.memory_bytes
+        memory = record_memory(record)
+        if memory is not None:
+            slot.memory_bytes, slot.memory_basis, slot.memory_at = memory, basis, now
         entry.copy_bytes = max(entry.copy_bytes, slot.memory_bytes or 0)
 
     def _per_copy_estimate(self, entry: _Image) -> int:
@@ -605,7 +658,7 @@ class WarmPool:
         if not wanted:
             self._discard_now(slot, "closing")
             return
-        self._measure(entry, slot, record)
+        self._measure(entry, slot, record, slot.parked_at)
         self.events.parked(slot.image, slot.parked_at - started)
         self._wake.set()
 

@@ -21,7 +21,13 @@ from snapctl.pool import CopyRequest, WarmPool
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import ParkedRecord
 from snapctl.pool.records import RECORD_NAME, parked_home
-from snapctl.pool.warm import TICK_S, UNMEASURED_WAIT_S
+from snapctl.pool.warm import (
+    PSS_MAX_AGE_S,
+    REFILL_NICENESS,
+    TICK_S,
+    UNMEASURED_WAIT_S,
+    memory_moved,
+)
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import start_time
@@ -359,6 +365,57 @@ def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budge
     # Unreadable for longer: it counts at the other's 100, which still leaves no room.
     warm._refill(str(image), entry, now + UNMEASURED_WAIT_S + 1)
     assert len(entry.slots) == 2
+
+
+def test_parked_memory_is_read_again_only_when_its_resident_memory_moves_or_it_is_old(
+    pool: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """PSS walks every page table entry of a tree, in time with its memory; the resident
+    counters it is gated on are read in constant time."""
+    warm, _ = pool
+    reads: list[int] = []
+    resident = [((7, 1000 << 20),)]
+    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: reads.append(1) or 600)
+    monkeypatch.setattr("snapctl.pool.warm.record_resident", lambda record: resident[0])
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    entry = warm._images[str(image)]
+    (slot,) = entry.slots
+    assert slot.record is not None and reads == [1] and slot.memory_bytes == 600
+    now = slot.memory_at
+    for step in (1.0, 2.0, 3.0):  # idle, and within RESIDENT_SLACK of it: no walk
+        resident[0] = ((7, (1000 << 20) + int(step * (1 << 20))),)
+        warm._measure(entry, slot, slot.record, now + step)
+    assert reads == [1]
+    resident[0] = ((7, 1100 << 20),)  # 10 % more: pages came in
+    warm._measure(entry, slot, slot.record, now + 4.0)
+    assert reads == [1, 1] and slot.memory_at == now + 4.0
+    resident[0] = ((7, 1100 << 20), (8, 4096))  # another process in the tree
+    warm._measure(entry, slot, slot.record, now + 5.0)
+    assert len(reads) == 3
+    warm._measure(entry, slot, slot.record, now + 5.0 + PSS_MAX_AGE_S)  # others' sharing moves
+    assert len(reads) == 4
+
+
+def test_memory_moved_follows_the_tree_and_the_slack() -> None:
+    base = ((1, 100 << 20), (2, 900 << 20))
+    assert not memory_moved(base, base)
+    assert not memory_moved(base, ((1, 100 << 20), (2, (900 << 20) + (5 << 20))))
+    assert memory_moved(base, ((1, 100 << 20), (2, (900 << 20) + (20 << 20))))
+    assert memory_moved(base, ((1, 100 << 20), (2, (900 << 20) - (20 << 20))))
+    assert memory_moved(base, ((1, 100 << 20), (3, 900 << 20)))  # the same total, another tree
+    assert memory_moved((), base) and not memory_moved((), ())
+
+
+def test_the_refill_thread_runs_nicer_than_the_copies_it_serves(
+    pool: tuple[WarmPool, Events], image: Path
+) -> None:
+    warm, _ = pool
+    warm.set(image, 1)
+    until(lambda: len(parked(warm)) == 1)
+    assert warm._thread is not None and warm._thread.native_id is not None
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert os.getpriority(os.PRIO_PROCESS, warm._thread.native_id) == max(mine, REFILL_NICENESS)
 
 
 def test_failed_restore_backs_off(
