@@ -79,7 +79,8 @@ def _c_codec() -> tuple[Callable[..., str], Callable[[str | bytes], Any]] | None
             return "".join(encode(value, 0))
 
         # Once here, so that an encoder whose arguments changed is found now, not at a send.
-        c_dumps({"": [0]})
+        if c_dumps({"": [0.5, None]}, sort_keys=True) != '{"":[0.5,null]}':
+            return None
     except (ImportError, AttributeError, TypeError):  # absent, or changed in another Python
         return None
 

@@ -128,6 +128,22 @@ def test_a_c_encoder_that_wants_other_arguments_gives_way_to_the_standard_librar
     assert wire._c_codec() is None
 
 
+def test_a_c_encoder_that_reads_its_arguments_otherwise_gives_way_to_the_standard_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import _json
+
+    make_encoder = _json.make_encoder
+
+    def separators_swapped(*arguments: Any) -> Any:
+        changed = list(arguments)
+        changed[4], changed[5] = arguments[5], arguments[4]
+        return make_encoder(*changed)
+
+    monkeypatch.setattr(_json, "make_encoder", separators_swapped)
+    assert wire._c_codec() is None
+
+
 def test_without_the_c_codec_the_standard_library_serves() -> None:
     script = (
         "import sys; sys.modules['_json'] = None\n"  # import _json raises ImportError
