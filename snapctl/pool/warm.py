@@ -65,16 +65,18 @@ MAX_PARKING = 2
 # needs on a small host), at most this long after the take.
 REFILL_HOLD_S = 5.0
 BACKOFF_MAX_S = 30.0
-# The memory of parked copies is looked at this often: the resident counters of each tree
-# (statm, constant time), and its PSS (smaps_rollup: a walk of every page table entry, its
-# time in proportion to the memory mapped) only where those moved by more than RESIDENT_SLACK
-# since the last PSS, or that is PSS_MAX_AGE_S old (a parked copy is idle; its share of the
-# pages that others map is not). docs/pool.md has what the walk cost.
+# The memory of parked copies is looked at this often: the resident counters of each tree's
+# processes (statm), and its PSS (smaps_rollup: a walk of every page table entry, its time
+# in proportion to the memory mapped) only where those moved by more than RESIDENT_SLACK
+# since the last PSS, where a copy of the same image was discarded or died since (its share
+# of the pages they both mapped is the others' now), or where it is PSS_MAX_AGE_S old (a
+# copy taken from the pool and stopped later does the same). docs/pool.md has what it cost.
 MEMORY_EVERY_S = 2.0
 RESIDENT_SLACK = 0.01
 PSS_MAX_AGE_S = 30.0
-# The refill thread's niceness (and so its restores' and discards' threads'): its reads of
-# /proc and images are background work, never to take the CPU from a copy being activated.
+# The refill thread's niceness, and so that of the parking and discarding threads it starts:
+# its reads of /proc and images are background work, never to take the CPU from a copy
+# being activated. At least this: an agent started nicer stays so.
 REFILL_NICENESS = 10
 # With a budget, a copy parked this recently whose memory could not be read yet holds back
 # the refill; one unreadable longer counts at the size the others measure.
@@ -107,7 +109,7 @@ class _Slot:
     memory_bytes: int | None = None
     # What memory_bytes was read against: the tree's (pid, resident bytes) and when.
     memory_basis: tuple[tuple[int, int], ...] = ()
-    memory_at: float = 0.0
+    memory_at: float = -math.inf
     discarding: bool = False
     taken: bool = False  # handed out by take(): the taker's now, never discarded here
 
@@ -148,10 +150,10 @@ def tree_members(pids: list[tuple[int, float | None]]) -> list[psutil.Process]:
     return list(members.values())
 
 
-def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
-    """PSS (RSS where PSS is unreadable) of these processes and all their descendants."""
+def members_memory(members: list[psutil.Process]) -> int | None:
+    """PSS (RSS where PSS is unreadable) of ``members`` together; None if none was readable."""
     total, found = 0, False
-    for member in tree_members(pids):
+    for member in members:
         try:
             info = member.memory_full_info()
             total += int(getattr(info, "pss", info.rss))
@@ -165,31 +167,23 @@ def tree_memory(pids: list[tuple[int, float | None]]) -> int | None:
     return total if found else None
 
 
-def tree_resident(pids: list[tuple[int, float | None]]) -> tuple[tuple[int, int], ...]:
-    """Each of these processes' and their descendants' resident bytes, by PID (statm:
-    constant time, unlike PSS)."""
+def members_resident(members: list[psutil.Process]) -> tuple[tuple[int, int], ...]:
+    """Each member's resident bytes, by PID (statm: no walk of its memory, unlike PSS)."""
     readings = []
-    for member in tree_members(pids):
+    for member in members:
         with contextlib.suppress(psutil.Error):
             readings.append((member.pid, int(member.memory_info().rss)))
     return tuple(readings)
 
 
-def _record_pids(record: ParkedRecord) -> list[tuple[int, float | None]]:
+def record_members(record: ParkedRecord) -> list[psutil.Process]:
+    """A parked copy's tree and its lazy-pages daemon."""
     pids: list[tuple[int, float | None]] = []
     if record.root_pid is not None:
         pids.append((record.root_pid, record.root_start_time))
     if record.lazy_pages_pid is not None:
         pids.append((record.lazy_pages_pid, record.lazy_pages_start_time))
-    return pids
-
-
-def record_memory(record: ParkedRecord) -> int | None:
-    return tree_memory(_record_pids(record))
-
-
-def record_resident(record: ParkedRecord) -> tuple[tuple[int, int], ...]:
-    return tree_resident(_record_pids(record))
+    return tree_members(pids)
 
 
 def memory_moved(before: tuple[tuple[int, int], ...], now: tuple[tuple[int, int], ...]) -> bool:
@@ -452,8 +446,10 @@ class WarmPool:
                 self._thread.start()
 
     def _run(self) -> None:
+        thread = threading.get_native_id()
         with contextlib.suppress(OSError):  # Linux keeps a niceness per thread
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REFILL_NICENESS)
+            niceness = max(os.getpriority(os.PRIO_PROCESS, thread), REFILL_NICENESS)
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
         while not self._closing.is_set():
             try:
                 self._tick()
@@ -551,15 +547,23 @@ class WarmPool:
 
     @staticmethod
     def _measure(entry: _Image, slot: _Slot, record: ParkedRecord, now: float) -> None:
-        basis = record_resident(record)
-        if (slot.memory_bytes is not None and now - slot.memory_at < PSS_MAX_AGE_S
-                and not memory_moved(slot.memory_basis, basis)):  # fmt: skip
-            return
-        # A read that failed (a process between states) keeps the last one.
-        memory = record_memory(record)
-        if memory is not None:
-            slot.memory_bytes, slot.memory_basis, slot.memory_at = memory, basis, now
+        members = record_members(record)
+        basis = members_resident(members)
+        if (slot.memory_bytes is None or now - slot.memory_at >= PSS_MAX_AGE_S
+                or memory_moved(slot.memory_basis, basis)):  # fmt: skip
+            # A read that failed (a process between states) keeps the last one.
+            memory = members_memory(members)
+            if memory is not None:
+                slot.memory_bytes, slot.memory_basis, slot.memory_at = memory, basis, now
         entry.copy_bytes = max(entry.copy_bytes, slot.memory_bytes or 0)
+
+    def _shares_changed(self, image: str) -> None:
+        """A copy of ``image`` is gone: the pages it shared with the parked ones count more in
+        theirs, so their PSS is read again at the next tick."""
+        with self._lock:
+            entry = self._images.get(image)
+            for slot in entry.slots if entry is not None else ():
+                slot.memory_at = -math.inf
 
     def _per_copy_estimate(self, entry: _Image) -> int:
         known = [s.memory_bytes for s in entry.slots if s.memory_bytes]
@@ -673,6 +677,7 @@ class WarmPool:
                 entry.slots.remove(slot)
         if slot.record is not None:
             discard_recorded(slot.record, self.state)
+            self._shares_changed(slot.image)
         self.events.discarded(slot.image, reason)
 
     def _discard_later(self, slot: _Slot, reason: DiscardReason) -> None:
@@ -695,6 +700,7 @@ class WarmPool:
         if slot.record is not None:
             _order_discard(slot.record)
             discard_recorded(slot.record, self.state)
+            self._shares_changed(slot.image)
         self.events.discarded(slot.image, reason)
 
 

@@ -19,13 +19,15 @@ import pytest
 
 from snapctl.pool import CopyRequest, WarmPool
 from snapctl.pool.identity import published_identity
-from snapctl.pool.models import ParkedRecord
+from snapctl.pool.models import ParkedRecord, PoolTarget
 from snapctl.pool.records import RECORD_NAME, parked_home
 from snapctl.pool.warm import (
     PSS_MAX_AGE_S,
     REFILL_NICENESS,
     TICK_S,
     UNMEASURED_WAIT_S,
+    _Image,
+    _Slot,
     memory_moved,
 )
 from snapctl.protocol.atomic import write_json_atomic
@@ -316,7 +318,7 @@ def test_memory_budget_bounds_parked_copies(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     warm, events = pool
-    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: 100)
+    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: 100)
     warm.set(image, 4, max_memory=250)
     until(lambda: len(parked(warm)) == 2)
     time.sleep(1.5)  # a third would exceed the budget: never started
@@ -332,7 +334,7 @@ def test_a_budget_below_one_copy_restores_once_and_says_so_instead_of_restoring_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     warm, events = pool
-    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: 3 << 20)
+    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: 3 << 20)
     warm.set(image, 2, max_memory=1 << 20)
     until(lambda: ("discarded", "memory") in events.seen)
     until(lambda: not warm._images[str(image)].slots)
@@ -350,13 +352,13 @@ def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budge
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     warm, _ = pool
-    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: 100)
+    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: 100)
     warm.set(image, 4, max_memory=250)
     until(lambda: len(parked(warm)) == 2)
     entry = warm._images[str(image)]
     # As between a parking thread's record and its first memory read, when a tick refills;
     # unreadable from now on, so the pool's own ticks cannot read it meanwhile either.
-    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: None)
+    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: None)
     newest = max(entry.slots, key=lambda slot: slot.parked_at or 0.0)
     newest.memory_bytes = None
     now = time.monotonic()
@@ -368,33 +370,58 @@ def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budge
 
 
 def test_parked_memory_is_read_again_only_when_its_resident_memory_moves_or_it_is_old(
-    pool: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """PSS walks every page table entry of a tree, in time with its memory; the resident
-    counters it is gated on are read in constant time."""
-    warm, _ = pool
+    counters it is gated on are read without such a walk."""
     reads: list[int] = []
     resident = [((7, 1000 << 20),)]
-    monkeypatch.setattr("snapctl.pool.warm.record_memory", lambda record: reads.append(1) or 600)
-    monkeypatch.setattr("snapctl.pool.warm.record_resident", lambda record: resident[0])
-    warm.set(image, 1)
-    until(lambda: len(parked(warm)) == 1)
-    entry = warm._images[str(image)]
-    (slot,) = entry.slots
-    assert slot.record is not None and reads == [1] and slot.memory_bytes == 600
-    now = slot.memory_at
+    monkeypatch.setattr("snapctl.pool.warm.record_members", lambda record: [])
+    monkeypatch.setattr("snapctl.pool.warm.members_memory",
+                        lambda members: reads.append(1) or 600)  # fmt: skip
+    monkeypatch.setattr("snapctl.pool.warm.members_resident", lambda members: resident[0])
+    entry = _Image(target=PoolTarget(image=str(image), size=1))
+    slot = _Slot(id="pool-00000000000a", image=str(image))
+    record = make_record(slot.id, str(image), ("0" * 64, "sha256:" + "0" * 64), os.getpid(),
+                         os.getpid(), start_time(os.getpid()))  # fmt: skip
+    now = 1000.0
+    WarmPool._measure(entry, slot, record, now)  # parked: read at once
+    assert reads == [1] and (slot.memory_bytes, entry.copy_bytes) == (600, 600)
     for step in (1.0, 2.0, 3.0):  # idle, and within RESIDENT_SLACK of it: no walk
         resident[0] = ((7, (1000 << 20) + int(step * (1 << 20))),)
-        warm._measure(entry, slot, slot.record, now + step)
-    assert reads == [1]
+        WarmPool._measure(entry, slot, record, now + step)
+    assert reads == [1] and slot.memory_at == now
     resident[0] = ((7, 1100 << 20),)  # 10 % more: pages came in
-    warm._measure(entry, slot, slot.record, now + 4.0)
+    WarmPool._measure(entry, slot, record, now + 4.0)
     assert reads == [1, 1] and slot.memory_at == now + 4.0
     resident[0] = ((7, 1100 << 20), (8, 4096))  # another process in the tree
-    warm._measure(entry, slot, slot.record, now + 5.0)
+    WarmPool._measure(entry, slot, record, now + 5.0)
     assert len(reads) == 3
-    warm._measure(entry, slot, slot.record, now + 5.0 + PSS_MAX_AGE_S)  # others' sharing moves
+    WarmPool._measure(entry, slot, record, now + 5.0 + PSS_MAX_AGE_S)  # a taken copy stopped
     assert len(reads) == 4
+    entry.copy_bytes = 0  # its manifest changed (_check_image): known again without a walk
+    WarmPool._measure(entry, slot, record, now + 6.0 + PSS_MAX_AGE_S)
+    assert len(reads) == 4 and entry.copy_bytes == 600
+
+
+def test_a_discarded_copy_has_its_siblings_memory_read_again(
+    pool: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pages two parked copies shared count whole in the one left: its PSS grows while its
+    resident counters do not move."""
+    warm, events = pool
+    pss = [100]
+    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: pss[0])
+    warm.set(image, 2)
+    until(lambda: len(parked(warm)) == 2)
+    entry = warm._images[str(image)]
+    until(lambda: all(slot.memory_bytes == 100 for slot in entry.slots))
+    pss[0] = 150
+    time.sleep(3 * TICK_S)  # ticks, none of which reads PSS again: nothing moved
+    assert [slot.memory_bytes for slot in entry.slots] == [100, 100]
+    warm.set(image, 1)
+    until(lambda: ("discarded", "target") in events.seen)
+    until(lambda: [slot.memory_bytes for slot in entry.slots] == [150])
 
 
 def test_memory_moved_follows_the_tree_and_the_slack() -> None:
@@ -416,6 +443,25 @@ def test_the_refill_thread_runs_nicer_than_the_copies_it_serves(
     assert warm._thread is not None and warm._thread.native_id is not None
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert os.getpriority(os.PRIO_PROCESS, warm._thread.native_id) == max(mine, REFILL_NICENESS)
+
+
+def test_an_agent_started_nicer_than_the_refill_thread_stays_so(
+    state: StateDir, spawner: FakeSpawner, image: Path
+) -> None:
+    def start_niced() -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REFILL_NICENESS + 5)
+        warm.set(image, 1)  # starts the refill thread, which inherits this thread's niceness
+
+    warm = WarmPool(state, spawner=spawner)  # type: ignore[arg-type]
+    try:
+        starter = threading.Thread(target=start_niced)
+        starter.start()
+        starter.join()
+        until(lambda: len(parked(warm)) == 1)
+        assert warm._thread is not None and warm._thread.native_id is not None
+        assert os.getpriority(os.PRIO_PROCESS, warm._thread.native_id) == REFILL_NICENESS + 5
+    finally:
+        warm.close(5.0)
 
 
 def test_failed_restore_backs_off(
@@ -540,7 +586,8 @@ def test_a_process_gone_between_two_reads_counts_no_memory(
     from snapctl.pool import warm
 
     monkeypatch.setattr(warm, "start_time", _gone_meanwhile)
-    assert warm.tree_memory([(os.getpid(), 1.0)]) is None
+    assert warm.tree_members([(os.getpid(), 1.0)]) == []
+    assert warm.members_memory([]) is None
 
 
 def test_a_discarded_copy_that_exits_at_once_is_no_error(
