@@ -50,11 +50,16 @@ def ready_parked(running_agent: RunningAgent, tmp_path: Path) -> tuple[Path, Par
     return image, handle
 
 
-def raw(path: Path, request: bytes) -> tuple[int, bytes]:
-    """Send ``request`` as is; the status and the body of the answer."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.settimeout(10)
-        sock.connect(str(path))
+def raw(where: Path | int, request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` as is to a unix socket, or to a TCP port on 127.0.0.1; the status and
+    the body of the answer."""
+    if isinstance(where, int):
+        connection = socket.create_connection(("127.0.0.1", where), timeout=10)
+    else:
+        connection = socket.socket(socket.AF_UNIX)
+        connection.settimeout(10)
+        connection.connect(str(where))
+    with connection as sock:
         sock.sendall(request)
         data = b""
         while chunk := sock.recv(65536):
@@ -404,13 +409,7 @@ def test_the_metrics_listener_serves_metrics_and_nothing_else(tmp_path: Path) ->
         (port,) = [a[1] for a in agent.addresses if isinstance(a, tuple)]
 
         def ask(request: str) -> tuple[int, bytes]:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(f"{request}\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
-                data = b""
-                while chunk := sock.recv(65536):
-                    data += chunk
-            head, _, body = data.partition(b"\r\n\r\n")
-            return int(head.split()[1]), body
+            return raw(port, f"{request}\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
 
         status, body = ask("GET /metrics HTTP/1.1")
         assert status == 200 and b"# TYPE snapctl_copies_started_total counter" in body
@@ -451,10 +450,10 @@ def test_no_secret_reaches_the_agent_s_log(
         assert code == 0
         port = next(a for a in agent.addresses if isinstance(a, tuple))[1]
         for bearer in (token, "wrong-" + token):
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(f"GET /v1/nowhere?token={bearer} HTTP/1.1\r\nConnection: close\r\n"
-                             f"Authorization: Bearer {bearer}\r\n\r\n".encode())  # fmt: skip
-                assert sock.recv(65536).split()[1] in (b"401", b"404")
+            request = (f"GET /v1/nowhere?token={bearer} HTTP/1.1\r\nConnection: close\r\n"
+                       f"Authorization: Bearer {bearer}\r\n\r\n")  # fmt: skip
+            status, _ = raw(port, request.encode())
+            assert status in (401, 404)
     finally:
         agent.stop()
     logged = caplog.text + capsys.readouterr().err
@@ -485,10 +484,8 @@ def test_the_tcp_listener_needs_the_token(tmp_path: Path) -> None:
         port = next(a for a in agent.addresses if isinstance(a, tuple))[1]
 
         def get(headers: str) -> int:
-            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(f"GET /v1/version HTTP/1.1\r\nConnection: close\r\n{headers}"
-                             "\r\n".encode())  # fmt: skip
-                return int(sock.recv(65536).split()[1])
+            return raw(port, f"GET /v1/version HTTP/1.1\r\nConnection: close\r\n{headers}"
+                             "\r\n".encode())[0]  # fmt: skip
 
         assert get("") == 401
         assert get("Authorization: Bearer wrong\r\n") == 401
