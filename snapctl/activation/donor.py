@@ -39,8 +39,10 @@ from snapctl.criu.ops import write_action_script
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
+from snapctl.namespaces.layout import SANDBOX_LOGS_DIR
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
+from snapctl.protocol.facts import FACTS_ENV, FACTS_FILE, CaptureFacts, read_facts
 from snapctl.protocol.models import CaptureReady
 from snapctl.statedir import StateDir
 
@@ -90,6 +92,7 @@ def capture(
     timings: dict[str, float],
     server_env: Mapping[str, str],
     tools: Tools,
+    facts: CaptureFacts | None = None,
 ) -> _Captured:
     """Dump the running tree into a staging directory and publish it; the tree keeps running."""
     root = session.tree
@@ -136,6 +139,7 @@ def capture(
             ),
             files=hash_tree(staging.dir),
             identity=identity,
+            capture_facts=facts,
         )
         published = staging.publish(manifest)
         timings["publish"] = clock() - started
@@ -262,6 +266,8 @@ def start_donor(
         env = dict(os.environ)
         if options.api_key and not options.server_argv:
             env["FIXTURE_API_KEY"] = options.api_key
+        # Where a snapctl-aware server states its memory policy and first digests.
+        env[FACTS_ENV] = f"{SANDBOX_LOGS_DIR}/{FACTS_FILE}"
         progress("launching the server in fresh namespaces")
         session.advance(SessionState.LAUNCHING)
         started = tools.clock()
@@ -273,11 +279,12 @@ def start_donor(
         timings["launch_to_capture_ready"] = tools.clock() - started
         session.advance(SessionState.CAPTURE_READY)
         session.remember_tree()
+        facts = read_facts(session.dirs.logs / FACTS_FILE)
         progress("capturing the process tree with CRIU")
         captured = capture(
             session, ready, staging=staging, criu=criu, native=native,
             server_argv=argv, server_cwd=cwd, options=options, timings=timings,
-            server_env=os.environ, tools=tools,
+            server_env=os.environ, tools=tools, facts=facts,
         )  # fmt: skip
         session.image = captured.image
         session.advance(SessionState.PARKED)

@@ -125,6 +125,9 @@ def fixture_command(options: LaunchOptions, state: StateDir) -> tuple[list[str],
         sys.executable, "-m", "fixtures", "serve", "--model", str(model),
         "--host", options.host, "--port", str(options.port),
         "--retained-mb", str(options.fixture_retained_mb), "--kv-mb", str(options.fixture_kv_mb),
+        # The strictest reload: every recovery maps the file again and compares its digests,
+        # so qualify's changed-weights fault has something to catch.
+        "--memory-policy", "reload", "--reload-digests",
     ]  # fmt: skip
     return argv, root
 

@@ -132,6 +132,7 @@ def _summary(image: str, manifest: Manifest, verify: bool, sets: str | None) -> 
         ("cwd", manifest.server_cwd),
         ("binds", f"{manifest.host or '(server default)'}:{manifest.port}"),
         ("native step", manifest.native_step),
+        ("memory policy", _memory_policy(manifest)),
         ("host mounts", ", ".join(host_mounts(manifest.external_mounts)) or "none"),
         ("files", f"{len(manifest.files)} ({manifest.total_bytes / 1e6:.1f} MB)"),
         ("oracle", f"{manifest.oracle.token_ids} {manifest.oracle.text!r}"),
@@ -140,6 +141,18 @@ def _summary(image: str, manifest: Manifest, verify: bool, sets: str | None) -> 
     ]:
         table.add_row(label, value)
     return table
+
+
+def _memory_policy(manifest: Manifest) -> str:
+    facts = manifest.capture_facts
+    if facts is None:
+        return "not stated by the server"
+    if facts.memory_policy == "in-image":
+        text = "in-image (the weights come back with the pages; a recovery reads no file)"
+    else:
+        digests = ", digests compared" if facts.reload_digests else ""
+        text = f"reload (every recovery reads the weights files{digests})"
+    return f"{text}; {len(facts.parameter_digests)} first-load digests recorded"
 
 
 def _processes(manifest: Manifest) -> Any:

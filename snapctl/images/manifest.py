@@ -14,6 +14,7 @@ from pydantic import model_validator
 from snapctl.criu.stats import DumpStats
 from snapctl.images.identity.models import Identity
 from snapctl.models import StrictModel
+from snapctl.protocol.facts import CaptureFacts
 from snapctl.protocol.models import Oracle
 
 MANIFEST_NAME = "manifest.json"
@@ -77,6 +78,9 @@ class Manifest(StrictModel):
     shm_files: list[str]
     files: dict[str, FileEntry]
     identity: Identity | None = None
+    # What the server stated about its capture (memory policy, the first load's digests);
+    # None where it stated nothing (a server that does not know snapctl's facts file).
+    capture_facts: CaptureFacts | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:

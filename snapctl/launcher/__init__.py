@@ -2,7 +2,8 @@
 
 A server in startup mode builds its engine, then hands control to :func:`run_startup_capture`
 with an object implementing :class:`StartupHooks`. The function prepares (canary, release,
-rehearsal, release), publishes ``capture-ready.json``, waits for an activation, runs the
+rehearsal, release), states its capture facts where snapctl asked for them
+(:mod:`snapctl.protocol.facts`), publishes ``capture-ready.json``, waits for an activation, runs the
 challenge/release handshake, recovers, checks the canary against the oracle and returns the
 host and port the server may now bind. Any failure writes ``error.json`` and raises
 :class:`StartupCaptureError`; the server must then exit without binding.
@@ -23,6 +24,7 @@ from typing import Protocol
 from snapctl.errors import CanaryMismatchError, SnapctlError
 from snapctl.launcher._control import DEFAULT_POLL_S, ServerControl, describe_error
 from snapctl.protocol.controldir import ControlDir
+from snapctl.protocol.facts import CaptureFacts, facts_path_from_env, write_facts
 from snapctl.protocol.models import ControlFile, ErrorReport, Oracle, Phase, SnapshotConfig
 
 __all__ = [
@@ -45,7 +47,11 @@ class StartupHooks(Protocol):
         """Drop reloadable memory (weights, KV cache) before capture."""
 
     def restore_memory(self) -> None:
-        """Reload what release_memory dropped (weights from their files, caches reallocated)."""
+        """Bring back what release_memory dropped: under the ``reload`` policy the weights
+        from their files; under ``in-image`` only the caches (the weights never left)."""
+
+    def capture_facts(self) -> CaptureFacts:
+        """The memory policy and the first load's parameter digests (after the rehearsal)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +104,9 @@ def run_startup_capture(
         hooks.restore_memory()
         _require_match(oracle, hooks.canary(), "rehearsal canary")
         hooks.release_memory()
+        facts_path = facts_path_from_env()
+        if facts_path is not None:
+            write_facts(facts_path, hooks.capture_facts())
 
         phase = Phase.CAPTURE_BARRIER
         control.publish_ready(oracle)

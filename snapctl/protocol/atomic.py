@@ -106,8 +106,13 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def read_json_bounded(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """Return the JSON object in ``path``, or None only when the file does not exist."""
+def read_json_bounded(
+    path: str | os.PathLike[str], *, max_bytes: int = MAX_JSON_BYTES
+) -> dict[str, Any] | None:
+    """Return the JSON object in ``path``, or None only when the file does not exist.
+
+    ``max_bytes`` is raised only for files no protocol peer writes (a server's capture facts).
+    """
     source = Path(path)
     try:
         before = os.lstat(source)
@@ -116,8 +121,8 @@ def read_json_bounded(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     except OSError as error:
         raise ProtocolError(f"cannot stat {source.name}: {error.strerror}", path=source) from error
     _require_regular(source, before)
-    if before.st_size > MAX_JSON_BYTES:
-        raise ProtocolError(f"{source.name} is larger than {MAX_JSON_BYTES} bytes", path=source)
+    if before.st_size > max_bytes:
+        raise ProtocolError(f"{source.name} is larger than {max_bytes} bytes", path=source)
     # O_NOFOLLOW and O_NONBLOCK: if the name was swapped for a symlink or a FIFO after lstat,
     # fail (or open without blocking) instead of following it or hanging on it.
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -130,11 +135,11 @@ def read_json_bounded(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     try:
         # The name may have been replaced since lstat; judge what was actually opened.
         _require_regular(source, os.fstat(fd))
-        data = _read_at_most(fd, MAX_JSON_BYTES + 1)
+        data = _read_at_most(fd, max_bytes + 1)
     finally:
         os.close(fd)
-    if len(data) > MAX_JSON_BYTES:
-        raise ProtocolError(f"{source.name} is larger than {MAX_JSON_BYTES} bytes", path=source)
+    if len(data) > max_bytes:
+        raise ProtocolError(f"{source.name} is larger than {max_bytes} bytes", path=source)
     return _decode_object(source, data)
 
 

@@ -129,6 +129,7 @@ def test_missing_staged_file_fails_restore_and_image_stays_usable(
 NEVER_BINDS = """
 import sys, time
 from snapctl.launcher import run_startup_capture
+from snapctl.protocol.facts import CaptureFacts
 from snapctl.protocol.models import Oracle, SnapshotConfig
 
 class Hooks:
@@ -136,6 +137,7 @@ class Hooks:
         return Oracle(token_ids=[1], text="a", sampled_token_logprob=-0.5)
     def release_memory(self): pass
     def restore_memory(self): pass
+    def capture_facts(self): return CaptureFacts(memory_policy="in-image")
 
 config = SnapshotConfig.model_validate_json(sys.argv[sys.argv.index("--snapshot-config") + 1])
 run_startup_capture(config, Hooks())
@@ -167,6 +169,7 @@ def test_public_port_that_never_answers_fails_in_phase_serve(
 FAILS_RECOVERY = """
 import sys
 from snapctl.launcher import StartupCaptureError, run_startup_capture
+from snapctl.protocol.facts import CaptureFacts
 from snapctl.protocol.models import Oracle, SnapshotConfig
 
 class Hooks:
@@ -178,6 +181,7 @@ class Hooks:
         self.restores += 1
         if self.restores > 1:  # the first is the rehearsal before capture-ready
             raise OSError("weights file vanished")
+    def capture_facts(self): return CaptureFacts(memory_policy="reload")
 
 config = SnapshotConfig.model_validate_json(sys.argv[sys.argv.index("--snapshot-config") + 1])
 try:

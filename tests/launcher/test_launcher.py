@@ -24,6 +24,7 @@ from snapctl.errors import CanaryMismatchError, ControlDirError, ProtocolError, 
 from snapctl.launcher import BindTarget, StartupCaptureError, _control, run_startup_capture
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.protocol.controldir import ControlDir
+from snapctl.protocol.facts import FACTS_ENV, CaptureFacts, read_facts
 from snapctl.protocol.inotify import DirectoryWatch
 from snapctl.protocol.models import (
     Activation,
@@ -92,6 +93,10 @@ class FakeHooks:
 
     def restore_memory(self) -> None:
         self._record("restore_memory")
+
+    def capture_facts(self) -> CaptureFacts:
+        self._record("capture_facts")
+        return CaptureFacts(memory_policy="in-image", parameter_digests={"w": "0" * 64})
 
 
 PREPARE_EVENTS = ["canary", "release_memory", "restore_memory", "canary", "release_memory"]
@@ -208,6 +213,37 @@ def assert_no_tmp(control: ControlDir) -> None:
 
 
 # --- success ----------------------------------------------------------------------------------
+
+
+def test_capture_facts_are_stated_before_capture_ready_where_snapctl_asks(
+    control: ControlDir, start: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    facts_file = tmp_path / "facts" / "capture-facts.json"
+    facts_file.parent.mkdir()
+    monkeypatch.setenv(FACTS_ENV, str(facts_file))
+    hooks = FakeHooks(control)
+    run = start(hooks)
+    handshake(control, kind="copy", host="127.0.0.1", port=8123)
+    run.join()
+    assert run.error is None
+    # After the rehearsal's release, before anything is published.
+    assert hooks.events == [*PREPARE_EVENTS, "capture_facts", *RECOVERY_EVENTS]
+    assert hooks.seen[5][1] == ()
+    assert read_facts(facts_file) == CaptureFacts(
+        memory_policy="in-image", parameter_digests={"w": "0" * 64}
+    )
+
+
+def test_no_capture_facts_without_the_variable(
+    control: ControlDir, start: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FACTS_ENV, raising=False)
+    hooks = FakeHooks(control)
+    run = start(hooks)
+    handshake(control, kind="copy", host="127.0.0.1", port=8123)
+    run.join()
+    assert run.error is None
+    assert "capture_facts" not in hooks.events
 
 
 @pytest.mark.parametrize(("kind", "host"), [("copy", "127.0.0.1"), ("donor", None)])

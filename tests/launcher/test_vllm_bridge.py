@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
 
-from snapctl.launcher.vllm.cli import EXTENSION_FLAG, split_snapshot_config, with_worker_extension
-from snapctl.launcher.vllm.hooks import digest_difference
+from snapctl.errors import CanaryMismatchError
+from snapctl.launcher.vllm.cli import (
+    EXTENSION_FLAG,
+    MemoryOptions,
+    split_memory_options,
+    split_snapshot_config,
+    with_worker_extension,
+)
+from snapctl.launcher.vllm.hooks import VllmHooks, digest_difference
 from snapctl.launcher.vllm.usage import UsageError
 from snapctl.launcher.vllm.worker import EXTENSION
+from snapctl.protocol.facts import CaptureFacts, MemoryPolicy
 
 
 def test_snapshot_config_is_taken_out_in_both_spellings() -> None:
@@ -37,12 +47,12 @@ def test_digest_difference_names_the_first_changed_parameter() -> None:
 
 
 def test_a_stop_is_reported_in_the_phase_the_hook_calls_tell() -> None:
-    import asyncio
-
-    from snapctl.launcher.vllm.hooks import VllmHooks
     from snapctl.protocol.models import Phase
 
-    hooks = VllmHooks(engine=None, loop=asyncio.new_event_loop(), timeout_s=1, sleep_mode=False)
+    hooks = VllmHooks(
+        engine=None, loop=asyncio.new_event_loop(), timeout_s=1, sleep_mode=False,
+        policy="in-image", reload_digests=False,
+    )  # fmt: skip
     seen = []
     for done in range(8):
         hooks.calls_done, hooks.in_call = done, False
@@ -78,3 +88,118 @@ def test_precompiled_headers_are_dropped_only_from_the_temporary_directory(tmp_p
     assert drop_precompiled_headers(headers, temp) == 100
     assert sorted(p.name for p in headers.rglob("*")) == ["a.h", "a.lock", "locks"]
     assert drop_precompiled_headers(headers, temp) == 0
+
+
+def test_memory_options_are_taken_out_and_checked() -> None:
+    argv = ["/m", "--snapctl-memory-policy", "reload", "--snapctl-reload-digests", "--port", "1"]
+    assert split_memory_options(argv) == (["/m", "--port", "1"], MemoryOptions("reload", True))
+    assert split_memory_options(["/m", "--snapctl-memory-policy=in-image"]) == (
+        ["/m"], MemoryOptions("in-image", False),
+    )  # fmt: skip
+    assert split_memory_options(["/m"]) == (["/m"], MemoryOptions(None, False))
+    with pytest.raises(UsageError, match="must be one of auto, in-image, reload"):
+        split_memory_options(["/m", "--snapctl-memory-policy", "lazy"])
+    with pytest.raises(UsageError, match="needs the reload policy"):
+        split_memory_options(
+            ["/m", "--snapctl-memory-policy", "in-image", "--snapctl-reload-digests"]
+        )
+
+
+class FakeEngine:
+    """vLLM's engine client as the hooks use it: every call recorded, in order."""
+
+    def __init__(self, reloaded: dict[str, str] | None = None) -> None:
+        self.calls: list[str] = []
+        self.loaded = {"w": "aa", "e": "bb"}
+        self.reloaded = dict(self.loaded) if reloaded is None else reloaded
+
+    async def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[object]:
+        self.calls.append(f"rpc {method}{list(args) if args else ''}")
+        if method == "snapctl_loaded_digests":
+            return [self.loaded]
+        if method == "snapctl_reload_weights":
+            return [self.reloaded if args and args[0] else {}]
+        return [0]
+
+    def __getattr__(self, name: str) -> object:
+        async def call(*args: object, **kwargs: object) -> None:
+            shown = [*map(str, args), *(f"{k}={v}" for k, v in kwargs.items())]
+            self.calls.append(f"{name}({', '.join(shown)})")
+
+        return call
+
+
+def _hooks(engine: FakeEngine, policy: MemoryPolicy, *, digests: bool = False) -> VllmHooks:
+    """Hooks on a sleep-mode platform, their loop running in a thread as the server's does."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return VllmHooks(
+        engine, loop, timeout_s=10, sleep_mode=True, policy=policy, reload_digests=digests
+    )
+
+
+def _stop(hooks: VllmHooks) -> None:
+    hooks.loop.call_soon_threadsafe(hooks.loop.stop)
+
+
+def test_in_image_recovery_reloads_and_hashes_nothing() -> None:
+    engine = FakeEngine()
+    hooks = _hooks(engine, "in-image")
+    try:
+        hooks.release_memory()
+        hooks.restore_memory()
+        hooks.release_memory()
+        assert hooks.capture_facts() == CaptureFacts(
+            memory_policy="in-image", parameter_digests=engine.loaded
+        )
+        engine.calls.clear()
+        hooks.restore_memory()  # a copy's recovery
+    finally:
+        _stop(hooks)
+    assert engine.calls == ["reset_prefix_cache()", "resume_generation()"]
+
+
+def test_first_load_digests_are_read_once_before_the_capture() -> None:
+    engine = FakeEngine()
+    hooks = _hooks(engine, "in-image")
+    try:
+        hooks.release_memory()
+        hooks.restore_memory()
+        hooks.release_memory()
+    finally:
+        _stop(hooks)
+    assert engine.calls == [
+        "rpc snapctl_loaded_digests", "pause_generation(mode=wait)",
+        "rpc snapctl_drop_compile_caches", "reset_prefix_cache()", "resume_generation()",
+        "pause_generation(mode=wait)", "rpc snapctl_drop_compile_caches",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("digests", [False, True])
+def test_reload_recovery_sleeps_wakes_and_reloads(digests: bool) -> None:
+    engine = FakeEngine()
+    hooks = _hooks(engine, "reload", digests=digests)
+    try:
+        hooks.release_memory()
+        engine.calls.clear()
+        hooks.restore_memory()
+        facts = hooks.capture_facts()
+    finally:
+        _stop(hooks)
+    assert engine.calls == [
+        "wake_up(tags=['weights'])", f"rpc snapctl_reload_weights[{digests}]",
+        "wake_up(tags=['kv_cache'])", "reset_prefix_cache()", "resume_generation()",
+    ]  # fmt: skip
+    assert (facts.memory_policy, facts.reload_digests) == ("reload", digests)
+
+
+def test_reload_digests_that_differ_fail_the_recovery_before_it_resumes() -> None:
+    engine = FakeEngine(reloaded={"w": "aa", "e": "cc"})
+    hooks = _hooks(engine, "reload", digests=True)
+    try:
+        hooks.release_memory()
+        with pytest.raises(CanaryMismatchError, match="1 parameter"):
+            hooks.restore_memory()
+    finally:
+        _stop(hooks)
+    assert "resume_generation()" not in engine.calls

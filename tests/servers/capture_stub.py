@@ -9,6 +9,7 @@ import signal
 from collections.abc import Callable
 
 from snapctl.launcher import BindTarget, run_startup_capture
+from snapctl.protocol.facts import CaptureFacts
 from snapctl.protocol.models import Oracle, SnapshotConfig
 
 
@@ -28,6 +29,9 @@ class StubHooks:
 
     def restore_memory(self) -> None:
         pass
+
+    def capture_facts(self) -> CaptureFacts:
+        return CaptureFacts(memory_policy="in-image")
 
 
 class OkHandler(http.server.BaseHTTPRequestHandler):

@@ -2,20 +2,59 @@
 ``python -m snapctl.launcher.vllm reference-digests MODEL`` (see :mod:`.reference`).
 
 The options are ``vllm serve``'s, parsed by vLLM's own parser; ``--snapshot-config`` (which
-released vLLM does not know) is taken out first. The worker extension that computes digests is
-added, since the debug routes need it in both modes.
+released vLLM does not know) and the bridge's own ``--snapctl-memory-policy
+{auto,in-image,reload}`` and ``--snapctl-reload-digests`` are taken out first. The worker
+extension that computes digests is added, since the debug routes need it in both modes.
 """
 
 from __future__ import annotations
 
 import sys
 from argparse import Namespace
+from dataclasses import dataclass
+from typing import cast
 
 from snapctl.launcher.vllm.usage import UsageError
 from snapctl.launcher.vllm.worker import EXTENSION
+from snapctl.protocol.facts import MEMORY_POLICIES, MemoryPolicy
 
 SNAPSHOT_FLAG = "--snapshot-config"
 EXTENSION_FLAG = "--worker-extension-cls"
+POLICY_FLAG = "--snapctl-memory-policy"
+RELOAD_DIGESTS_FLAG = "--snapctl-reload-digests"
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The bridge's memory policy (None: chosen by the platform) and the reload's digests."""
+
+    policy: MemoryPolicy | None = None
+    reload_digests: bool = False
+
+
+def split_memory_options(argv: list[str]) -> tuple[list[str], MemoryOptions]:
+    """``argv`` without the bridge's memory options, and those options."""
+    rest: list[str] = []
+    policy: str = AUTO
+    reload_digests = False
+    iterator = iter(argv)
+    for arg in iterator:
+        if arg == POLICY_FLAG:
+            policy = next(iterator, "")
+        elif arg.startswith(POLICY_FLAG + "="):
+            policy = arg.split("=", 1)[1]
+        elif arg == RELOAD_DIGESTS_FLAG:
+            reload_digests = True
+        else:
+            rest.append(arg)
+    choices = (AUTO, *MEMORY_POLICIES)
+    if policy not in choices:
+        raise UsageError(f"{POLICY_FLAG} must be one of {', '.join(choices)}, got {policy!r}")
+    chosen = None if policy == AUTO else cast(MemoryPolicy, policy)
+    if reload_digests and chosen == "in-image":
+        raise UsageError(f"{RELOAD_DIGESTS_FLAG} needs the reload policy: in-image reloads nothing")
+    return rest, MemoryOptions(chosen, reload_digests)
 
 
 def split_snapshot_config(argv: list[str]) -> tuple[list[str], str | None]:
@@ -47,11 +86,12 @@ def with_worker_extension(argv: list[str]) -> list[str]:
     )
 
 
-def parse(argv: list[str]) -> tuple[Namespace, str | None]:
-    """vLLM's serve arguments and the raw ``--snapshot-config`` value."""
+def parse(argv: list[str]) -> tuple[Namespace, str | None, MemoryOptions]:
+    """vLLM's serve arguments, the raw ``--snapshot-config`` value and the memory options."""
     if not argv or argv[0] != "serve":
         raise UsageError("usage: python -m snapctl.launcher.vllm serve MODEL [vllm serve options]")
     rest, snapshot_config = split_snapshot_config(argv[1:])
+    rest, memory = split_memory_options(rest)
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -60,7 +100,7 @@ def parse(argv: list[str]) -> tuple[Namespace, str | None]:
     if getattr(args, "model_tag", None) is not None:
         args.model = args.model_tag  # as `vllm serve MODEL` does
     validate_parsed_serve_args(args)
-    return args, snapshot_config
+    return args, snapshot_config, memory
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     from snapctl.launcher.vllm.serve import run
 
     try:
-        args, snapshot_config = parse(argv)
+        args, snapshot_config, memory = parse(argv)
     except UsageError as error:
         print(f"snapctl.launcher.vllm: {error}", file=sys.stderr)
         return 2
-    return run(args, snapshot_config)
+    return run(args, snapshot_config, memory)

@@ -1,13 +1,19 @@
-"""The startup hooks on vLLM's engine, with #59851's semantics.
+"""The startup hooks on vLLM's engine, with #59851's semantics and a memory policy
+(:mod:`snapctl.protocol.facts`).
 
 The canary is vLLM's own: one greedy token of a fixed private prompt through the engine, with
-its log probability. Memory follows #59851's release/reload policy where vLLM supports it:
-``sleep(level=2)`` before capture, then wake the weights, reload them from their files and wake
-the KV cache. On platforms without sleep mode (vLLM's CPU build) the weights stay in memory
-through capture and are reloaded from their files all the same. Either way every recovery reads
-the weights files again and then compares the sha256 of every named parameter, computed in the
-worker, with the digests of the first load, so a changed or unreadable weights file fails
-closed even where one changed weight would move the canary by less than its tolerance.
+its log probability. Under the ``in-image`` policy (the default where vLLM has no sleep mode, as
+on its CPU platform) the weights stay in memory through the capture and come back with the
+image's pages: a recovery reads no weights file and hashes nothing, it only empties the prefix
+cache and resumes. Under ``reload`` (the default where sleep mode exists: #59851's policy) the
+weights are released with ``sleep(level=2)`` (where the platform has it) and every recovery
+wakes them, reloads them from their files and wakes the KV cache; with ``reload_digests`` it
+also compares the sha256 of every reloaded parameter, computed in the worker, with the first
+load's, so a changed weights file fails closed even where one changed weight would move the
+canary by less than its tolerance.
+
+Either way the first load's digests are taken once, before the capture, from what the worker
+recorded while vLLM loaded the weights, and stated in the capture facts.
 
 The hooks are called from the capture thread (:func:`snapctl.launcher.run_startup_capture`
 blocks); each runs its coroutine on the server's event loop and waits for it.
@@ -18,10 +24,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from snapctl.errors import CanaryMismatchError, SnapctlError
+from snapctl.protocol.facts import CaptureFacts, MemoryPolicy
 from snapctl.protocol.models import Oracle, Phase
 
 CANARY_PROMPT = "The capital of France is"  # vLLM's own (vllm/snapshot/engine.py)
@@ -47,12 +54,22 @@ class VllmHooks:
     """``snapctl.launcher.StartupHooks`` on an ``EngineClient`` (vLLM's ``AsyncLLM``)."""
 
     def __init__(
-        self, engine: Any, loop: asyncio.AbstractEventLoop, timeout_s: float, sleep_mode: bool
+        self,
+        engine: Any,
+        loop: asyncio.AbstractEventLoop,
+        timeout_s: float,
+        *,
+        sleep_mode: bool,
+        policy: MemoryPolicy,
+        reload_digests: bool,
     ) -> None:
         self.engine = engine
         self.loop = loop
         self.timeout_s = timeout_s
-        self.sleep_mode = sleep_mode
+        # Sleep mode only serves the reload policy: in-image weights must stay where they are.
+        self.sleep_mode = sleep_mode and policy == "reload"
+        self.policy: MemoryPolicy = policy
+        self.reload_digests = reload_digests and policy == "reload"
         self.loaded_digests: dict[str, str] | None = None
         self.calls_done = 0
         self.in_call = False
@@ -86,9 +103,19 @@ class VllmHooks:
     def restore_memory(self) -> None:
         self._run(self._restore())
 
+    def capture_facts(self) -> CaptureFacts:
+        assert self.loaded_digests is not None  # taken by the first release
+        return CaptureFacts(
+            memory_policy=self.policy,
+            reload_digests=self.reload_digests,
+            parameter_digests=self.loaded_digests,
+        )
+
     async def _release(self) -> None:
         if self.loaded_digests is None:
-            self.loaded_digests = await parameter_digests(self.engine)
+            started = time.monotonic()
+            self.loaded_digests = await loaded_digests(self.engine)
+            log.info("snapctl: first load's digests %.1f ms", (time.monotonic() - started) * 1e3)
         await self.engine.pause_generation(mode="wait")
         if self.sleep_mode:
             await self.engine.sleep(level=2)
@@ -105,26 +132,35 @@ class VllmHooks:
             finally:
                 steps[name] = (time.monotonic() - started) * 1e3
 
+        if self.policy == "reload":
+            await self._reload(step)
+        # Nothing cached before the capture may answer a request after it.
+        await step("reset prefix cache", self.engine.reset_prefix_cache())
+        await step("resume", self.engine.resume_generation())
+        log.info(
+            "snapctl: memory restored (%s): %s",
+            self.policy,
+            ", ".join(f"{k} {v:.1f} ms" for k, v in steps.items()),
+        )
+
+    async def _reload(self, step: Callable[[str, Awaitable[Any]], Awaitable[Any]]) -> None:
+        """The reload policy: the weights read from their files again (and, with
+        ``reload_digests``, the reloaded parameters' digests compared with the first load's)."""
         if self.sleep_mode:
             await step("wake weights", self.engine.wake_up(tags=["weights"]))
-        # The weights read from their files again, with the reloaded parameters' digests.
+        what = "reload weights and digests" if self.reload_digests else "reload weights"
         (digests,) = await step(
-            "reload weights and digests", self.engine.collective_rpc("snapctl_reload_weights")
+            what, self.engine.collective_rpc("snapctl_reload_weights", args=(self.reload_digests,))
         )
         if self.sleep_mode:
             await step("wake kv cache", self.engine.wake_up(tags=["kv_cache"]))
-        # Nothing cached from before the reload may answer a request after it.
-        await step("reset prefix cache", self.engine.reset_prefix_cache())
-        assert self.loaded_digests is not None
-        difference = digest_difference(self.loaded_digests, _by_name(digests))
-        if difference is not None:
-            raise CanaryMismatchError(
-                f"the reloaded weights differ from the first load: {difference}"
-            )
-        await step("resume", self.engine.resume_generation())
-        log.info(
-            "snapctl: memory restored: %s", ", ".join(f"{k} {v:.1f} ms" for k, v in steps.items())
-        )
+        if self.reload_digests:
+            assert self.loaded_digests is not None
+            difference = digest_difference(self.loaded_digests, _by_name(digests))
+            if difference is not None:
+                raise CanaryMismatchError(
+                    f"the reloaded weights differ from the first load: {difference}"
+                )
 
 
 async def run_canary(engine: Any) -> Oracle:
@@ -148,8 +184,15 @@ async def run_canary(engine: Any) -> Oracle:
 
 
 async def parameter_digests(engine: Any) -> dict[str, str]:
-    """The worker's parameter digests (one worker: local single-rank execution)."""
+    """The worker's parameter digests, of the weights as its kernels hold them now (one
+    worker: local single-rank execution)."""
     (digests,) = await engine.collective_rpc("snapctl_parameter_digests")
+    return _by_name(digests)
+
+
+async def loaded_digests(engine: Any) -> dict[str, str]:
+    """The first load's parameter digests, as the worker recorded them while loading."""
+    (digests,) = await engine.collective_rpc("snapctl_loaded_digests")
     return _by_name(digests)
 
 

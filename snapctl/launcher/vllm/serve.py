@@ -25,13 +25,15 @@ from snapctl.launcher.vllm.usage import UsageError, require_single_frontend
 
 if TYPE_CHECKING:
     from snapctl.launcher import BindTarget
+    from snapctl.launcher.vllm.cli import MemoryOptions
+    from snapctl.protocol.facts import MemoryPolicy
     from snapctl.protocol.models import SnapshotConfig
 
 # Under "vllm.", so vLLM's logging configuration (handler and format) applies.
 log = logging.getLogger("vllm.snapctl")
 
 
-def run(args: Namespace, snapshot_config: str | None) -> int:
+def run(args: Namespace, snapshot_config: str | None, memory: MemoryOptions) -> int:
     import uvloop
     from pydantic import ValidationError
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
@@ -53,7 +55,7 @@ def run(args: Namespace, snapshot_config: str | None) -> int:
         log.error("invalid --snapshot-config: %s", error)
         return 2
     try:
-        return int(uvloop.run(_serve_after_capture(args, config)))
+        return int(uvloop.run(_serve_after_capture(args, config, memory)))
     except KeyboardInterrupt:
         log.info("terminated before serving")
         return 0
@@ -77,7 +79,9 @@ async def _serve_plain(args: Namespace) -> None:
         sock.close()
 
 
-async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
+async def _serve_after_capture(
+    args: Namespace, config: SnapshotConfig, memory: MemoryOptions
+) -> int:
     from snapctl.launcher import StartupCaptureError, report_failure
     from snapctl.protocol.controldir import ControlDir
     from snapctl.protocol.models import Phase
@@ -90,7 +94,8 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
         require_single_frontend(args)
         # Refuse an unusable control directory before minutes of engine start, as vLLM does.
         ControlDir(config.control_dir).validate(require_empty=True)
-        sleep_mode = _prepare_args(args)
+        sleep_mode, policy = _prepare_args(args, memory.policy)
+        log.info("snapctl: memory policy %s", policy)
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
         from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -100,7 +105,10 @@ async def _serve_after_capture(args: Namespace, config: SnapshotConfig) -> int:
             # collection after `validated` has nothing left to walk (nor, in a lazy copy, to
             # fault in).
             freeze_gc_heap()
-            hooks = VllmHooks(engine, asyncio.get_running_loop(), config.timeout_s, sleep_mode)
+            hooks = VllmHooks(
+                engine, asyncio.get_running_loop(), config.timeout_s, sleep_mode=sleep_mode,
+                policy=policy, reload_digests=memory.reload_digests,
+            )  # fmt: skip
             try:
                 target = await _capture_in_thread(config, hooks)
             except StartupCaptureError as error:
@@ -146,20 +154,25 @@ async def _log_when_serving(app: Any, validated_at: float) -> None:
     log.info("serving %.1f ms after validated", _ms_since(validated_at))
 
 
-def _prepare_args(args: Namespace) -> bool:
-    """Checks ``setup_server`` makes before binding; sleep mode where vLLM supports it."""
+def _prepare_args(args: Namespace, policy: MemoryPolicy | None) -> tuple[bool, MemoryPolicy]:
+    """Checks ``setup_server`` makes before binding; the memory policy (given, or chosen by the
+    platform: ``reload`` where vLLM has sleep mode, else ``in-image``) and sleep mode where the
+    reload policy can use it."""
     from vllm.entrypoints.launchers.launcher import validate_api_server_args
     from vllm.platforms import current_platform
     from vllm.utils.system_utils import set_ulimit
 
     validate_api_server_args(args)
     set_ulimit()
-    sleep_mode = bool(current_platform.is_sleep_mode_available())
+    available = bool(current_platform.is_sleep_mode_available())
+    if policy is None:
+        policy = "reload" if available else "in-image"
+    sleep_mode = available and policy == "reload"
     if sleep_mode:
         args.enable_sleep_mode = True
-    elif getattr(args, "enable_sleep_mode", False):
+    elif getattr(args, "enable_sleep_mode", False) and not available:
         raise UsageError("--enable-sleep-mode is not supported on this platform")
-    return sleep_mode
+    return sleep_mode, policy
 
 
 async def _capture_in_thread(config: SnapshotConfig, hooks: VllmHooks) -> BindTarget:

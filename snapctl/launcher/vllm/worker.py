@@ -7,24 +7,26 @@ for such a layer the digest is of the weight the handle applies (the layer run o
 matrix, exact in its dtype), in the parameter's layout. :mod:`.reference` computes the same
 digests from the checkpoint files.
 
-A recovery's reload hashes each linear weight just before vLLM packs it instead
-(:func:`recording_packed_weights`): the identity product costs as much as a forward pass over
-``in_features`` tokens per layer, too much for every copy of a large model on CPU. The first
-load's digests, taken the identity way, are compared with the rehearsal's, taken this way,
-before the capture, so the two agree on every image.
+The first load and a reload (under the ``reload`` policy with digests) hash each linear weight
+just before vLLM packs it instead (:func:`recording_packed_weights`; for the first load from
+the moment vLLM imports the extension, :mod:`.extension`): the identity product costs as much as
+a forward pass over ``in_features`` tokens per layer, too much for a capture or a copy of a large
+model on CPU. It stays for the debug route, which must read the weights as the kernels hold them
+now (``tests/vllm/test_vllm_worker.py`` checks that both ways agree).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-EXTENSION = "snapctl.launcher.vllm.worker.SnapshotWorkerExtension"
+EXTENSION = "snapctl.launcher.vllm.extension.SnapshotWorkerExtension"
 
 
 def tensor_sha256(tensor: Any) -> tuple[str, int]:
@@ -63,6 +65,16 @@ def recording_packed_weights() -> Iterator[dict[Any, str]]:
     """While vLLM (re)loads weights: the sha256 of each 2-D weight that
     ``dispatch_cpu_unquantized_gemm`` is to empty, by its layer, taken before it packs it.
     Both of its callers (linear and embedding layers) import it from its module at each call."""
+    stop, recorded = start_recording_packed_weights()
+    try:
+        yield recorded
+    finally:
+        stop()
+
+
+def start_recording_packed_weights() -> tuple[Callable[[], None], dict[Any, str]]:
+    """:func:`recording_packed_weights` without a ``with``: the function that stops it, and
+    the digests recorded until then."""
     from vllm.model_executor.layers import utils
 
     original = utils.dispatch_cpu_unquantized_gemm
@@ -74,11 +86,35 @@ def recording_packed_weights() -> Iterator[dict[Any, str]]:
             recorded[layer] = tensor_sha256(weight)[0]
         original(layer, remove_weight)
 
-    utils.dispatch_cpu_unquantized_gemm = recording
-    try:
-        yield recorded
-    finally:
+    def stop() -> None:
         utils.dispatch_cpu_unquantized_gemm = original
+
+    utils.dispatch_cpu_unquantized_gemm = recording
+    return stop, recorded
+
+
+# The first load's recording (started by :mod:`.extension`, taken by the first digest read).
+_first_load: tuple[Callable[[], None], dict[Any, str]] | None = None
+
+
+def start_first_load_recording() -> None:
+    """Record from now on; only inside a process already running vLLM (its worker imports the
+    extension), so importing the extension anywhere else loads nothing."""
+    global _first_load
+    if _first_load is None and "vllm" in sys.modules:
+        _first_load = start_recording_packed_weights()
+
+
+def take_first_load_recording() -> dict[Any, str]:
+    """What the first load recorded, once; the recording stops (later reloads record their
+    own)."""
+    global _first_load
+    if _first_load is None:
+        return {}
+    stop, recorded = _first_load
+    stop()
+    _first_load = None
+    return recorded
 
 
 def parameter_digests(model: Any, packed: Mapping[Any, str] | None = None) -> dict[str, str]:
@@ -113,14 +149,26 @@ class SnapshotWorkerExtension:
 
     model_runner: Any
     reload_weights: Callable[[], None]  # annotations only: vLLM refuses names its worker has
+    _snapctl_loaded_digests: dict[str, str]
 
     def snapctl_parameter_digests(self) -> dict[str, str]:
-        """sha256 of every named parameter, by name."""
+        """sha256 of every named parameter, by name, as the kernels hold them now."""
         return parameter_digests(self.model_runner.get_model())
 
-    def snapctl_reload_weights(self) -> dict[str, str]:
-        """vLLM's ``reload_weights`` (from the weights files), then the reloaded parameters'
-        digests, in one call."""
+    def snapctl_loaded_digests(self) -> dict[str, str]:
+        """sha256 of every named parameter, by name, as the first load packed them (asked
+        once, before the capture)."""
+        model = self.model_runner.get_model()
+        if not hasattr(self, "_snapctl_loaded_digests"):
+            self._snapctl_loaded_digests = parameter_digests(model, take_first_load_recording())
+        return self._snapctl_loaded_digests
+
+    def snapctl_reload_weights(self, digests: bool = True) -> dict[str, str]:
+        """vLLM's ``reload_weights`` (from the weights files), then, with ``digests``, the
+        reloaded parameters' digests, in one call."""
+        if not digests:
+            self.reload_weights()
+            return {}
         with recording_packed_weights() as packed:
             self.reload_weights()
         return parameter_digests(self.model_runner.get_model(), packed)
