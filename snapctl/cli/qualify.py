@@ -4,7 +4,7 @@ render their report (a table, or one JSON record); exit non-zero when any check 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import click
 from click.core import ParameterSource
@@ -12,6 +12,7 @@ from click.core import ParameterSource
 from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
 from snapctl.cli._activation_options import startup_timeout_options, timeout_option
 from snapctl.cli.output import emit_json, json_option, note, stderr, stdout
+from snapctl.qualification.faultmodes import FAULT_MODES, FaultMode
 
 if TYPE_CHECKING:
     from snapctl.qualification.report import Report
@@ -67,7 +68,7 @@ def _run(
     native: str,
     report_dir: Path | None,
     as_json: bool,
-    fault_mode: str = "changed",
+    fault_mode: str = "auto",
     lazy: bool = False,
     retained_mb: int | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
@@ -93,7 +94,7 @@ def _run(
         runs=parse_runs(runs, lazy=lazy),
         image=image,
         report_dir=report_dir,
-        fault_mode="unreadable" if fault_mode == "unreadable" else "changed",
+        fault_mode=cast(FaultMode, fault_mode),
         lazy=lazy,
         retained_mb=retained_mb,
     )
@@ -120,6 +121,12 @@ def render(report: Report, report_dir: Path | None) -> None:
         stderr().print(f"report: {report_dir / 'report.md'}", style="dim")
 
 
+_fault_help = (
+    "How the fault run breaks the weights for its activation: auto chooses by the image's memory "
+    "policy (memory for in-image, changed where each reload compares digests, else unreadable); "
+    "changed flips a byte of the weights file, unreadable hides it behind /dev/null, memory "
+    "overwrites weights in the copy's memory."
+)
 _lazy_help = (
     "Restore copy-1 and copy-2 with lazy pages (each must also complete its pages and keep the "
     "donor's retained memory), and add the lazy-fault run."
@@ -132,9 +139,8 @@ _lazy_help = (
               "criu-dump-fault; lazy-fault too with --lazy",
               help="Runs to perform (always in the fixed order; the reference runs when a "
                    "serving run is named).")  # fmt: skip
-@click.option("--fault", "fault_mode", default="changed", show_default=True,
-              type=click.Choice(["changed", "unreadable"]),
-              help="How the fault run breaks the weights for its activation.")  # fmt: skip
+@click.option("--fault", "fault_mode", default="auto", show_default=True,
+              type=click.Choice(FAULT_MODES), help=_fault_help)  # fmt: skip
 @click.option("--lazy", is_flag=True, help=_lazy_help)
 @click.option("--retained-mb", type=click.IntRange(0), metavar="MIB",
               help="Retained memory of the bundled fixture the donor launches (default 16; "
@@ -163,9 +169,8 @@ def qualify(image: Path | None, runs: str | None, fault_mode: str, lazy: bool,
 @click.option("--image", required=True,
               type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="The published image to restore.")  # fmt: skip
-@click.option("--fault", "fault_mode", default="changed", show_default=True,
-              type=click.Choice(["changed", "unreadable"]),
-              help="Changed weights (a byte flipped) or unreadable ones (/dev/null).")  # fmt: skip
+@click.option("--fault", "fault_mode", default="auto", show_default=True,
+              type=click.Choice(FAULT_MODES), help=_fault_help)  # fmt: skip
 @click.option("--lazy", is_flag=True,
               help="Instead: restore a lazy copy and kill its lazy-pages daemon mid-transfer "
                    "(the lazy-fault run).")  # fmt: skip
@@ -174,8 +179,9 @@ def qualify(image: Path | None, runs: str | None, fault_mode: str, lazy: bool,
 def fault(ctx: click.Context, /, image: Path, fault_mode: str, lazy: bool, **common: Any) -> None:
     """Check that a copy whose recovery fails fails closed.
 
-    Restores a copy from IMAGE whose weights are changed (or unreadable) for that activation
-    only, and expects error.json at recovery, no listener, the tree exiting, no leftovers.
+    Restores a copy from IMAGE whose weights are changed (in its files or its memory) or
+    unreadable for that activation only, and expects error.json at recovery, no listener, the
+    tree exiting, no leftovers.
     With --lazy, restores a lazy copy and kills its lazy-pages daemon while pages are still
     missing: the copy must be stopped at once and the failure reported, nothing left, and the
     image must still verify and be free.

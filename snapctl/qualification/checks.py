@@ -188,6 +188,25 @@ def check_digests_match_model(
     return passed(name, f"{len(model)} tensors equal the model file's sha256")
 
 
+def check_digests_match_capture(
+    reads: Iterable[DigestRead], captured: Mapping[str, str] | None
+) -> Check:
+    """The digests the server reports equal the first load's, recorded in the image."""
+    name = "parameter digests = image's first load"
+    reads = list(reads)
+    if reads and all(read.status == 404 for read in reads):
+        return skipped(name, "skipped (endpoint absent)")
+    if captured is None:
+        return skipped(name, "skipped (the server recorded no digests in the image)")
+    served = next((r.digests for r in reads if r.digests is not None), None)
+    if served is None:
+        return failed(name, "no digest read succeeded")
+    difference = _digest_difference(dict(captured), served)
+    if difference:
+        return failed(name, f"served vs recorded at capture: {difference}")
+    return passed(name, f"{len(captured)} tensors equal the digests recorded at capture")
+
+
 def _digest_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:
     missing = sorted(set(expected) - set(got))
     if missing:
@@ -480,6 +499,15 @@ def check_fault_confined(
     if inside == host_before:
         return failed(name, f"inside the copy {weights} still has the host's sha256: no fault")
     return passed(name, f"inside sha256 {inside[:12]}…, host {host_before[:12]}… before and after")
+
+
+def check_memory_fault(tensors: list[str], places: list[str], written: int) -> Check:
+    """The memory fault was injected: named tensors overwritten in the copy's memory only."""
+    name = "fault injected in the copy's memory"
+    if not tensors:
+        return failed(name, "no tensor of the weights files was overwritten")
+    shown = ", ".join(tensors[:3]) + (", ..." if len(tensors) > 3 else "")
+    return passed(name, f"{written} bytes of {shown} at {', '.join(places[:3])}")
 
 
 # -- CRIU-level faults ----------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import psutil
+
 from snapctl.activation.copy import start_copy
 from snapctl.activation.handshake import ActivationError, activate
 from snapctl.activation.session import CleanupAudit, Session
@@ -40,7 +42,9 @@ from snapctl.protocol.models import (
 )
 from snapctl.protocol.waiter import ControlDirWatcher
 from snapctl.qualification import checks
-from snapctl.qualification.reference import weights_file
+from snapctl.qualification.faultmodes import FaultMode
+from snapctl.qualification.memfault import MemoryFault, candidate_tensors, inject_memory_fault
+from snapctl.qualification.reference import weights_file, weights_files
 from snapctl.qualification.runs import (
     RunContext,
     RunResult,
@@ -55,7 +59,6 @@ from snapctl.qualification.runs import (
 from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
 from snapctl.supervision.process import PinnedProcess
 
-FaultMode = Literal["changed", "unreadable"]
 FAULT_FILE = ".snapctl-qualify-fault-weights"
 # How long a failed activation may take to exit by itself after error.json.
 EXIT_TIMEOUT_S = 30.0
@@ -242,7 +245,7 @@ class _WeightsFault:
 
 
 def inject_weights_fault(
-    session: Session, weights: str, mode: FaultMode, record: _WeightsFault
+    session: Session, weights: str, mode: Literal["changed", "unreadable"], record: _WeightsFault
 ) -> None:
     """Make ``weights`` changed (one byte flipped) or unreadable in this activation's mount
     namespace only, by a bind mount made from outside; the host's file is not touched."""
@@ -274,9 +277,27 @@ def inject_weights_fault(
         record.inside = proc.stdout.split()[0]
 
 
-def run_fault(ctx: RunContext, mode: FaultMode = "changed") -> RunResult:
-    """Restore a copy whose weights are changed (or unreadable) for that activation only."""
+def fault_mode_for(manifest: Manifest) -> FaultMode:
+    """The fault a recovery under the image's memory policy must catch: a weight changed in
+    memory where the weights come back with the pages (in-image), a changed weights file where
+    each reload compares digests, else an unreadable weights file (the reload itself fails)."""
+    facts = manifest.capture_facts
+    if facts is None or (facts.memory_policy == "reload" and facts.reload_digests):
+        return "changed"
+    return "memory" if facts.memory_policy == "in-image" else "unreadable"
+
+
+def run_fault(ctx: RunContext, mode: FaultMode = "auto") -> RunResult:
+    """Restore a copy whose weights are changed (or unreadable) for that activation only:
+    in its files, or (``memory``) in its memory."""
     manifest = load_manifest(ctx.image)
+    if mode == "auto":
+        mode = fault_mode_for(manifest)
+    if mode == "memory":
+        return _run_memory_fault(ctx, manifest)
+    file_mode: Literal["changed", "unreadable"] = (
+        "unreadable" if mode == "unreadable" else "changed"
+    )
     weights_path = weights_file(manifest.server_argv)
     if weights_path is None:
         return RunResult(
@@ -294,13 +315,39 @@ def run_fault(ctx: RunContext, mode: FaultMode = "changed") -> RunResult:
     drive = _activate(ctx, manifest)
 
     def hook(session: Session) -> None:
-        inject_weights_fault(session, weights, mode, fault)
+        inject_weights_fault(session, weights, file_mode, fault)
         _observe_fail_closed(ctx, session, "fault", drive, seen)
 
     def judge() -> list[checks.Check]:
         return [
             expect_error(seen, Phase.RECOVER.value),
             checks.check_fault_confined(fault.host_before, _sha256(weights), fault.inside, weights),
+        ]
+
+    return _restore_failing(ctx, "fault", "fault", hook, seen, judge)
+
+
+def _run_memory_fault(ctx: RunContext, manifest: Manifest) -> RunResult:
+    files = [p for p in weights_files(manifest.server_argv) if p.suffix == ".safetensors"]
+    if not files:
+        return RunResult(
+            name="fault", kind="fault", wall_s=0.0,
+            checks=[checks.failed("run completed", "no local weights file in the server command")],
+        )  # fmt: skip
+    tensors = candidate_tensors(files)
+    seen = FailClosedSeen()
+    fault = MemoryFault()
+    drive = _activate(ctx, manifest)
+
+    def hook(session: Session) -> None:
+        children = psutil.Process(session.tree.pid).children(recursive=True)
+        inject_memory_fault([session.tree.pid, *(child.pid for child in children)], tensors, fault)
+        _observe_fail_closed(ctx, session, "fault", drive, seen)
+
+    def judge() -> list[checks.Check]:
+        return [
+            expect_error(seen, Phase.RECOVER.value),
+            checks.check_memory_fault(fault.tensors, fault.places, fault.written),
         ]
 
     return _restore_failing(ctx, "fault", "fault", hook, seen, judge)

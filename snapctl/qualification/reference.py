@@ -108,18 +108,22 @@ def server_command(options: LaunchOptions, state: StateDir) -> tuple[list[str], 
     return fixture_command(options, state)
 
 
-def weights_file(argv: list[str]) -> Path | None:
-    """The model weights file a server reads: ``--model`` itself, or its largest weights file."""
+def weights_files(argv: list[str]) -> list[Path]:
+    """The model weights files a server reads: ``--model`` itself, or those in its directory."""
     model = model_argument(argv)
     if model is None:
-        return None
+        return []
     path = Path(model)
     if path.is_file():
-        return path
+        return [path]
     if not path.is_dir():
-        return None
-    candidates = [p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES]
-    return max(candidates, key=lambda p: p.stat().st_size, default=None)
+        return []
+    return sorted(p for p in path.iterdir() if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+
+
+def weights_file(argv: list[str]) -> Path | None:
+    """The largest of :func:`weights_files`."""
+    return max(weights_files(argv), key=lambda p: p.stat().st_size, default=None)
 
 
 def model_file_digests(argv: list[str]) -> dict[str, str] | None:

@@ -30,6 +30,7 @@ from snapctl.errors import SnapctlError
 from snapctl.images import FileEntry, hash_tree, load_manifest
 from snapctl.models import StrictModel
 from snapctl.progress import Progress
+from snapctl.protocol.facts import CaptureFacts
 from snapctl.protocol.models import ControlFile
 from snapctl.qualification import checks
 from snapctl.qualification.checks import Check
@@ -127,12 +128,24 @@ class RunContext:
     artifacts: Path | None = None
     reference: ServingObservation | None = None
     model_digests: dict[str, str] | None = None
+    # The image's capture facts, read once the image exists (None: not read yet).
+    image_facts: CaptureFacts | None = None
     # The copies (copy-1, copy-2) are restored with lazy pages.
     lazy: bool = False
     # What lazy copies' retained memory must hash to: the donor's read, else the reference's.
     retained_baseline: tuple[str, RetainedRead] | None = None
     # The control files of the last activation that served: the stale run replays them.
     previous_control: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    def captured_digests(self) -> dict[str, str] | None:
+        """The first load's parameter digests the image recorded; None where the server
+        stated none (or there is no image yet)."""
+        if self.image_facts is None:
+            with contextlib.suppress(SnapctlError):
+                self.image_facts = load_manifest(self.image).capture_facts
+        if self.image_facts is None or not self.image_facts.parameter_digests:
+            return None
+        return self.image_facts.parameter_digests
 
     def run_dir(self, run: str) -> Path | None:
         if self.artifacts is None:
@@ -271,6 +284,10 @@ def _serving_checks(
         baseline = ctx.reference.digests if (compare and ctx.reference) else []
         found.append(checks.check_digests_stable(observation.digests, baseline))
         found.append(checks.check_digests_match_model(observation.digests, ctx.model_digests))
+        if compare:
+            found.append(
+                checks.check_digests_match_capture(observation.digests, ctx.captured_digests())
+            )
     if expect_lazy or lazy is not None:
         found.append(
             checks.check_pages_complete(

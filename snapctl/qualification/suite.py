@@ -28,7 +28,8 @@ from snapctl.phases import HostPhase
 from snapctl.progress import Progress
 from snapctl.qualification import checks
 from snapctl.qualification.criu_faults import run_criu_dump_fault, run_criu_restore_fault
-from snapctl.qualification.faults import FaultMode, run_fault, run_stale
+from snapctl.qualification.faultmodes import FaultMode
+from snapctl.qualification.faults import run_fault, run_stale
 from snapctl.qualification.lazy_fault import run_lazy_fault
 from snapctl.qualification.reference import (
     is_fixture,
@@ -93,7 +94,7 @@ class Plan:
     runs: tuple[str, ...] = DEFAULT_RUNS
     image: Path | None = None
     report_dir: Path | None = None
-    fault_mode: FaultMode = "changed"
+    fault_mode: FaultMode = "auto"
     lazy: bool = False  # restore copy-1 and copy-2 with lazy pages
     # The bundled fixture's retained memory (None: LAZY_RETAINED_MB when a lazy run is planned,
     # else the launch default).

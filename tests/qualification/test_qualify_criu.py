@@ -9,14 +9,17 @@ not injected, which the fail-closed checks must report as failures.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from fixtures.model import build_model
 from snapctl.activation.session import Session
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
+from snapctl.images import load_manifest
 from snapctl.qualification import faults
 from snapctl.qualification.report import Report
 from snapctl.qualification.suite import DEFAULT_RUNS
@@ -55,7 +58,8 @@ def test_qualify_on_the_fixture_passes_every_check(
     statuses = _statuses(report)
     for run in ("donor", "copy-1", "copy-2"):
         for check in ("prompts match reference", "concurrency matches reference",
-                      "API key enforced", "parameter digests = model file", "image unchanged",
+                      "API key enforced", "parameter digests = model file",
+                      "parameter digests = image's first load", "image unchanged",
                       "nothing left behind"):  # fmt: skip
             assert statuses[(run, check)] == "passed"
     assert statuses[("fault", "error.json at recover")] == "passed"
@@ -96,6 +100,37 @@ def test_fault_command_fails_closed(
     assert checks["tree exited by itself"].status == "passed"
     assert checks["no public listener"].status == "passed"
     assert checks["fault confined to the activation"].status == "passed"
+    assert run.cleanup is not None and run.cleanup.clean
+
+
+@pytest.fixture(scope="module")
+def in_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """An image of the fixture under the in-image memory policy (weights copied into memory)."""
+    model = tmp_path_factory.mktemp("in-image-model") / "model"
+    build_model(model, 2.0, seed=7)
+    server = [sys.executable, "-m", "fixtures", "serve", "--model", str(model),
+              "--memory-policy", "in-image"]  # fmt: skip
+    with captured_image(tmp_path_factory, "in-image", server_argv=server) as path:
+        yield path
+
+
+def test_an_in_image_images_fault_breaks_the_copys_memory(
+    in_image: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    facts = load_manifest(in_image).capture_facts
+    assert facts is not None and facts.memory_policy == "in-image"
+    assert len(facts.parameter_digests) > 1
+
+    status = main(["fault", "--image", str(in_image), "--json"])
+
+    report = printed_report(capsys.readouterr().out)
+    assert status == ExitStatus.OK, report.failures()
+    (run,) = report.runs
+    checks = {check.name: check for check in run.checks}
+    assert checks["error.json at recover"].evidence.startswith("recovery: canary")
+    assert checks["fault injected in the copy's memory"].status == "passed"
+    assert checks["tree exited by itself"].status == "passed"
+    assert checks["image unchanged"].status == "passed"
     assert run.cleanup is not None and run.cleanup.clean
 
 
