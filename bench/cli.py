@@ -43,6 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
         "copies of the same server, with the donor's and a bare dump's frozen time",
     )
     parser.add_argument(
+        "--model-sizes",
+        type=_model_sizes,
+        help="with --vllm: instead, per model size (tiny, or GB of weights, e.g. tiny,0.5,2.9) "
+        "the cold start and a warm completion, capture-ready, the image, plain, lazy and pooled "
+        "copies, a bare criu restore and the PSS of 1 and 3 parked copies",
+    )
+    parser.add_argument(
+        "--models-dir",
+        type=Path,
+        default=Path("/var/tmp/snapctl-bench-models"),
+        help="with --model-sizes: where the generated models are kept between runs "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
         "--frozen-pairs",
         type=_positive,
         default=1,
@@ -57,6 +71,15 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError("must be at least 1")
     return value
+
+
+def _model_sizes(text: str) -> list[str]:
+    from bench.sizes import parse_sizes
+
+    try:
+        return parse_sizes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def _sizes(text: str) -> list[int]:
@@ -76,6 +99,18 @@ def _vllm(args: argparse.Namespace) -> int:
     from snapctl.supervision.process import become_subreaper
 
     become_subreaper()
+    if args.model_sizes:
+        from bench import sizes
+
+        reps = args.reps or 3
+        with workdir(args.work_dir, args.keep) as work:
+            say(f"scratch directory {work}")
+            found = sizes.run(find_criu(), work, args.models_dir, args.model_sizes, reps, say)
+        if args.json:
+            sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in found]) + "\n")
+        else:
+            sys.stdout.write(sizes.render(found, reps))
+        return 0
     with workdir(args.work_dir, args.keep) as work:
         say(f"scratch directory {work}")
         results = vllm.run(find_criu(), work, args.reps or 3, say, args.frozen_pairs)

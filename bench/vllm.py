@@ -49,6 +49,7 @@ class VllmResults:
     sample per rep."""
 
     cold_start_s: float = 0.0
+    warm_s: float = 0.0  # the same completion, asked again of the warm cold-started server
     donor: dict[str, float] = field(default_factory=dict)
     bare_dump: dict[str, float] = field(default_factory=dict)
     image_bytes: int = 0  # on disk
@@ -95,7 +96,7 @@ def run(criu: CriuBinary, work: Path, reps: int, say: Say, frozen_pairs: int = 1
     state = StateDir(work / "state")
     state.ensure()
     results = VllmResults()
-    reference = _cold_start(python, model, work, results, say)
+    reference = cold_start(python, model, work, results, say)
     image = work / "vllm-image"
     for pair in range(frozen_pairs):
         # The first pair's donor image is the one the copies restore; later ones are dropped.
@@ -110,14 +111,14 @@ def run(criu: CriuBinary, work: Path, reps: int, say: Say, frozen_pairs: int = 1
             shutil.rmtree(donor_image, ignore_errors=True)
     for rep in range(reps):
         for lazy in (False, True) if rep % 2 == 0 else (True, False):
-            _copy(python, model, image, criu, state, lazy, reference, results, say)
-    _pooled(model, image, state, work, reps, reference, results, say)
+            copy_once(python, model, image, criu, state, lazy, reference, results, say)
+    pooled(model, image, state, work, reps, reference, results, say)
     _new_hosts(python, model, image, criu, state, work, reps, reference, results, say)
     shutil.rmtree(image, ignore_errors=True)
     return results
 
 
-def _cold_start(python: Path, model: Path, work: Path, results: VllmResults, say: Say) -> Answer:
+def cold_start(python: Path, model: Path, work: Path, results: VllmResults, say: Say) -> Answer:
     port = free_port()
     log = work / "cold.log"
     started = time.monotonic()
@@ -129,14 +130,18 @@ def _cold_start(python: Path, model: Path, work: Path, results: VllmResults, say
     try:
         answer = first_correct(port, model, None, lambda: proc.poll() is None)
         results.cold_start_s = time.monotonic() - started
+        started = time.monotonic()
+        first_correct(port, model, answer, lambda: proc.poll() is None)
+        results.warm_s = time.monotonic() - started
     finally:
         proc.terminate()
         proc.wait(60)
-    say(f"vllm cold start: first correct completion after {results.cold_start_s:.1f} s")
+    say(f"vllm cold start: first correct completion after {results.cold_start_s:.1f} s "
+        f"(again, warm: {results.warm_s:.2f} s)")  # fmt: skip
     return answer
 
 
-def _options(python: Path, model: Path) -> LaunchOptions:
+def launch_options(python: Path, model: Path) -> LaunchOptions:
     return LaunchOptions(
         server_argv=server_argv(python, model), timeout_s=TIMEOUT_S, server_timeout_s=TIMEOUT_S
     )
@@ -187,7 +192,7 @@ def _donor(
     the donor's and the bare dump's figures."""
     beside = BareBeside(work / f"bare-dump-{uuid.uuid4().hex[:8]}", first=bare_first)
     session, report = start_donor(
-        _options(python, model), image=image, force=False, criu=criu, native=NoNativeStep(),
+        launch_options(python, model), image=image, force=False, criu=criu, native=NoNativeStep(),
         publish=None, state=state, progress=lambda step: None, tools=Tools(criu=beside),
     )  # fmt: skip
     try:
@@ -211,14 +216,14 @@ def _donor(
     return frozen, beside.frozen_s
 
 
-def _copy(
+def copy_once(
     python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir, lazy: bool,
     reference: Answer, results: VllmResults, say: Say, kind: str | None = None,
 ) -> None:  # fmt: skip
     marks: list[tuple[str, float]] = []
     started = time.monotonic()
     session, report = start_copy(
-        image, _options(python, model), criu=criu, native=NoNativeStep(),
+        image, launch_options(python, model), criu=criu, native=NoNativeStep(),
         publish=("127.0.0.1", 0), state=state,
         progress=lambda step: marks.append((step, time.monotonic())), lazy=lazy,
     )  # fmt: skip
@@ -246,7 +251,7 @@ def _copy(
     say(f"vllm copy ({kind}): first correct completion after {ready:.2f} s")
 
 
-def _pooled(
+def pooled(
     model: Path, image: Path, state: StateDir, work: Path, reps: int, reference: Answer,
     results: VllmResults, say: Say,
 ) -> None:  # fmt: skip
@@ -325,7 +330,7 @@ def _new_hosts(
                 for path in adopted if with_sets else []:
                     shutil.copy(path, host.views / path.name)
                 kind = "new host, sets pulled" if with_sets else "new host, no sets"
-                _copy(python, model, Path(pulled.image), criu, host, True, reference, results,
+                copy_once(python, model, Path(pulled.image), criu, host, True, reference, results,
                       say, kind=kind)  # fmt: skip
                 shutil.rmtree(host.root, ignore_errors=True)
     finally:
@@ -347,9 +352,9 @@ def render(results: VllmResults) -> str:
         f"| image size | {results.image_bytes / 2**30:.2f} GiB | |",
     ]
     if len(results.frozen_pairs) > 1:
-        donor = _median([pair["donor"] for pair in results.frozen_pairs])
-        bare_s = _median([pair["bare"] for pair in results.frozen_pairs])
-        ratio = _median([pair["donor"] / pair["bare"] for pair in results.frozen_pairs])
+        donor = median([pair["donor"] for pair in results.frozen_pairs])
+        bare_s = median([pair["bare"] for pair in results.frozen_pairs])
+        ratio = median([pair["donor"] / pair["bare"] for pair in results.frozen_pairs])
         lines.append(
             f"| donor / bare frozen, {len(results.frozen_pairs)} pairs | {donor:.2f} / "
             f"{bare_s:.2f} s (ratio {ratio:.2f}) | ≤ 1.10 |"
@@ -360,7 +365,7 @@ def render(results: VllmResults) -> str:
         samples = results.copies.get(kind, [])
         if not samples:
             continue
-        ready = _median([s["ready_s"] for s in samples])
+        ready = median([s["ready_s"] for s in samples])
         speedup = results.cold_start_s / ready if ready else 0.0
         each = ", ".join(f"{s['ready_s']:.2f}" for s in samples)
         lines.append(
@@ -368,10 +373,10 @@ def render(results: VllmResults) -> str:
             f"{each} s) | {target} |"
         )
         for phase in samples[0]["phases"]:
-            value = _median([s["phases"][phase] for s in samples])
+            value = median([s["phases"][phase] for s in samples])
             target_text = "≤ 0.1 s" if phase == "stage" else ""
             lines.append(f"| {kind}: {phase} | {value * 1000:.0f} ms | {target_text} |")
-        after = _median([s["validated_to_http_200"] for s in samples])
+        after = median([s["validated_to_http_200"] for s in samples])
         lines.append(f"| {kind}: validated → first 200 | {after * 1000:.0f} ms | ≤ 0.1 s |")
     if results.new_host:
         host = results.new_host
@@ -383,7 +388,7 @@ def render(results: VllmResults) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _median(values: list[float]) -> float:
+def median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2

@@ -1,0 +1,191 @@
+"""``python -m bench --vllm --model-sizes tiny,0.5,2.9``: what a copy costs as the model grows.
+
+For each size (GB of float32 weights; ``tiny`` is the tests' model) a Llama of that shape is
+written once (``scripts/llama_model.py``, deterministic, kept in the models directory), then,
+in one run and one size at a time: the cold start to the first correct completion and the same
+completion asked again of that warm server; ``snapctl bake``'s launch → capture-ready and the
+image's size on disk; plain and lazy copies (in turns) and copies from the agent's pool, each
+to the first correct completion, with its handshake; a bare ``criu restore`` of the same image
+to the barrier; and the PSS of one and of three parked copies. What a copy adds is its time to
+the first correct completion less the warm completion's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import bare, vllm
+from bench.agent import AgentCli
+from snapctl.activation.donor import start_donor
+from snapctl.activation.launch import repo_root
+from snapctl.activation.native import NoNativeStep
+from snapctl.criu import CriuBinary
+from snapctl.statedir import StateDir
+
+TINY = "tiny"
+
+
+@dataclass
+class SizeResults:
+    """One model size's figures (seconds, bytes); copies keyed plain/lazy/pooled."""
+
+    size: str
+    weights_bytes: int = 0
+    cold_start_s: float = 0.0
+    warm_completion_s: float = 0.0
+    capture_ready_s: float = 0.0
+    image_bytes: int = 0
+    bare_restore_s: list[float] = field(default_factory=list)
+    copies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    pss_bytes: dict[str, int] = field(default_factory=dict)  # "1" and "3" parked copies
+
+
+def parse_sizes(text: str) -> list[str]:
+    sizes = [part.strip() for part in text.split(",") if part.strip()]
+    for size in sizes:
+        if size != TINY and not float(size) > 0:
+            raise ValueError(f"a model size is 'tiny' or GB of weights, not {size!r}")
+    return sizes
+
+
+def model_for(size: str, python: Path, models: Path, say: vllm.Say) -> Path:
+    """The model directory for ``size``, written once (the same bytes every time)."""
+    if size == TINY:
+        return vllm.vllm_setup()[1]
+    directory = models / f"llama-{size}gb"
+    if not (directory / "config.json").exists():
+        say(f"writing a {size} GB Llama into {directory}")
+        subprocess.run(
+            [str(python), str(repo_root() / "scripts" / "llama_model.py"), str(directory),
+             "--weights-gb", size], check=True,
+        )  # fmt: skip
+    return directory
+
+
+def run(
+    criu: CriuBinary, work: Path, models: Path, sizes: list[str], reps: int, say: vllm.Say
+) -> list[SizeResults]:
+    python, _ = vllm.vllm_setup()
+    os.environ.update(vllm.SERVER_ENV)
+    found = []
+    for size in sizes:
+        model = model_for(size, python, models, say)
+        found.append(_one_size(criu, work / f"size-{size}", python, model, size, reps, say))
+    return found
+
+
+def _one_size(
+    criu: CriuBinary, work: Path, python: Path, model: Path, size: str, reps: int, say: vllm.Say
+) -> SizeResults:
+    work.mkdir(parents=True)
+    state = StateDir(work / "state")
+    state.ensure()
+    results = SizeResults(size=size, weights_bytes=_weights_bytes(model))
+    measured = vllm.VllmResults()
+    reference = vllm.cold_start(python, model, work, measured, say)
+    results.cold_start_s, results.warm_completion_s = measured.cold_start_s, measured.warm_s
+    image = work / "image"
+    session, report = start_donor(
+        vllm.launch_options(python, model), image=image, force=False, criu=criu,
+        native=NoNativeStep(), publish=None, state=state, progress=lambda step: None,
+        activate_donor=False,
+    )  # fmt: skip
+    session.stop()
+    results.capture_ready_s = report.timings_s["launch_to_capture_ready"]
+    results.image_bytes = sum(p.stat().st_blocks * 512 for p in image.rglob("*") if p.is_file())
+    say(f"{size}: capture-ready {results.capture_ready_s:.1f} s (cold start "
+        f"{results.cold_start_s:.1f} s), image {results.image_bytes / 1e9:.2f} GB")  # fmt: skip
+    for rep in range(reps):
+        for lazy in (False, True) if rep % 2 == 0 else (True, False):
+            vllm.copy_once(python, model, image, criu, state, lazy, reference, measured, say)
+        results.bare_restore_s.append(_bare_restore(criu, image, work))
+    vllm.pooled(model, image, state, work, reps, reference, measured, say)
+    results.copies = measured.copies
+    results.pss_bytes = _parked_pss(image, state, work, say)
+    shutil.rmtree(image, ignore_errors=True)
+    return results
+
+
+def _pss(pss: dict[str, int]) -> str:
+    one, three = pss.get("1", 0), pss.get("3", 0)
+    return f"{one / 1e9:.2f} / {three / 1e9:.2f} GB ({three / max(one, 1):.2f}x)"
+
+
+def _weights_bytes(model: Path) -> int:
+    return sum(p.stat().st_size for p in model.glob("*.safetensors"))
+
+
+def _bare_restore(criu: CriuBinary, image: Path, work: Path) -> float:
+    """A bare ``criu restore`` of the image, to the tree waiting at its barrier."""
+    started = time.monotonic()
+    copy = bare.restore_tree(criu.path, image, work / f"bare-{uuid.uuid4().hex[:8]}")
+    seconds = time.monotonic() - started
+    copy.stop()
+    return seconds
+
+
+def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict[str, int]:
+    """The PSS of one, then of three parked plain copies of the image, all counted."""
+    cli = AgentCli(state, work / "pss-agent.log")
+    cli.start_agent()
+    found: dict[str, int] = {}
+    try:
+        for count in (1, 3):
+            cli.snapctl("pool", "set", "--image", str(image), "--size", str(count), "--no-lazy")
+            cli.wait_parked(image, count, vllm.TIMEOUT_S)
+            found[str(count)] = _pool_memory(cli, image)
+            say(f"PSS of {count} parked: {found[str(count)] / 1e9:.2f} GB")
+        cli.snapctl("pool", "rm", "--image", str(image))
+    finally:
+        cli.stop_agent()
+    return found
+
+
+def _pool_memory(cli: AgentCli, image: Path) -> int:
+    listing = json.loads(cli.snapctl("pool", "ls", "--json").stdout)
+    return sum(
+        int(entry["memory_bytes"])
+        for entry in listing["entries"]
+        if entry["target"]["image"] == str(image)
+    )
+
+
+def render(found: list[SizeResults], reps: int) -> str:
+    """One table: a column per size, medians of ``reps``."""
+    header = "| | " + " | ".join(f"{r.size} ({r.weights_bytes / 1e9:.2f} GB)" for r in found)
+    lines = [header + " |", "|---|" + "---|" * len(found)]
+
+    def row(label: str, cells: list[str]) -> None:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+    row("cold start → first correct completion", [f"{r.cold_start_s:.1f} s" for r in found])
+    row("the same completion, warm server", [f"{r.warm_completion_s:.2f} s" for r in found])
+    row("launch → capture-ready (x cold start)",
+        [f"{r.capture_ready_s:.1f} s ({r.capture_ready_s / r.cold_start_s:.2f}x)"
+         for r in found])  # fmt: skip
+    row("image on disk", [f"{r.image_bytes / 1e9:.2f} GB" for r in found])
+    row("bare criu restore", [f"{vllm.median(r.bare_restore_s):.2f} s" for r in found])
+    for kind in ("plain", "lazy", "pooled"):
+        cells = []
+        for r in found:
+            samples = r.copies.get(kind, [])
+            if not samples:
+                cells.append("-")
+                continue
+            ready = vllm.median([s["ready_s"] for s in samples])
+            adds = ready - r.warm_completion_s
+            handshake = vllm.median([s["phases"].get("handshake", 0.0) for s in samples])
+            cells.append(f"{ready:.2f} s (adds {adds:.2f} s; handshake {handshake * 1e3:.0f} ms;"
+                         f" {r.cold_start_s / ready:.0f}x sooner)")  # fmt: skip
+        row(f"{kind} copy → first correct completion", cells)
+    row("PSS of 1 / 3 parked copies", [_pss(r.pss_bytes) for r in found])
+    lines.append(f"\nMedians of {reps}; seconds from the command's start.")
+    return "\n".join(lines) + "\n"
