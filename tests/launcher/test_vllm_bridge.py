@@ -169,7 +169,7 @@ def test_first_load_digests_are_read_once_before_the_capture() -> None:
     finally:
         _stop(hooks)
     assert engine.calls == [
-        "rpc snapctl_loaded_digests", "pause_generation(mode=wait)",
+        "rpc snapctl_loaded_digests", "rpc snapctl_share_memory", "pause_generation(mode=wait)",
         "rpc snapctl_drop_compile_caches", "reset_prefix_cache()", "resume_generation()",
         "pause_generation(mode=wait)", "rpc snapctl_drop_compile_caches",
     ]  # fmt: skip

@@ -74,7 +74,9 @@ def _safetensors(path: Path, tensors: dict[str, bytes]) -> None:
 
 HOLDER = """
 import hashlib, sys
-held = bytearray(open(sys.argv[1], "rb").read()[int(sys.argv[2]):])
+with open(sys.argv[1], "rb") as weights:
+    weights.seek(int(sys.argv[2]))
+    held = bytearray(weights.read())
 print("ready", flush=True)
 sys.stdin.readline()
 print(hashlib.sha256(held).hexdigest(), flush=True)

@@ -8,6 +8,7 @@ They are also ``criu`` tests: root and CRIU are required as for those.
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,3 +59,28 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 @pytest.fixture(scope="session")
 def vllm() -> RealVllm:
     return found_or_fail("the vllm fixture", "vllm", real_vllm)
+
+
+# A model of real shape: at least half a GB of float32 weights (scripts/llama_model.py).
+REAL_SHAPE_GB = "0.5"
+
+
+@pytest.fixture(scope="session")
+def real_shape_vllm(vllm: RealVllm) -> RealVllm:
+    """The same vLLM serving a Llama of real shape, written once into the checkout's models
+    directory (the same bytes every time; a few seconds)."""
+    model = ROOT / ".models" / f"llama-{REAL_SHAPE_GB}gb"
+    if not (model / "config.json").exists():
+        subprocess.run(
+            [str(vllm.python), str(ROOT / "scripts" / "llama_model.py"), str(model),
+             "--weights-gb", REAL_SHAPE_GB], check=True, timeout=600,
+        )  # fmt: skip
+    return RealVllm(vllm.python, model)
+
+
+@pytest.fixture(scope="module", params=["tiny", "real-shape"])
+def served(request: pytest.FixtureRequest) -> RealVllm:
+    """The tiny model, then one of real shape: a module's tests run for both."""
+    name = "vllm" if request.param == "tiny" else "real_shape_vllm"
+    served: RealVllm = request.getfixturevalue(name)
+    return served

@@ -1,9 +1,10 @@
 """Real vLLM end to end: ``snapctl qualify`` of ``python -m snapctl.launcher.vllm serve``.
 
-One plain qualification (reference, donor, CRIU restore fault, two copies after the donor is
-gone, recovery fault, stale control, CRIU dump fault) captures the module's one image; the lazy
-qualification and the ``openai`` client test restore that image again, so the module starts
-vLLM cold only three times (two references and one donor). Each run's wall time is printed
+Every test runs twice: on the tiny model, then on one of real shape (half a GB of weights). One
+plain qualification (reference, donor, CRIU restore fault, two copies after the donor is gone,
+recovery fault, stale control, CRIU dump fault) captures each model's one image; the lazy
+qualification and the ``openai`` client test restore that image again, so each model starts
+cold only three times (two references and one donor). Each run's wall time is printed
 (``-s``) so CI's logs keep the figures.
 """
 
@@ -39,6 +40,7 @@ class Qualified:
     image: Path
     state: StateDir
     shm_before: set[str]
+    report_dir: Path
 
 
 def _snapctl(args: list[str], state: StateDir, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -63,12 +65,12 @@ def _qualify(vllm: RealVllm, state: StateDir, image: Path, *extra: str) -> tuple
 
 
 @pytest.fixture(scope="module")
-def qualified(vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory) -> Qualified:
+def qualified(served: RealVllm, tmp_path_factory: pytest.TempPathFactory) -> Qualified:
     root = tmp_path_factory.mktemp("vllm")
     state = StateDir(root / "state")
     shm_before = set(os.listdir(HOST_SHM))
-    returncode, report = _qualify(vllm, state, root / "image")
-    return Qualified(returncode, report, root / "image", state, shm_before)
+    returncode, report = _qualify(served, state, root / "image", "--report", str(root / "report"))
+    return Qualified(returncode, report, root / "image", state, shm_before, root / "report")
 
 
 def _unpassed(report: Report) -> list[str]:
@@ -82,7 +84,7 @@ def _unpassed(report: Report) -> list[str]:
 
 @pytest.mark.timeout(QUALIFY_TIMEOUT_S + 60)
 def test_plain_qualification_passes_every_check(qualified: Qualified) -> None:
-    assert _unpassed(qualified.report) == []
+    assert _unpassed(qualified.report) == []  # none failed, none skipped: digests included
     assert qualified.returncode == 0
     names = [run.name for run in qualified.report.runs]
     assert names == [
@@ -91,14 +93,28 @@ def test_plain_qualification_passes_every_check(qualified: Qualified) -> None:
     ]  # fmt: skip
     for run in qualified.report.runs:
         print(run.name, run.timings.model_dump(exclude_none=True))
+    checks = {(run.name, check.name) for run in qualified.report.runs for check in run.checks}
+    assert ("copy-2", "parameter digests = image's first load") in checks
+    assert ("fault", "fault injected in the copy's memory") in checks
     assert_nothing_left(qualified.state, qualified.shm_before)
 
 
+def test_an_in_image_recovery_reads_no_weights_file(qualified: Qualified) -> None:
+    """vLLM's CPU platform keeps its weights in the image: a copy's recovery only empties the
+    prefix cache and resumes (its log names every step it took)."""
+    for run in ("copy-1", "copy-2"):
+        log = (qualified.report_dir / "runs" / run / "logs" / "server.log").read_text()
+        restored = [line for line in log.splitlines() if "snapctl: memory restored" in line]
+        assert restored, f"{run}: no 'memory restored' line in its server log"
+        recovery = restored[-1]  # the copy's own, after the donor's rehearsal
+        assert "(in-image): reset prefix cache" in recovery and "reload" not in recovery
+
+
 @pytest.mark.timeout(QUALIFY_TIMEOUT_S + 60)
-def test_lazy_copies_qualify_from_the_same_image(vllm: RealVllm, qualified: Qualified) -> None:
+def test_lazy_copies_qualify_from_the_same_image(served: RealVllm, qualified: Qualified) -> None:
     assert qualified.image.is_dir(), "the plain qualification published no image"
     returncode, report = _qualify(
-        vllm, qualified.state, qualified.image, "--lazy", "--runs", "copy-1,copy-2,lazy-fault"
+        served, qualified.state, qualified.image, "--lazy", "--runs", "copy-1,copy-2,lazy-fault"
     )
     assert _unpassed(report) == []
     assert returncode == 0
@@ -133,14 +149,14 @@ def copies(qualified: Qualified) -> Iterator[list[str]]:
 
 @pytest.mark.timeout(600)
 def test_openai_client_gets_equal_answers_from_plain_and_lazy_copies(
-    vllm: RealVllm, copies: list[str]
+    served: RealVllm, copies: list[str]
 ) -> None:
     """The copies serve one after the other (the lazy one's figures are then its own)."""
     import openai
 
     def ask(client: openai.OpenAI, prompt: str) -> tuple[str, list[int], list[float]]:
         answer = client.completions.create(
-            model=str(vllm.model), prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
+            model=str(served.model), prompt=prompt, max_tokens=12, temperature=0, logprobs=0,
             extra_body={"return_token_ids": True, "ignore_eos": True},
         )  # fmt: skip
         choice = answer.choices[0]
@@ -157,7 +173,7 @@ def test_openai_client_gets_equal_answers_from_plain_and_lazy_copies(
         with ThreadPoolExecutor(max_workers=4) as pool:  # concurrent requests
             batch = list(pool.map(lambda p, c=client: ask(c, p), prompts))
         stream = client.completions.create(
-            model=str(vllm.model), prompt=prompts[0], max_tokens=12, temperature=0, stream=True,
+            model=str(served.model), prompt=prompts[0], max_tokens=12, temperature=0, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)

@@ -1,6 +1,7 @@
 """The warm pool with real vLLM: a parked copy of a vLLM image, activated on request, answers
 the OpenAI API exactly as a copy restored for the request does (greedy, with log
-probabilities), and nothing is left after both are stopped."""
+probabilities), and nothing is left after both are stopped; on the tiny model and on one of
+real shape."""
 
 from __future__ import annotations
 
@@ -36,14 +37,14 @@ def completion(published: str) -> tuple[str, list[float]]:
 
 
 def test_a_parked_vllm_copy_answers_like_a_fresh_one(
-    vllm: RealVllm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    served: RealVllm, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = StateDir(tmp_path / "state")
     image = tmp_path / "image"
     shm_before = set(os.listdir(HOST_SHM))
     baked = _snapctl(
         ["bake", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
-         "--timeout", "600", "--", *vllm.serve_command("--api-key", API_KEY)],
+         "--timeout", "600", "--", *served.serve_command("--api-key", API_KEY)],
         state, 1200,
     )  # fmt: skip
     assert baked.returncode == 0, baked.stderr[-3000:]

@@ -116,6 +116,10 @@ class VllmHooks:
             started = time.monotonic()
             self.loaded_digests = await loaded_digests(self.engine)
             log.info("snapctl: first load's digests %.1f ms", (time.monotonic() - started) * 1e3)
+            if self.policy == "in-image":
+                # Copies of the image then share the weights' pages where the host runs ksmd.
+                (shared,) = await self.engine.collective_rpc("snapctl_share_memory")
+                log.info("snapctl: memory mergeable by KSM: %s", "yes" if shared else "no")
         await self.engine.pause_generation(mode="wait")
         if self.sleep_mode:
             await self.engine.sleep(level=2)

@@ -60,6 +60,21 @@ def drop_precompiled_headers(header_dir: Path, temp_dir: Path) -> int:
     return removed
 
 
+# prctl(PR_SET_MEMORY_MERGE): every present and future mapping of the process may be merged by
+# KSM (Linux 6.4 and later).
+PR_SET_MEMORY_MERGE = 67
+
+
+def share_identical_pages() -> bool:
+    """Mark this process's memory mergeable by KSM, before a capture: CRIU keeps the mark on
+    every mapping, so the copies restored from the image share the pages they never write (the
+    weights) once the host runs ``ksmd``. False where the kernel refuses."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.prctl(PR_SET_MEMORY_MERGE, 1, 0, 0, 0) == 0)
+
+
 @contextmanager
 def recording_packed_weights() -> Iterator[dict[Any, str]]:
     """While vLLM (re)loads weights: the sha256 of each 2-D weight that
@@ -172,6 +187,10 @@ class SnapshotWorkerExtension:
         with recording_packed_weights() as packed:
             self.reload_weights()
         return parameter_digests(self.model_runner.get_model(), packed)
+
+    def snapctl_share_memory(self) -> bool:
+        """Before an in-image capture: :func:`share_identical_pages` in the worker."""
+        return share_identical_pages()
 
     def snapctl_drop_compile_caches(self) -> int:
         """Before a capture: :func:`drop_precompiled_headers` for torch inductor's headers."""
