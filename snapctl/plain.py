@@ -99,12 +99,20 @@ def ps_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             running = "yes, unsupervised (snapctl gc)"
         table_rows.append([
             row["name"], row["kind"], str(row["root_pid"]), str(row["port"]),
-            row["published"] or "-", running, _pages(row), row["image"] or "-",
+            row["published"] or "-", running, _pages(row), _memory(row), row["image"] or "-",
         ])  # fmt: skip
     return table_rows
 
 
-PS_COLUMNS = ("name", "kind", "root pid", "port", "published", "running", "pages", "image")
+PS_COLUMNS = (
+    "name", "kind", "root pid", "port", "published", "running", "pages", "memory", "image",
+)  # fmt: skip
+
+
+def _memory(row: dict[str, Any]) -> str:
+    """The tree's PSS (rows from an agent older than this column have none)."""
+    value = row.get("memory_bytes")
+    return "-" if value is None else mib(value)
 
 
 def _pages(row: dict[str, Any]) -> str:

@@ -75,11 +75,12 @@ class PoolRemoveRequest(_Request):
 
 
 class ActivationRow(ActivationRecord):
-    """One row of ``GET /v1/activations`` (``snapctl ps --json``): the record, and whether its
-    tree and its supervisor still run."""
+    """One row of ``GET /v1/activations`` (``snapctl ps --json``): the record, whether its
+    tree and its supervisor still run, and its tree's PSS (None once gone)."""
 
     running: bool
     supervised: bool
+    memory_bytes: int | None = None
 
 
 class LogChunk(_Answer):

@@ -33,6 +33,8 @@ from snapctl.agent.service import AgentService
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import Spawner, WarmPool
 from snapctl.statedir import StateDir
+from snapctl.supervision.listing import activation_rows
+from snapctl.supervision.memory import enable_ksm
 
 # How long a stopping agent lets the requests it is answering finish (a copy's restore).
 IN_FLIGHT_WAIT_S = 60.0
@@ -65,6 +67,9 @@ class AgentOptions:
     listen: tuple[str, int] | None = None  # TCP, with a bearer token from token_file
     token_file: Path | None = None
     metrics_listen: tuple[str, int] | None = None
+    # Start the host's ksmd (where stopped), so copies of in-image images share their pages
+    # (the command's default; an agent made in process leaves the host's settings alone).
+    share_memory: bool = False
 
 
 def read_token(path: Path) -> bytes:
@@ -136,6 +141,10 @@ class Agent:
                     f"removed {len(adoption.removed)} leftovers")  # fmt: skip
             pool = self.pool
             self.metrics.watch_pool(lambda: _safe_listing(pool))
+            state = self.state
+            self.metrics.watch_activations(lambda: _safe_rows(state))
+            if self.options.share_memory:
+                _share_memory()
             service = AgentService(
                 self.state, pool=self.pool, spawner=self.spawner, metrics=self.metrics
             )
@@ -252,6 +261,22 @@ def _safe_listing(pool: WarmPool) -> Any:
         return pool.listing()
     except Exception:  # a scrape never fails for the pool's sake
         return None
+
+
+def _safe_rows(state: StateDir) -> list[dict[str, Any]]:
+    try:
+        return activation_rows(state)
+    except Exception:  # a scrape never fails for the activations' sake
+        return []
+
+
+def _share_memory() -> None:
+    """Start ksmd where the host has it stopped; say so, or why it could not."""
+    try:
+        if enable_ksm():
+            log("started the host's KSM: copies of in-image images share their unwritten pages")
+    except OSError as error:
+        log(f"cannot start the host's KSM ({error.strerror}): copies share no pages")
 
 
 def run_agent(state: StateDir, options: AgentOptions) -> None:

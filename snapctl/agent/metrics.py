@@ -1,6 +1,7 @@
 """The agent's Prometheus metrics (``GET /metrics``): copies served and where from, phase
 durations, donors and bakes served, failures by phase, the warm pool's size, memory and churn,
-and TCP connections refused at the listeners' limits.
+each activation's memory, what the host's KSM saves, and TCP connections refused at the
+listeners' limits.
 
 One private registry per agent (not prometheus_client's global one, so tests can run several);
 the pool's gauges are read from :meth:`WarmPool.listing` at scrape time, never cached.
@@ -52,6 +53,31 @@ class _PoolCollector(Collector):
                 parked.add_metric([image, state], count)
         yield target
         yield parked
+        yield memory
+        ksm = listing.ksm if listing is not None else None
+        if ksm is not None:
+            yield GaugeMetricFamily(
+                "snapctl_ksm_running", "Whether the host's ksmd merges identical pages.",
+                value=int(ksm.running),
+            )  # fmt: skip
+            yield GaugeMetricFamily(
+                "snapctl_ksm_saved_bytes", "Memory the host saves by pages copies share (KSM's "
+                "general profit).", value=ksm.saved_bytes,
+            )  # fmt: skip
+
+
+class _ActivationCollector(Collector):
+    def __init__(self, rows: Callable[[], list[dict[str, Any]]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        memory = GaugeMetricFamily(
+            "snapctl_activation_memory_bytes", "Memory (PSS) of each running activation's tree.",
+            labels=["name", "kind"],
+        )  # fmt: skip
+        for row in self._rows():
+            if row.get("memory_bytes") is not None:
+                memory.add_metric([row["name"], row["kind"]], row["memory_bytes"])
         yield memory
 
 
@@ -107,10 +133,16 @@ class AgentMetrics:
         )  # fmt: skip
         self._listing: Callable[[], PoolListing | None] = lambda: None
         self.registry.register(_PoolCollector(lambda: self._listing()))
+        self._activations: Callable[[], list[dict[str, Any]]] = list
+        self.registry.register(_ActivationCollector(lambda: self._activations()))
 
     def watch_pool(self, listing: Callable[[], PoolListing | None]) -> None:
         """Read the pool's gauges from ``listing()`` at each scrape."""
         self._listing = listing
+
+    def watch_activations(self, rows: Callable[[], list[dict[str, Any]]]) -> None:
+        """Read each activation's memory from ``rows()`` (``ps --json``'s) at each scrape."""
+        self._activations = rows
 
     def served(self, report: dict[str, Any], *, source: str, seconds: float) -> None:
         """A copy request was served (``report``: one copy's, or ``--count``'s CopiesReport)."""

@@ -44,8 +44,15 @@ def _address(
     callback=_address,
     help="Also serve GET /metrics (Prometheus text format) over TCP there.",
 )
+@click.option(
+    "--share-memory/--no-share-memory",
+    default=True,
+    show_default=True,
+    help="Start the host's KSM (ksmd) where it is stopped, so copies of an in-image image share "
+    "the pages they never write (the weights); it scans only memory marked mergeable.",
+)
 def agent(socket_path: Path | None, listen: tuple[str, int] | None, token_file: Path | None,
-          metrics_listen: tuple[str, int] | None) -> None:  # fmt: skip
+          metrics_listen: tuple[str, int] | None, share_memory: bool) -> None:  # fmt: skip
     """Run the node agent: the CLI's API, a warm pool, metrics.
 
     Runs in the foreground until SIGTERM or Ctrl-C (contrib/systemd/snapctl-agent.service
@@ -58,6 +65,6 @@ def agent(socket_path: Path | None, listen: tuple[str, int] | None, token_file: 
 
     options = AgentOptions(
         socket=socket_path or default_socket_path(), listen=listen, token_file=token_file,
-        metrics_listen=metrics_listen,
+        metrics_listen=metrics_listen, share_memory=share_memory,
     )  # fmt: skip
     run_agent(StateDir(), options)

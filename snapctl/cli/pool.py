@@ -118,6 +118,19 @@ def list_pool(as_json: bool) -> None:
     columns = ("image", "parked", "restore", "memory", "budget", "copy", "state", "age",
                "last failure")  # fmt: skip
     print_table(columns, rows)
+    ksm = listing.get("ksm")
+    if ksm is not None:
+        click.echo(_describe_ksm(ksm))
+
+
+def _describe_ksm(ksm: dict[str, Any]) -> str:
+    """The host's :class:`snapctl.supervision.memory.KsmStatus`, in a line."""
+    if not ksm["running"]:
+        return "KSM stopped: parked copies share no pages (snapctl agent --share-memory)"
+    return (
+        f"KSM running: {ksm['saved_bytes'] / 2**30:.2f} GiB saved by "
+        f"{ksm['pages_sharing']} shared pages"
+    )
 
 
 @pool.command("rm")

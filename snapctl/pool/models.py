@@ -12,6 +12,7 @@ from pydantic import Field, SecretStr, field_validator
 from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S, positive_seconds
 from snapctl.models import StrictModel
 from snapctl.statedir.names import NAME_PATTERN
+from snapctl.supervision.memory import KsmStatus
 
 PARKED_ID_PATTERN = r"^pool-[0-9a-f]{12}$"
 ParkedState = Literal["restoring", "parked"]
@@ -162,6 +163,8 @@ class PoolListing(StrictModel):
     version: Literal[1] = 1
     entries: tuple[PoolEntry, ...]
     memory_bytes: int
+    # The host's same-page merging: what copies sharing their pages save (None: no KSM).
+    ksm: KsmStatus | None = None
 
 
 class ParkedRecord(StrictModel):

@@ -54,6 +54,7 @@ from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
+from snapctl.supervision.memory import members_memory, read_ksm, tree_members
 from snapctl.supervision.process import ProcessGoneError, is_same_process, same_start, start_time
 
 TARGETS_NAME = "targets.json"
@@ -131,40 +132,6 @@ class _Image:
     # The most a parked copy of this image was measured to hold: what the next one is
     # expected to hold, even once none is left (each discarded for the budget, say).
     copy_bytes: int = 0
-
-
-def tree_members(pids: list[tuple[int, float | None]]) -> list[psutil.Process]:
-    """These processes (each only while it is the one started at its recorded time) and all
-    their descendants, each once."""
-    members: dict[int, psutil.Process] = {}
-    for pid, recorded in pids:
-        try:
-            root = psutil.Process(pid)
-            if recorded is not None and not same_start(start_time(pid), recorded):
-                continue
-            tree = [root, *root.children(recursive=True)]
-        except (psutil.Error, ProcessGoneError):  # gone meanwhile: psutil saw it, /proc not
-            continue
-        for member in tree:
-            members.setdefault(member.pid, member)
-    return list(members.values())
-
-
-def members_memory(members: list[psutil.Process]) -> int | None:
-    """PSS (RSS where PSS is unreadable) of ``members`` together; None if none was readable."""
-    total, found = 0, False
-    for member in members:
-        try:
-            info = member.memory_full_info()
-            total += int(getattr(info, "pss", info.rss))
-            found = True
-        except psutil.AccessDenied:
-            with contextlib.suppress(psutil.Error):
-                total += int(member.memory_info().rss)
-                found = True
-        except psutil.Error:
-            continue
-    return total if found else None
 
 
 def members_resident(members: list[psutil.Process]) -> tuple[tuple[int, int], ...]:
@@ -340,8 +307,9 @@ class WarmPool:
                     )
                 )
         return PoolListing(
-            entries=tuple(entries), memory_bytes=sum(e.memory_bytes for e in entries)
-        )
+            entries=tuple(entries), memory_bytes=sum(e.memory_bytes for e in entries),
+            ksm=read_ksm(),
+        )  # fmt: skip
 
     def take(self, image: Path, request: CopyRequest | None = None) -> ParkedHandle | None:
         """A parked copy of ``image``, now the caller's to activate; None if none is ready

@@ -1,22 +1,27 @@
-"""``snapctl ps``'s rows: each activation record, and whether its tree and its supervisor
-still run (the agent answers ``GET /v1/activations`` with the same rows)."""
+"""``snapctl ps``'s rows: each activation record, whether its tree and its supervisor still
+run, and what its tree holds in memory (PSS: pages shared with other copies count once among
+them); the agent answers ``GET /v1/activations`` with the same rows."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from snapctl.statedir import StateDir
+from snapctl.supervision.memory import tree_memory
 from snapctl.supervision.process import is_same_process
 
 
 def activation_rows(state: StateDir) -> list[dict[str, Any]]:
-    """``ps --json``: the records in ``state`` (by name), each with ``running`` (its tree)
-    and ``supervised`` (its supervisor)."""
-    return [
-        {
+    """``ps --json``: the records in ``state`` (by name), each with ``running`` (its tree),
+    ``supervised`` (its supervisor) and ``memory_bytes`` (its tree's PSS; None when gone)."""
+    rows = []
+    for record in state.load_records():
+        running = is_same_process(record.root_pid, record.root_start_time)
+        memory = tree_memory(record.root_pid, record.root_start_time) if running else None
+        rows.append({
             **record.model_dump(mode="json"),
-            "running": is_same_process(record.root_pid, record.root_start_time),
+            "running": running,
             "supervised": is_same_process(record.supervisor_pid, record.supervisor_start_time),
-        }
-        for record in state.load_records()
-    ]
+            "memory_bytes": memory,
+        })  # fmt: skip
+    return rows

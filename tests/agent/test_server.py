@@ -33,6 +33,7 @@ from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle, PoolListing
 from snapctl.pool.models import ParkedCopyRow, PoolEntry, PoolTarget
 from snapctl.statedir import ActivationRecord, StateDir
+from snapctl.supervision.memory import KsmStatus
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
 from tests.images.factories import publish_sample
 
@@ -357,6 +358,7 @@ def test_pool_set_ls_rm_through_the_agent(
 
 
 POOL_GAUGES = {"snapctl_pool_target_size", "snapctl_pool_parked", "snapctl_pool_memory_bytes"}
+KSM_GAUGES = {"snapctl_ksm_running", "snapctl_ksm_saved_bytes"}
 
 
 def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
@@ -372,7 +374,8 @@ def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
     )  # fmt: skip
     entry = PoolEntry(target=PoolTarget(image=image, size=3, lazy=True, max_memory=1 << 30),
                       image_id="0" * 64, memory_bytes=96 << 20, parked=rows)  # fmt: skip
-    listing = PoolListing(entries=(entry,), memory_bytes=96 << 20)
+    ksm = KsmStatus(running=True, saved_bytes=3 << 30, pages_sharing=745_000, full_scans=9)
+    listing = PoolListing(entries=(entry,), memory_bytes=96 << 20, ksm=ksm)
     monkeypatch.setattr(running_agent.pool, "listing", lambda: listing)
 
     code, out, _ = run_cli(capsys, "pool", "ls", "--json")
@@ -385,18 +388,21 @@ def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
         ["", "", "", "96 MiB", "", "pool-00000000000a", "parked", "12 s", ""],
         ["", "", "", "-", "", "pool-00000000000b", "restoring", "1 s", ""],
     ]
+    assert out.splitlines()[-1] == "KSM running: 3.00 GiB saved by 745000 shared pages"
 
     samples = {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(metrics_of(running_agent.socket).decode())
         for sample in family.samples
-        if sample.name in POOL_GAUGES
+        if sample.name in POOL_GAUGES | KSM_GAUGES
     }
     assert samples == {
         ("snapctl_pool_target_size", (("image", image),)): 3,
         ("snapctl_pool_parked", (("image", image), ("state", "parked"))): 1,
         ("snapctl_pool_parked", (("image", image), ("state", "restoring"))): 1,
         ("snapctl_pool_memory_bytes", (("image", image),)): 96 << 20,
+        ("snapctl_ksm_running", ()): 1,
+        ("snapctl_ksm_saved_bytes", ()): 3 << 30,
     }
 
 

@@ -1,0 +1,112 @@
+"""What process trees hold in memory, and the host's kernel same-page merging (KSM).
+
+A tree's memory is its PSS: a page that several processes map counts once in all of them
+together, so the PSS of copies that share pages adds up to what the host really holds. Copies of
+an image captured under the ``in-image`` memory policy have their memory marked mergeable (the
+launcher does it before the capture, and CRIU restores the mark on every mapping); with ``ksmd``
+running, the pages they never write (the weights) become one page in the host's memory.
+:func:`enable_ksm` starts ``ksmd`` where it is stopped; :func:`read_ksm` tells what it saves.
+KSM only ever scans memory marked mergeable, so turning it on costs nothing for other processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import psutil
+
+from snapctl.models import StrictModel
+from snapctl.supervision.process import ProcessGoneError, same_start, start_time
+
+KSM_DIR = Path("/sys/kernel/mm/ksm")
+# ksmd's own tuning (Linux 6.9 and later): it scans what is mergeable once per target time,
+# within a share of one core; older kernels get a fixed number of pages per 20 ms wake-up.
+KSM_TARGET_SCAN_S = 30
+KSM_MAX_CPU_PERCENT = 50
+KSM_PAGES_PER_WAKE = 2000
+
+
+def tree_members(pids: list[tuple[int, float | None]]) -> list[psutil.Process]:
+    """These processes (each only while it is the one started at its recorded time) and all
+    their descendants, each once."""
+    members: dict[int, psutil.Process] = {}
+    for pid, recorded in pids:
+        try:
+            root = psutil.Process(pid)
+            if recorded is not None and not same_start(start_time(pid), recorded):
+                continue
+            tree = [root, *root.children(recursive=True)]
+        except (psutil.Error, ProcessGoneError):  # gone meanwhile: psutil saw it, /proc not
+            continue
+        for member in tree:
+            members.setdefault(member.pid, member)
+    return list(members.values())
+
+
+def members_memory(members: list[psutil.Process]) -> int | None:
+    """PSS (RSS where PSS is unreadable) of ``members`` together; None if none was readable."""
+    total, found = 0, False
+    for member in members:
+        try:
+            info = member.memory_full_info()
+            total += int(getattr(info, "pss", info.rss))
+            found = True
+        except psutil.AccessDenied:
+            with contextlib.suppress(psutil.Error):
+                total += int(member.memory_info().rss)
+                found = True
+        except psutil.Error:
+            continue
+    return total if found else None
+
+
+def tree_memory(root_pid: int, root_start_time: float | None) -> int | None:
+    """The PSS of the tree under ``root_pid`` (None: gone, or nothing readable)."""
+    return members_memory(tree_members([(root_pid, root_start_time)]))
+
+
+class KsmStatus(StrictModel):
+    """What ``ksmd`` does now: whether it runs, and the memory it saves."""
+
+    running: bool
+    saved_bytes: int  # the kernel's general_profit: pages merged less its own bookkeeping
+    pages_sharing: int
+    full_scans: int
+
+
+def read_ksm(ksm_dir: Path = KSM_DIR) -> KsmStatus | None:
+    """The host's KSM, or None where the kernel has none."""
+    try:
+        values = {
+            name: int((ksm_dir / name).read_text())
+            for name in ("run", "pages_sharing", "full_scans")
+        }
+    except (OSError, ValueError):
+        return None
+    try:
+        saved = int((ksm_dir / "general_profit").read_text())
+    except (OSError, ValueError):  # before Linux 6.7: what merging saved, less nothing
+        saved = values["pages_sharing"] * os.sysconf("SC_PAGE_SIZE")
+    return KsmStatus(
+        running=values["run"] == 1, saved_bytes=saved,
+        pages_sharing=values["pages_sharing"], full_scans=values["full_scans"],
+    )  # fmt: skip
+
+
+def enable_ksm(ksm_dir: Path = KSM_DIR) -> bool:
+    """Start ``ksmd`` where it is stopped, tuned to merge what is mergeable within about
+    :data:`KSM_TARGET_SCAN_S` at most :data:`KSM_MAX_CPU_PERCENT` of a core; True when this
+    call started it. A host that runs it already keeps its own tuning."""
+    status = read_ksm(ksm_dir)
+    if status is None or status.running:
+        return False
+    if (ksm_dir / "advisor_mode").exists():
+        (ksm_dir / "advisor_target_scan_time").write_text(str(KSM_TARGET_SCAN_S))
+        (ksm_dir / "advisor_max_cpu").write_text(str(KSM_MAX_CPU_PERCENT))
+        (ksm_dir / "advisor_mode").write_text("scan-time")
+    else:
+        (ksm_dir / "pages_to_scan").write_text(str(KSM_PAGES_PER_WAKE))
+    (ksm_dir / "run").write_text("1")
+    return True

@@ -1,0 +1,91 @@
+"""A tree's PSS and the host's KSM: read from /proc and a KSM directory, started only where
+stopped, tuned by the kernel's advisor where it has one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from snapctl.supervision.memory import (
+    KSM_MAX_CPU_PERCENT,
+    KSM_PAGES_PER_WAKE,
+    KSM_TARGET_SCAN_S,
+    KsmStatus,
+    enable_ksm,
+    read_ksm,
+    tree_memory,
+)
+from snapctl.supervision.process import start_time
+
+
+def _ksm_dir(tmp_path: Path, *, run: int, advisor: bool) -> Path:
+    ksm = tmp_path / "ksm"
+    ksm.mkdir()
+    values = {"run": run, "pages_sharing": 2560, "full_scans": 3, "general_profit": 10 << 20}
+    if advisor:
+        values |= {"advisor_mode": "none", "advisor_target_scan_time": 200, "advisor_max_cpu": 70}
+    else:
+        values["pages_to_scan"] = 100
+    for name, value in values.items():
+        (ksm / name).write_text(f"{value}\n")
+    return ksm
+
+
+def test_ksm_is_read_from_its_directory(tmp_path: Path) -> None:
+    assert read_ksm(_ksm_dir(tmp_path, run=1, advisor=True)) == KsmStatus(
+        running=True, saved_bytes=10 << 20, pages_sharing=2560, full_scans=3
+    )
+    assert read_ksm(tmp_path / "none") is None  # a kernel without KSM
+
+
+@pytest.mark.parametrize("advisor", [True, False])
+def test_a_stopped_ksm_is_started_with_bounded_cpu(tmp_path: Path, advisor: bool) -> None:
+    ksm = _ksm_dir(tmp_path, run=0, advisor=advisor)
+    assert enable_ksm(ksm) is True
+    assert (ksm / "run").read_text() == "1"
+    if advisor:
+        assert (ksm / "advisor_mode").read_text() == "scan-time"
+        assert (ksm / "advisor_target_scan_time").read_text() == str(KSM_TARGET_SCAN_S)
+        assert (ksm / "advisor_max_cpu").read_text() == str(KSM_MAX_CPU_PERCENT)
+    else:
+        assert (ksm / "pages_to_scan").read_text() == str(KSM_PAGES_PER_WAKE)
+
+
+def test_a_running_ksm_keeps_the_hosts_tuning(tmp_path: Path) -> None:
+    ksm = _ksm_dir(tmp_path, run=1, advisor=True)
+    assert enable_ksm(ksm) is False
+    assert (ksm / "advisor_mode").read_text() == "none\n"
+
+
+TREE = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import sys, time\\n"
+    "held = bytearray(64 << 20)\\nheld[::4096] = b'x' * (16 << 10)\\n"
+    "print('ready', flush=True)\\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_trees_memory_counts_its_children() -> None:
+    root = subprocess.Popen([sys.executable, "-c", TREE], stdout=subprocess.PIPE, text=True)
+    child = 0
+    try:
+        assert root.stdout is not None
+        ready, child_pid = root.stdout.readline().split()
+        assert ready == "ready"
+        child = int(child_pid)
+        alone = psutil.Process(root.pid).memory_full_info().pss
+        total = tree_memory(root.pid, start_time(root.pid))
+        assert total is not None and total > alone + (60 << 20)
+        assert tree_memory(root.pid, start_time(root.pid) + 100) is None  # not that process
+    finally:
+        if child:
+            os.kill(child, 9)
+        root.kill()
+        root.wait()
