@@ -62,6 +62,7 @@ def shape_for(weights_gb: float | None) -> Shape:
     layers = max(1, math.ceil((weights_gb * 1e9 / 4 - empty) / per_layer))
     return Shape(**{**widths.__dict__, "layers": layers})
 
+
 TEXT = (
     "the capital of france is paris once upon a time there was an engine that was cold and "
     "then it was warm hello my name is def main return print request pair says asks streamed "
