@@ -12,7 +12,6 @@ the first correct completion less the warm completion's.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -28,9 +27,12 @@ from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import repo_root
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary
+from snapctl.pool.records import load_parked_records
 from snapctl.statedir import StateDir
+from snapctl.supervision.memory import read_ksm, tree_memory
 
 TINY = "tiny"
+KSM_SETTLE_TIMEOUT_S = 300.0
 
 
 @dataclass
@@ -45,7 +47,8 @@ class SizeResults:
     image_bytes: int = 0
     bare_restore_s: list[float] = field(default_factory=list)
     copies: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    pss_bytes: dict[str, int] = field(default_factory=dict)  # "1" and "3" parked copies
+    # "1" and "3" parked copies; "merge_N_s": how long KSM took to settle after they parked
+    pss_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def parse_sizes(text: str) -> list[str]:
@@ -116,7 +119,8 @@ def _one_size(
 
 def _pss(pss: dict[str, int]) -> str:
     one, three = pss.get("1", 0), pss.get("3", 0)
-    return f"{one / 1e9:.2f} / {three / 1e9:.2f} GB ({three / max(one, 1):.2f}x)"
+    return (f"{one / 1e9:.2f} / {three / 1e9:.2f} GB ({three / max(one, 1):.2f}x; KSM settled "
+            f"in {pss.get('merge_3_s', 0)} s)")  # fmt: skip
 
 
 def _weights_bytes(model: Path) -> int:
@@ -133,7 +137,8 @@ def _bare_restore(criu: CriuBinary, image: Path, work: Path) -> float:
 
 
 def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict[str, int]:
-    """The PSS of one, then of three parked plain copies of the image, all counted."""
+    """The PSS of one, then of three parked plain copies of the image, all counted, each once
+    the host's KSM (which the agent starts) has scanned them twice; and how long that took."""
     cli = AgentCli(state, work / "pss-agent.log")
     cli.start_agent()
     found: dict[str, int] = {}
@@ -141,21 +146,32 @@ def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict
         for count in (1, 3):
             cli.snapctl("pool", "set", "--image", str(image), "--size", str(count), "--no-lazy")
             cli.wait_parked(image, count, vllm.TIMEOUT_S)
-            found[str(count)] = _pool_memory(cli, image)
-            say(f"PSS of {count} parked: {found[str(count)] / 1e9:.2f} GB")
+            found[f"merge_{count}_s"] = int(_merged(KSM_SETTLE_TIMEOUT_S))
+            found[str(count)] = sum(
+                tree_memory(record.root_pid, record.root_start_time) or 0
+                for _, record in load_parked_records(state)
+                if record is not None and record.root_pid is not None
+            )
+            say(f"PSS of {count} parked: {found[str(count)] / 1e9:.2f} GB "
+                f"(KSM settled in {found[f'merge_{count}_s']} s)")  # fmt: skip
         cli.snapctl("pool", "rm", "--image", str(image))
     finally:
         cli.stop_agent()
     return found
 
 
-def _pool_memory(cli: AgentCli, image: Path) -> int:
-    listing = json.loads(cli.snapctl("pool", "ls", "--json").stdout)
-    return sum(
-        int(entry["memory_bytes"])
-        for entry in listing["entries"]
-        if entry["target"]["image"] == str(image)
-    )
+def _merged(timeout_s: float) -> float:
+    """Wait for two more full KSM scans (what was mergeable is merged); the seconds waited."""
+    started = time.monotonic()
+    first = read_ksm()
+    if first is None or not first.running:
+        return 0.0
+    while time.monotonic() - started < timeout_s:
+        now = read_ksm()
+        if now is None or now.full_scans >= first.full_scans + 2:
+            break
+        time.sleep(1)
+    return time.monotonic() - started
 
 
 def render(found: list[SizeResults], reps: int) -> str:
