@@ -173,38 +173,42 @@ def check_digests_match_model(
     reads: Iterable[DigestRead], model: Mapping[str, str] | None
 ) -> Check:
     """The digests the server reports equal the digests of the model file on disk."""
-    name = "parameter digests = model file"
-    reads = list(reads)
-    if reads and all(read.status == 404 for read in reads):
-        return skipped(name, "skipped (endpoint absent)")
-    if model is None:
-        return skipped(name, "skipped (the model file's digests are not known for this server)")
-    served = next((r.digests for r in reads if r.digests is not None), None)
-    if served is None:
-        return failed(name, "no digest read succeeded")
-    difference = _digest_difference(dict(model), served)
-    if difference:
-        return failed(name, f"served vs model file: {difference}")
-    return passed(name, f"{len(model)} tensors equal the model file's sha256")
+    return _served_digests_equal(
+        "parameter digests = model file", reads, model,
+        unknown="the model file's digests are not known for this server",
+        source="model file", equal="equal the model file's sha256",
+    )  # fmt: skip
 
 
 def check_digests_match_capture(
     reads: Iterable[DigestRead], captured: Mapping[str, str] | None
 ) -> Check:
     """The digests the server reports equal the first load's, recorded in the image."""
-    name = "parameter digests = image's first load"
+    return _served_digests_equal(
+        "parameter digests = image's first load", reads, captured,
+        unknown="the server recorded no digests in the image",
+        source="recorded at capture", equal="equal the digests recorded at capture",
+    )  # fmt: skip
+
+
+def _served_digests_equal(
+    name: str, reads: Iterable[DigestRead], expected: Mapping[str, str] | None, *,
+    unknown: str, source: str, equal: str,
+) -> Check:  # fmt: skip
+    """The first successful read equals ``expected``; skipped without the endpoint, or where
+    ``expected`` is None (``unknown`` says why)."""
     reads = list(reads)
     if reads and all(read.status == 404 for read in reads):
         return skipped(name, "skipped (endpoint absent)")
-    if captured is None:
-        return skipped(name, "skipped (the server recorded no digests in the image)")
+    if expected is None:
+        return skipped(name, f"skipped ({unknown})")
     served = next((r.digests for r in reads if r.digests is not None), None)
     if served is None:
         return failed(name, "no digest read succeeded")
-    difference = _digest_difference(dict(captured), served)
+    difference = _digest_difference(dict(expected), served)
     if difference:
-        return failed(name, f"served vs recorded at capture: {difference}")
-    return passed(name, f"{len(captured)} tensors equal the digests recorded at capture")
+        return failed(name, f"served vs {source}: {difference}")
+    return passed(name, f"{len(expected)} tensors {equal}")
 
 
 def _digest_difference(expected: Mapping[str, str], got: Mapping[str, str]) -> str | None:

@@ -162,6 +162,22 @@ def test_digests_against_the_model_file() -> None:
     assert unknown.status == "skipped"
 
 
+def test_digests_against_the_images_first_load() -> None:
+    check = checks.check_digests_match_capture([make_digests()], DIGESTS)
+    assert check.status == "passed"
+    assert check.evidence == f"{len(DIGESTS)} tensors equal the digests recorded at capture"
+
+    changed = checks.check_digests_match_capture([make_digests()], DIGESTS | {"x": "f" * 64})
+
+    assert changed.status == "failed"
+    assert changed.evidence.startswith("served vs recorded at capture: tensor x missing")
+    none = checks.check_digests_match_capture([make_digests()], None)
+    assert none.status == "skipped" and "recorded no digests" in none.evidence
+    failed_read = checks.check_digests_match_capture([make_digests(status=500, digests=None)],
+                                                     DIGESTS)  # fmt: skip
+    assert failed_read.evidence == "no digest read succeeded"
+
+
 def test_image_unchanged() -> None:
     before = make_files()
     assert checks.check_image_unchanged(before, make_files()).status == "passed"
