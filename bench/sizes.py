@@ -33,6 +33,7 @@ from snapctl.supervision.memory import read_ksm, tree_memory
 
 TINY = "tiny"
 KSM_SETTLE_TIMEOUT_S = 300.0
+KSM_STEADY_S = 10.0
 
 
 @dataclass
@@ -138,7 +139,7 @@ def _bare_restore(criu: CriuBinary, image: Path, work: Path) -> float:
 
 def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict[str, int]:
     """The PSS of one, then of three parked plain copies of the image, all counted, each once
-    the host's KSM (which the agent starts) has scanned them twice; and how long that took."""
+    the host's KSM (which the agent starts) has merged them; and how long that took."""
     cli = AgentCli(state, work / "pss-agent.log")
     cli.start_agent()
     found: dict[str, int] = {}
@@ -161,16 +162,24 @@ def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict
 
 
 def _merged(timeout_s: float) -> float:
-    """Wait for two more full KSM scans (what was mergeable is merged); the seconds waited."""
+    """Wait until KSM has merged what it can: three full scans more than now (the first may
+    have begun before the copies existed) and pages shared steady for
+    :data:`KSM_STEADY_S`; the seconds waited (0 where KSM is stopped)."""
     started = time.monotonic()
     first = read_ksm()
     if first is None or not first.running:
         return 0.0
+    sharing, steady_since = first.pages_sharing, started
     while time.monotonic() - started < timeout_s:
-        now = read_ksm()
-        if now is None or now.full_scans >= first.full_scans + 2:
-            break
         time.sleep(1)
+        now = read_ksm()
+        if now is None:
+            break
+        if now.pages_sharing != sharing:
+            sharing, steady_since = now.pages_sharing, time.monotonic()
+        scanned = now.full_scans >= first.full_scans + 3
+        if scanned and time.monotonic() - steady_since >= KSM_STEADY_S:
+            break
     return time.monotonic() - started
 
 

@@ -167,7 +167,10 @@ def write(directory: Path, weights_gb: float | None = None) -> None:
     tok = tokenizer()
     vocab = tok.get_vocab_size()
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
-    with tempfile.TemporaryDirectory() as scratch:
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # Beside the target, so each file moves in by a rename (no copy across filesystems, no
+    # gigabytes in a tmpfs /tmp).
+    with tempfile.TemporaryDirectory(dir=directory.parent, prefix=f".{directory.name}.") as scratch:
         staged = Path(scratch)
         tok.save(str(staged / "tokenizer.json"))
         (staged / "tokenizer_config.json").write_text(
@@ -185,7 +188,10 @@ def write(directory: Path, weights_gb: float | None = None) -> None:
         (staged / "config.json").write_text(json.dumps(config(shape, vocab, bos, eos), indent=2))
         save_shards(weights(shape, vocab), staged)
         directory.mkdir(parents=True, exist_ok=True)
-        for made in sorted(staged.iterdir()):
+        # config.json last: its presence is what says the model is whole.
+        for made in sorted(
+            staged.iterdir(), key=lambda path: (path.name == "config.json", path.name)
+        ):
             target = directory / made.name
             if not target.exists() or _sha256(target) != _sha256(made):
                 made.chmod(0o644)

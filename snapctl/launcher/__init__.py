@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from snapctl.errors import CanaryMismatchError, SnapctlError
 from snapctl.launcher._control import DEFAULT_POLL_S, ServerControl, describe_error
@@ -32,6 +32,7 @@ __all__ = [
     "BindTarget",
     "StartupCaptureError",
     "StartupHooks",
+    "StatingHooks",
     "report_failure",
     "run_startup_capture",
 ]
@@ -49,6 +50,11 @@ class StartupHooks(Protocol):
     def restore_memory(self) -> None:
         """Bring back what release_memory dropped: under the ``reload`` policy the weights
         from their files; under ``in-image`` only the caches (the weights never left)."""
+
+
+@runtime_checkable
+class StatingHooks(StartupHooks, Protocol):
+    """Hooks that also state the capture's facts; hooks without them state none."""
 
     def capture_facts(self) -> CaptureFacts:
         """The memory policy and the first load's parameter digests (after the rehearsal)."""
@@ -105,7 +111,7 @@ def run_startup_capture(
         _require_match(oracle, hooks.canary(), "rehearsal canary")
         hooks.release_memory()
         facts_path = facts_path_from_env()
-        if facts_path is not None:
+        if facts_path is not None and isinstance(hooks, StatingHooks):
             write_facts(facts_path, hooks.capture_facts())
 
         phase = Phase.CAPTURE_BARRIER

@@ -10,7 +10,8 @@ The memory policy is what a copy's recovery costs per GB of weights:
 
 - ``in-image``: the weights stay in memory through the capture, so they come back with the
   image's pages (whose sha256 the image verifies); a recovery reads no weights file and hashes
-  nothing. vLLM's CPU platform, and CUDA with ``--native cuda-checkpoint``.
+  nothing. vLLM's CPU platform chooses it; CUDA with ``--native cuda-checkpoint`` is one too,
+  given as an option.
 - ``reload``: the weights are released before the capture (vLLM's ``sleep(level=2)``) and read
   from their files again in every recovery; ``reload_digests`` adds a sha256 of every reloaded
   parameter, compared with the first load's.
@@ -23,12 +24,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
 
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import read_json_bounded, validate_model, write_json_atomic
 
 MemoryPolicy = Literal["in-image", "reload"]
+ParameterName = Annotated[str, Field(min_length=1, max_length=512)]
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 MEMORY_POLICIES: tuple[MemoryPolicy, ...] = ("in-image", "reload")
 
 # The path the server writes its facts to (set by snapctl in the server's environment).
@@ -44,7 +49,13 @@ class CaptureFacts(StrictModel):
     version: Literal[1] = 1
     memory_policy: MemoryPolicy
     reload_digests: bool = False
-    parameter_digests: dict[str, str] = {}
+    parameter_digests: dict[ParameterName, Sha256Hex] = {}
+
+    @model_validator(mode="after")
+    def _digests_need_a_reload(self) -> CaptureFacts:
+        if self.reload_digests and self.memory_policy != "reload":
+            raise ValueError("reload_digests needs the reload policy")
+        return self
 
 
 def facts_path_from_env() -> Path | None:

@@ -22,8 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-import psutil
-
 from snapctl.activation.copy import start_copy
 from snapctl.activation.handshake import ActivationError, activate
 from snapctl.activation.session import CleanupAudit, Session
@@ -57,7 +55,7 @@ from snapctl.qualification.runs import (
     save_new_logs,
 )
 from snapctl.qualification.watch import ListenerWatch, residue, take_baseline
-from snapctl.supervision.process import PinnedProcess
+from snapctl.supervision.process import PinnedProcess, descendants
 
 FAULT_FILE = ".snapctl-qualify-fault-weights"
 # How long a failed activation may take to exit by itself after error.json.
@@ -340,8 +338,7 @@ def _run_memory_fault(ctx: RunContext, manifest: Manifest) -> RunResult:
     drive = _activate(ctx, manifest)
 
     def hook(session: Session) -> None:
-        children = psutil.Process(session.tree.pid).children(recursive=True)
-        inject_memory_fault([session.tree.pid, *(child.pid for child in children)], tensors, fault)
+        inject_memory_fault(descendants(session.tree.pid), tensors, fault)
         _observe_fail_closed(ctx, session, "fault", drive, seen)
 
     def judge() -> list[checks.Check]:

@@ -5,7 +5,8 @@ be its fault. What stands for it is a changed weight in the restored copy's memo
 the model's safetensors files are found in the copy's processes by their bytes and overwritten
 in reversed element order through ``/proc/PID/mem``, in that copy only, before its activation.
 Its recovery canary must then fail. Tensors the server keeps in another layout (packed kernel
-weights) are not found; the embedding tables and norms a server computes from directly are.
+weights) are not found; the embedding tables a server looks tokens up in are, so those are
+looked for first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ _TYPECODES = {1: "B", 2: "H", 4: "I", 8: "Q"}
 NEEDLE_BYTES = 64
 MIN_TENSOR_BYTES = 4096
 MAX_TENSORS = 8
+# Looked for first: servers keep them as the file has them (vLLM packs its linear layers).
+_AS_STORED = ("embed", "lm_head", "wte", "tok_embeddings")
+# The most a search reads of one process's memory: a copy that maps more is refused.
+MAX_SCAN_BYTES = 256 << 30
 _CHUNK = 16 << 20
 _MAX_HEADER = 100 << 20
 
@@ -57,8 +62,8 @@ class MemoryFault:
 
 
 def candidate_tensors(files: Iterable[Path], limit: int = MAX_TENSORS) -> list[Tensor]:
-    """The largest tensors of ``files`` whose middle is not one repeated element (a gain of
-    ones is everywhere in memory), at most ``limit``."""
+    """At most ``limit`` tensors of ``files`` whose middle is not one repeated element (a gain
+    of ones is everywhere in memory): embedding tables first, then the largest."""
     found: list[Tensor] = []
     for path in files:
         with open(path, "rb") as handle:
@@ -80,12 +85,15 @@ def candidate_tensors(files: Iterable[Path], limit: int = MAX_TENSORS) -> list[T
                 if needle == needle[:element] * (NEEDLE_BYTES // element):
                     continue
                 found.append(Tensor(path, name, element, start + begin, end - begin, middle))
-    found.sort(key=lambda tensor: -tensor.size)
+    found.sort(key=lambda tensor: (not any(n in tensor.name for n in _AS_STORED), -tensor.size))
     return found[:limit]
 
 
-def _writable_regions(pid: int) -> Iterator[tuple[int, int]]:
-    """The private writable mappings of ``pid`` (heap and anonymous memory)."""
+def _writable_regions(pid: int) -> list[tuple[int, int]]:
+    """The private writable mappings of ``pid`` (heap and anonymous memory); refused past
+    :data:`MAX_SCAN_BYTES` (a process that reserved more than any model would be a search
+    without end)."""
+    regions = []
     with open(f"/proc/{pid}/maps") as maps:
         for line in maps:
             fields = line.split()
@@ -94,7 +102,14 @@ def _writable_regions(pid: int) -> Iterator[tuple[int, int]]:
             if perms[:2] != "rw" or perms[3] != "p" or name in ("[vvar]", "[vsyscall]"):
                 continue
             low, high = (int(part, 16) for part in fields[0].split("-"))
-            yield low, high
+            regions.append((low, high))
+    total = sum(high - low for low, high in regions)
+    if total > MAX_SCAN_BYTES:
+        raise SnapctlError(
+            f"process {pid} maps {total / 2**30:.0f} GiB of writable memory, more than a memory "
+            f"fault searches ({MAX_SCAN_BYTES / 2**30:.0f} GiB)"
+        )
+    return regions
 
 
 def _find(mem: int, region: tuple[int, int], needle: bytes) -> Iterator[int]:
@@ -133,7 +148,7 @@ def inject_memory_fault(pids: Iterable[int], tensors: Iterable[Tensor], fault: M
         for pid in pids:
             mem = os.open(f"/proc/{pid}/mem", os.O_RDWR | os.O_CLOEXEC)
             try:
-                for region in list(_writable_regions(pid)):
+                for region in _writable_regions(pid):
                     for address in list(_find(mem, region, needle)):
                         start = address - tensor.needle_at
                         if start < region[0] or os.pread(mem, tensor.size, start) != data:

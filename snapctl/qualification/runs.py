@@ -128,8 +128,9 @@ class RunContext:
     artifacts: Path | None = None
     reference: ServingObservation | None = None
     model_digests: dict[str, str] | None = None
-    # The image's capture facts, read once the image exists (None: not read yet).
+    # The image's capture facts, read once the image exists (None: none stated).
     image_facts: CaptureFacts | None = None
+    image_facts_read: bool = False
     # The copies (copy-1, copy-2) are restored with lazy pages.
     lazy: bool = False
     # What lazy copies' retained memory must hash to: the donor's read, else the reference's.
@@ -140,9 +141,10 @@ class RunContext:
     def captured_digests(self) -> dict[str, str] | None:
         """The first load's parameter digests the image recorded; None where the server
         stated none (or there is no image yet)."""
-        if self.image_facts is None:
+        if not self.image_facts_read:
             with contextlib.suppress(SnapctlError):
                 self.image_facts = load_manifest(self.image).capture_facts
+                self.image_facts_read = True
         if self.image_facts is None or not self.image_facts.parameter_digests:
             return None
         return self.image_facts.parameter_digests

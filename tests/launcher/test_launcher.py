@@ -234,6 +234,28 @@ def test_capture_facts_are_stated_before_capture_ready_where_snapctl_asks(
     )
 
 
+class FactlessHooks:
+    """Hooks written before capture facts existed: canary, release and restore only."""
+
+    def __init__(self, hooks: FakeHooks) -> None:
+        self.canary, self.release_memory = hooks.canary, hooks.release_memory
+        self.restore_memory = hooks.restore_memory
+
+
+def test_hooks_that_state_no_facts_capture_as_before(
+    control: ControlDir, start: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    facts_file = tmp_path / "capture-facts.json"
+    monkeypatch.setenv(FACTS_ENV, str(facts_file))
+    hooks = FakeHooks(control)
+    run = start(FactlessHooks(hooks))
+    handshake(control, kind="copy", host="127.0.0.1", port=8123)
+    run.join()
+    assert run.error is None
+    assert hooks.events == PREPARE_EVENTS + RECOVERY_EVENTS
+    assert not facts_file.exists()
+
+
 def test_no_capture_facts_without_the_variable(
     control: ControlDir, start: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

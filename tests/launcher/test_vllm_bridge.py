@@ -110,7 +110,7 @@ class FakeEngine:
 
     def __init__(self, reloaded: dict[str, str] | None = None) -> None:
         self.calls: list[str] = []
-        self.loaded = {"w": "aa", "e": "bb"}
+        self.loaded = {"w": "a" * 64, "e": "b" * 64}
         self.reloaded = dict(self.loaded) if reloaded is None else reloaded
 
     async def collective_rpc(self, method: str, args: tuple[object, ...] = ()) -> list[object]:
@@ -194,7 +194,7 @@ def test_reload_recovery_sleeps_wakes_and_reloads(digests: bool) -> None:
 
 
 def test_reload_digests_that_differ_fail_the_recovery_before_it_resumes() -> None:
-    engine = FakeEngine(reloaded={"w": "aa", "e": "cc"})
+    engine = FakeEngine(reloaded={"w": "a" * 64, "e": "c" * 64})
     hooks = _hooks(engine, "reload", digests=True)
     try:
         hooks.release_memory()

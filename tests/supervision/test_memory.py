@@ -12,9 +12,8 @@ import psutil
 import pytest
 
 from snapctl.supervision.memory import (
-    KSM_MAX_CPU_PERCENT,
     KSM_PAGES_PER_WAKE,
-    KSM_TARGET_SCAN_S,
+    KSM_SLEEP_MS,
     KsmStatus,
     enable_ksm,
     read_ksm,
@@ -26,11 +25,12 @@ from snapctl.supervision.process import start_time
 def _ksm_dir(tmp_path: Path, *, run: int, advisor: bool) -> Path:
     ksm = tmp_path / "ksm"
     ksm.mkdir()
-    values = {"run": run, "pages_sharing": 2560, "full_scans": 3, "general_profit": 10 << 20}
+    values: dict[str, object] = {
+        "run": run, "pages_sharing": 2560, "full_scans": 3, "general_profit": 10 << 20,
+        "pages_to_scan": 100, "sleep_millisecs": 200,
+    }  # fmt: skip
     if advisor:
-        values |= {"advisor_mode": "none", "advisor_target_scan_time": 200, "advisor_max_cpu": 70}
-    else:
-        values["pages_to_scan"] = 100
+        values["advisor_mode"] = "[none] scan-time"
     for name, value in values.items():
         (ksm / name).write_text(f"{value}\n")
     return ksm
@@ -44,22 +44,23 @@ def test_ksm_is_read_from_its_directory(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("advisor", [True, False])
-def test_a_stopped_ksm_is_started_with_bounded_cpu(tmp_path: Path, advisor: bool) -> None:
+def test_a_stopped_ksm_is_started_at_snapctls_rate(tmp_path: Path, advisor: bool) -> None:
     ksm = _ksm_dir(tmp_path, run=0, advisor=advisor)
     assert enable_ksm(ksm) is True
     assert (ksm / "run").read_text() == "1"
+    assert (ksm / "pages_to_scan").read_text() == str(KSM_PAGES_PER_WAKE)
+    assert (ksm / "sleep_millisecs").read_text() == str(KSM_SLEEP_MS)
     if advisor:
-        assert (ksm / "advisor_mode").read_text() == "scan-time"
-        assert (ksm / "advisor_target_scan_time").read_text() == str(KSM_TARGET_SCAN_S)
-        assert (ksm / "advisor_max_cpu").read_text() == str(KSM_MAX_CPU_PERCENT)
-    else:
-        assert (ksm / "pages_to_scan").read_text() == str(KSM_PAGES_PER_WAKE)
+        assert (ksm / "advisor_mode").read_text() == "none"
 
 
-def test_a_running_ksm_keeps_the_hosts_tuning(tmp_path: Path) -> None:
-    ksm = _ksm_dir(tmp_path, run=1, advisor=True)
+@pytest.mark.parametrize("run", [1, 2])  # running, or told to unmerge by the host's operator
+def test_a_ksm_the_host_set_keeps_its_settings(tmp_path: Path, run: int) -> None:
+    ksm = _ksm_dir(tmp_path, run=run, advisor=True)
     assert enable_ksm(ksm) is False
-    assert (ksm / "advisor_mode").read_text() == "none\n"
+    assert (ksm / "run").read_text() == f"{run}\n"
+    assert (ksm / "pages_to_scan").read_text() == "100\n"
+    assert enable_ksm(tmp_path / "none") is False  # a kernel without KSM
 
 
 TREE = """
