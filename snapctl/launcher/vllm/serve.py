@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from snapctl.launcher.vllm import app as vllm_app
 from snapctl.launcher.vllm.hooks import VllmHooks
 from snapctl.launcher.vllm.usage import UsageError, require_single_frontend
+from snapctl.launcher.vllm.worker import RECORD_LOAD_ENV
 
 if TYPE_CHECKING:
     from snapctl.launcher import BindTarget
@@ -94,8 +96,10 @@ async def _serve_after_capture(
         require_single_frontend(args)
         # Refuse an unusable control directory before minutes of engine start, as vLLM does.
         ControlDir(config.control_dir).validate(require_empty=True)
-        sleep_mode, policy = _prepare_args(args, memory.policy)
+        sleep_mode, policy = _prepare_args(args, memory)
         log.info("snapctl: memory policy %s", policy)
+        # vLLM's worker, started with this environment, records the first load's digests.
+        os.environ[RECORD_LOAD_ENV] = "1"
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
         from vllm.utils.gc_utils import freeze_gc_heap
 
@@ -154,7 +158,7 @@ async def _log_when_serving(app: Any, validated_at: float) -> None:
     log.info("serving %.1f ms after validated", _ms_since(validated_at))
 
 
-def _prepare_args(args: Namespace, policy: MemoryPolicy | None) -> tuple[bool, MemoryPolicy]:
+def _prepare_args(args: Namespace, memory: MemoryOptions) -> tuple[bool, MemoryPolicy]:
     """Checks ``setup_server`` makes before binding; the memory policy (given, or chosen by the
     platform: ``reload`` where vLLM has sleep mode, else ``in-image``) and sleep mode where the
     reload policy can use it."""
@@ -165,8 +169,12 @@ def _prepare_args(args: Namespace, policy: MemoryPolicy | None) -> tuple[bool, M
     validate_api_server_args(args)
     set_ulimit()
     available = bool(current_platform.is_sleep_mode_available())
-    if policy is None:
-        policy = "reload" if available else "in-image"
+    policy = memory.policy or ("reload" if available else "in-image")
+    if memory.reload_digests and policy != "reload":
+        raise UsageError(
+            f"--snapctl-reload-digests needs the reload policy, and this platform's is {policy}:"
+            " give --snapctl-memory-policy reload too"
+        )
     sleep_mode = available and policy == "reload"
     if sleep_mode:
         args.enable_sleep_mode = True

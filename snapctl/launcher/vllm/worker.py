@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 EXTENSION = "snapctl.launcher.vllm.extension.SnapshotWorkerExtension"
+# Set by the bridge in startup mode: only then does a worker record its first load's digests.
+RECORD_LOAD_ENV = "SNAPCTL_RECORD_LOAD_DIGESTS"
 
 
 def tensor_sha256(tensor: Any) -> tuple[str, int]:
@@ -113,10 +115,11 @@ _first_load: tuple[Callable[[], None], dict[Any, str]] | None = None
 
 
 def start_first_load_recording() -> None:
-    """Record from now on; only inside a process already running vLLM (its worker imports the
-    extension), so importing the extension anywhere else loads nothing."""
+    """Record from now on; only in a worker of the bridge's startup mode (plain serving never
+    reads them), inside a process already running vLLM (its worker imports the extension), so
+    importing the extension anywhere else loads nothing."""
     global _first_load
-    if _first_load is None and "vllm" in sys.modules:
+    if _first_load is None and "vllm" in sys.modules and os.environ.get(RECORD_LOAD_ENV) == "1":
         _first_load = start_recording_packed_weights()
 
 
