@@ -118,7 +118,11 @@ class AgentProcess:
         cli = "tests.held_transfer" if held_transfers else "snapctl"
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", cli, "agent"], env=env_for(state), stdout=log, stderr=log
+                # The host's KSM is the machine's: tests do not start it.
+                [sys.executable, "-m", cli, "agent", "--no-share-memory"],
+                env=env_for(state),
+                stdout=log,
+                stderr=log,
             )
         # Answering, not only there: a killed agent's socket file stays until the next binds.
         until(lambda: self._answers() or self.process.poll() is not None)

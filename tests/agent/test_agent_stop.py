@@ -31,8 +31,8 @@ def agent_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Sta
     env = {**os.environ, "SNAPCTL_STATE_DIR": str(state.root)}
     env.pop("SNAPCTL_AGENT_SOCKET", None)
     log = (tmp_path / "agent.log").open("wb")
-    process = subprocess.Popen([sys.executable, "-m", "snapctl", "agent"], env=env,
-                               stdout=log, stderr=log)  # fmt: skip
+    process = subprocess.Popen([sys.executable, "-m", "snapctl", "agent", "--no-share-memory"],
+                               env=env, stdout=log, stderr=log)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while connect(state.root / "agent.sock") is None:

@@ -406,6 +406,23 @@ def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
     }
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_the_agent_starts_the_hosts_ksm_only_when_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    share: bool,
+) -> None:  # fmt: skip
+    caplog.set_level("INFO")
+    calls: list[str] = []
+    monkeypatch.setattr("snapctl.agent.daemon.enable_ksm", lambda: calls.append("ksm") or True)
+    options = AgentOptions(socket=tmp_path / "agent.sock", share_memory=share)
+    agent = Agent(StateDir(tmp_path), options, spawner_factory=FakeSpawner,  # type: ignore[arg-type]
+                  pool_factory=FakePool)  # fmt: skip
+    agent.start()
+    agent.stop()
+    assert calls == (["ksm"] if share else [])
+    assert ("started the host's KSM" in caplog.text) is share
+
+
 def test_the_metrics_listener_serves_metrics_and_nothing_else(tmp_path: Path) -> None:
     options = AgentOptions(socket=tmp_path / "agent.sock", metrics_listen=("127.0.0.1", 0))
     agent = Agent(StateDir(tmp_path), options, spawner_factory=FakeSpawner,  # type: ignore[arg-type]
