@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 
 from snapctl.models import StrictModel
-from snapctl.supervision.process import ProcessGoneError, same_start, start_time
+from snapctl.supervision.process import ProcessGoneError, descendants, same_start, start_time
 
 KSM_DIR = Path("/sys/kernel/mm/ksm")
 # When snapctl starts ksmd: this many pages per wake-up, every 20 ms (at most about 1 GB/s),
@@ -65,8 +65,19 @@ def members_memory(members: list[psutil.Process]) -> int | None:
 
 
 def tree_memory(root_pid: int, root_start_time: float | None) -> int | None:
-    """The PSS of the tree under ``root_pid`` (None: gone, or nothing readable)."""
-    return members_memory(tree_members([(root_pid, root_start_time)]))
+    """The PSS of the tree under ``root_pid`` (None: gone, another process now, or nothing
+    readable). The tree is listed from its own ``/proc`` entries (``descendants``), not by a
+    scan of every process: ``ps`` reads this for every activation."""
+    try:
+        if root_start_time is not None and not same_start(start_time(root_pid), root_start_time):
+            return None
+    except ProcessGoneError:
+        return None
+    members = []
+    for pid in descendants(root_pid):
+        with contextlib.suppress(psutil.Error):
+            members.append(psutil.Process(pid))
+    return members_memory(members)
 
 
 class KsmStatus(StrictModel):
