@@ -64,9 +64,12 @@ class AgentCli:
         return subprocess.run([*SNAPCTL, *args], env=self.env, capture_output=True, text=True,
                               check=check, cwd=repo_root())  # fmt: skip
 
-    def start_agent(self) -> None:
+    def start_agent(self, *, share_memory: bool = False) -> None:
+        """``snapctl agent``; the host's KSM only with ``share_memory`` (what the model-size
+        benchmark measures), never for the others' figures."""
+        sharing = "--share-memory" if share_memory else "--no-share-memory"
         with self.log.open("ab") as log:
-            self.agent = subprocess.Popen([*SNAPCTL, "agent"], env=self.env, stdout=log,
+            self.agent = subprocess.Popen([*SNAPCTL, "agent", sharing], env=self.env, stdout=log,
                                           stderr=log, cwd=repo_root())  # fmt: skip
         deadline = time.monotonic() + 60
         while not (self.state.root / "agent.sock").exists():

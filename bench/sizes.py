@@ -141,7 +141,7 @@ def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict
     """The PSS of one, then of three parked plain copies of the image, all counted, each once
     the host's KSM (which the agent starts) has merged them; and how long that took."""
     cli = AgentCli(state, work / "pss-agent.log")
-    cli.start_agent()
+    cli.start_agent(share_memory=True)
     found: dict[str, int] = {}
     try:
         for count in (1, 3):
