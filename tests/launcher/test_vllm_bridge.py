@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -129,23 +131,28 @@ class FakeEngine:
         return call
 
 
-def _hooks(engine: FakeEngine, policy: MemoryPolicy, *, digests: bool = False) -> VllmHooks:
-    """Hooks on a sleep-mode platform, their loop running in a thread as the server's does."""
+@contextmanager
+def running_hooks(
+    engine: FakeEngine, policy: MemoryPolicy, *, digests: bool = False
+) -> Iterator[VllmHooks]:
+    """Hooks on a sleep-mode platform, their loop running in a thread as the server's does;
+    the loop stopped and closed afterwards."""
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    return VllmHooks(
-        engine, loop, timeout_s=10, sleep_mode=True, policy=policy, reload_digests=digests
-    )
-
-
-def _stop(hooks: VllmHooks) -> None:
-    hooks.loop.call_soon_threadsafe(hooks.loop.stop)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield VllmHooks(
+            engine, loop, timeout_s=10, sleep_mode=True, policy=policy, reload_digests=digests
+        )
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 def test_in_image_recovery_reloads_and_hashes_nothing() -> None:
     engine = FakeEngine()
-    hooks = _hooks(engine, "in-image")
-    try:
+    with running_hooks(engine, "in-image") as hooks:
         hooks.release_memory()
         hooks.restore_memory()
         hooks.release_memory()
@@ -154,20 +161,15 @@ def test_in_image_recovery_reloads_and_hashes_nothing() -> None:
         )
         engine.calls.clear()
         hooks.restore_memory()  # a copy's recovery
-    finally:
-        _stop(hooks)
     assert engine.calls == ["reset_prefix_cache()", "resume_generation()"]
 
 
 def test_first_load_digests_are_read_once_before_the_capture() -> None:
     engine = FakeEngine()
-    hooks = _hooks(engine, "in-image")
-    try:
+    with running_hooks(engine, "in-image") as hooks:
         hooks.release_memory()
         hooks.restore_memory()
         hooks.release_memory()
-    finally:
-        _stop(hooks)
     assert engine.calls == [
         "rpc snapctl_loaded_digests", "rpc snapctl_share_memory", "pause_generation(mode=wait)",
         "rpc snapctl_drop_compile_caches", "reset_prefix_cache()", "resume_generation()",
@@ -178,14 +180,11 @@ def test_first_load_digests_are_read_once_before_the_capture() -> None:
 @pytest.mark.parametrize("digests", [False, True])
 def test_reload_recovery_sleeps_wakes_and_reloads(digests: bool) -> None:
     engine = FakeEngine()
-    hooks = _hooks(engine, "reload", digests=digests)
-    try:
+    with running_hooks(engine, "reload", digests=digests) as hooks:
         hooks.release_memory()
         engine.calls.clear()
         hooks.restore_memory()
         facts = hooks.capture_facts()
-    finally:
-        _stop(hooks)
     assert engine.calls == [
         "wake_up(tags=['weights'])", f"rpc snapctl_reload_weights[{digests}]",
         "wake_up(tags=['kv_cache'])", "reset_prefix_cache()", "resume_generation()",
@@ -195,11 +194,8 @@ def test_reload_recovery_sleeps_wakes_and_reloads(digests: bool) -> None:
 
 def test_reload_digests_that_differ_fail_the_recovery_before_it_resumes() -> None:
     engine = FakeEngine(reloaded={"w": "a" * 64, "e": "c" * 64})
-    hooks = _hooks(engine, "reload", digests=True)
-    try:
+    with running_hooks(engine, "reload", digests=True) as hooks:
         hooks.release_memory()
         with pytest.raises(CanaryMismatchError, match="1 parameter"):
             hooks.restore_memory()
-    finally:
-        _stop(hooks)
     assert "resume_generation()" not in engine.calls
