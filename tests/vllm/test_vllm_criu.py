@@ -54,6 +54,16 @@ def _snapctl(args: list[str], state: StateDir, timeout: float) -> subprocess.Com
     return done
 
 
+def bake(served: RealVllm, state: StateDir, image: Path, *server_options: str) -> None:
+    """``snapctl bake`` of the bridge serving ``served`` with the test's API key."""
+    baked = _snapctl(
+        ["bake", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
+         "--timeout", "600", "--", *served.serve_command("--api-key", API_KEY, *server_options)],
+        state, 1200,
+    )  # fmt: skip
+    assert baked.returncode == 0, baked.stderr[-3000:]
+
+
 def _qualify(vllm: RealVllm, state: StateDir, image: Path, *extra: str) -> tuple[int, Report]:
     done = _snapctl(
         ["qualify", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",

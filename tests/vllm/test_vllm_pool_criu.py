@@ -18,7 +18,7 @@ from tests.agent.helpers import stop_all_clean
 from tests.pool.test_pool_criu import Host
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import VLLM_ENV, RealVllm
-from tests.vllm.test_vllm_criu import API_KEY, _snapctl
+from tests.vllm.test_vllm_criu import API_KEY, bake
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -42,12 +42,7 @@ def test_a_parked_vllm_copy_answers_like_a_fresh_one(
     state = StateDir(tmp_path / "state")
     image = tmp_path / "image"
     shm_before = set(os.listdir(HOST_SHM))
-    baked = _snapctl(
-        ["bake", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
-         "--timeout", "600", "--", *served.serve_command("--api-key", API_KEY)],
-        state, 1200,
-    )  # fmt: skip
-    assert baked.returncode == 0, baked.stderr[-3000:]
+    bake(served, state, image)
     for key, value in VLLM_ENV.items():
         monkeypatch.setenv(key, value)
     host = Host(state)

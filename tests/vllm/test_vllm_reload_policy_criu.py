@@ -17,7 +17,7 @@ from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import RealVllm
-from tests.vllm.test_vllm_criu import API_KEY, _snapctl
+from tests.vllm.test_vllm_criu import _snapctl, bake
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -30,12 +30,7 @@ def test_a_reload_policy_image_reloads_compares_and_fails_closed_on_a_changed_fi
     state = StateDir(tmp_path / "state")
     image = tmp_path / "image"
     shm_before = set(os.listdir(HOST_SHM))
-    baked = _snapctl(
-        ["bake", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
-         "--timeout", "600", "--", *vllm.serve_command("--api-key", API_KEY, *RELOAD)],
-        state, 1200,
-    )  # fmt: skip
-    assert baked.returncode == 0, baked.stderr[-3000:]
+    bake(vllm, state, image, *RELOAD)
     facts = load_manifest(image).capture_facts
     assert facts is not None
     assert (facts.memory_policy, facts.reload_digests) == ("reload", True)
