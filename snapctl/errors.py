@@ -77,18 +77,16 @@ from __future__ import annotations
 import errno
 from enum import IntEnum
 
-from snapctl.phases import HostPhase
+from snapctl.phases import HostPhase, Phase, phase_named
 
 # Not typing's: the agent's thin client imports this module once a request failed, and typing
 # or pathlib would be a tenth of its wall time (mypy reads any TYPE_CHECKING as true).
 # pydantic only when it fails.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Mapping
     from pathlib import Path
-    from typing import Any
-
-    from snapctl.protocol.models import Phase
+    from typing import Any, Self
 
 
 class ExitStatus(IntEnum):
@@ -159,6 +157,18 @@ class SnapctlError(Exception):
             return self.message
         return f"{self.message}\n--- log tail ---\n{self.log_tail.rstrip()}"
 
+    def to_wire(self) -> dict[str, Any]:
+        """This error as it crosses a process boundary (a supervisor's report pipe, the agent's
+        answers): the fields of ``snapctl.agent.api.ErrorBody``, read back by
+        :meth:`RelayedError.from_wire`."""
+        return {
+            "error": self.message,
+            "status": int(self.exit_status),
+            "phase": None if self.phase is None else str(self.phase),
+            "path": None if self.path is None else str(self.path),
+            "log_tail": self.log_tail,
+        }
+
 
 def _as_path(path: str | Path) -> Path:
     from pathlib import Path  # when an error names a path, not on every CLI start
@@ -215,6 +225,34 @@ class RelayedError(SnapctlError):
             self.exit_status = ExitStatus(exit_status)
         except ValueError:
             self.exit_status = ExitStatus.ERROR
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any], **fields: Any) -> Self:
+        """The error that :meth:`SnapctlError.to_wire` wrote (another process's), tolerant of
+        what a peer of another version may leave out or get wrong."""
+        message, status, path, log_tail = (body.get(key) for key in _WIRE_FIELDS)
+        return cls(
+            message if isinstance(message, str) and message else "failed without saying why",
+            exit_status=status if type(status) is int else ExitStatus.ERROR,
+            phase=phase_named(body.get("phase")),
+            path=path if isinstance(path, str) and path else None,
+            log_tail=log_tail if isinstance(log_tail, str) else None,
+            **fields,
+        )
+
+
+_WIRE_FIELDS = ("error", "status", "path", "log_tail")
+INTERRUPTED_MESSAGE = "interrupted while starting (SIGINT/SIGTERM); what had started was stopped"
+
+
+def wire_outcome(error: BaseException) -> dict[str, Any]:
+    """What a supervisor reports when its start ended in ``error``: the error's wire, an
+    interrupt, or a bug said as one (its traceback is the supervisor's log's)."""
+    if isinstance(error, SnapctlError):
+        return error.to_wire()
+    if isinstance(error, KeyboardInterrupt):
+        return RelayedError(INTERRUPTED_MESSAGE, exit_status=ExitStatus.INTERRUPTED).to_wire()
+    return SnapctlError(f"unexpected {type(error).__name__} in the supervisor: {error}").to_wire()
 
 
 class NoSpaceError(SnapctlError):

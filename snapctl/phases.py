@@ -1,7 +1,6 @@
-"""The host-side phases an error names (``SnapctlError.phase``): what snapctl itself was doing.
-
-The server's own phases, named in ``error.json``, are :class:`snapctl.protocol.models.Phase`;
-a host-side error raised while waiting on the server in one of those (``capture barrier``,
+"""The phases an error names (``SnapctlError.phase``): :class:`HostPhase`, what snapctl itself
+was doing, and :class:`Phase`, the server's own, named in ``error.json`` (v1 protocol); a
+host-side error raised while waiting on the server in one of those (``capture barrier``,
 ``recover``, ``serve``) names that one instead. The values are what reports, ``--json`` output
 and the CLI's ``[phase: P]`` have always shown. Imports nothing, so every module may use it.
 """
@@ -31,3 +30,27 @@ class HostPhase(StrEnum):
     POOL = "pool"  # the warm pool: a parked copy's restore ahead of time, its order, its image
     SUPERVISE = "supervise"  # starting a copy's supervisor for the agent, until it reported
     CLEANUP = "cleanup"  # stopping and removing what a command started
+
+
+class Phase(StrEnum):
+    """Phases named in ``error.json``. Finer recovery phases share the ``recovery:`` prefix."""
+
+    INITIALIZE_ENGINE = "initialize engine"
+    PREPARE = "prepare"
+    CAPTURE_BARRIER = "capture barrier"
+    RECOVER = "recover"
+    RECOVERY_RESTORE_MEMORY = "recovery: restore memory"
+    RECOVERY_CANARY = "recovery: canary"
+    SERVE = "serve"
+
+
+def phase_named(value: object) -> HostPhase | Phase | None:
+    """The phase an error named on the wire (its value), as the enum it was; None for none or
+    for one this version does not know."""
+    if isinstance(value, str):
+        for kind in (HostPhase, Phase):
+            try:
+                return kind(value)
+            except ValueError:
+                continue
+    return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import pkgutil
 import re
 from collections.abc import Iterator
@@ -14,9 +15,17 @@ import snapctl
 import snapctl.errors
 from snapctl.cli import exit_status_for
 from snapctl.criu import CriuError
-from snapctl.errors import ExitStatus, NoSpaceError, SnapctlError, is_no_space
-from snapctl.phases import HostPhase
-from snapctl.protocol.models import Phase
+from snapctl.errors import (
+    INTERRUPTED_MESSAGE,
+    CanaryMismatchError,
+    ExitStatus,
+    NoSpaceError,
+    RelayedError,
+    SnapctlError,
+    is_no_space,
+    wire_outcome,
+)
+from snapctl.phases import HostPhase, Phase
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "errors.md"
@@ -154,3 +163,34 @@ def test_the_criu_log_tail_is_the_error_s_log_tail(tmp_path: Path) -> None:
     assert error.log_tail is not None and "no luck" in error.log_tail
     assert error.log_tail.endswith("(0.2) last line") and not hasattr(error, "tail")
     assert CriuError("restore", 1, log, "").log_tail is None
+
+
+def test_an_error_crosses_a_process_boundary_as_it_was() -> None:
+    from snapctl.agent.api import ErrorBody  # the agent's floor, above the errors'
+
+    for phase in (HostPhase.RESTORE, Phase.RECOVERY_CANARY, None):
+        error = CanaryMismatchError("image /i refused", phase=phase, path="/i", log_tail="tail")
+        wire = json.loads(json.dumps(error.to_wire()))
+        ErrorBody.model_validate(wire)  # the agent's API documents the same fields
+        relayed = RelayedError.from_wire(wire)
+        assert (relayed.message, relayed.exit_status, relayed.phase, relayed.path,
+                relayed.log_tail) == ("image /i refused", ExitStatus.VERIFY_FAILED, phase,
+                                      Path("/i"), "tail")  # fmt: skip
+        assert type(relayed.phase) is type(phase)
+
+
+def test_a_malformed_error_wire_is_relayed_without_failing_again() -> None:
+    relayed = RelayedError.from_wire({"error": 5, "status": "4", "phase": "nowhere",
+                                      "path": [], "log_tail": {}})  # fmt: skip
+    assert (relayed.message, relayed.exit_status, relayed.phase, relayed.path,
+            relayed.log_tail) == ("failed without saying why", ExitStatus.ERROR, None, None,
+                                  None)  # fmt: skip
+    assert RelayedError.from_wire({"error": "x", "status": 999}).exit_status == ExitStatus.ERROR
+
+
+def test_a_supervisor_reports_an_interrupt_and_a_bug_as_such() -> None:
+    interrupted = wire_outcome(KeyboardInterrupt())
+    assert (interrupted["error"], interrupted["status"]) == (INTERRUPTED_MESSAGE, 130)
+    bug = wire_outcome(ZeroDivisionError("boom"))
+    assert bug["error"] == "unexpected ZeroDivisionError in the supervisor: boom"
+    assert bug["status"] == 1

@@ -18,11 +18,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
-from snapctl.errors import ExitStatus, RelayedError, SnapctlError
+from snapctl.errors import ExitStatus, RelayedError, SnapctlError, wire_outcome
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
-from snapctl.phases import HostPhase
 from snapctl.progress import Progress
-from snapctl.protocol.models import Phase
 from snapctl.statedir import ActivationRecord, StateDir
 from snapctl.supervision.leftovers import TMP_GRACE_S, sweep_claims, sweep_records
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
@@ -124,35 +122,13 @@ def detach(
             signals.cleaning()
             stop_all_tracked()  # what a start interrupted at any point had started
             raise
-    except KeyboardInterrupt:
-        send(
-            {
-                "error": "interrupted while starting (SIGINT/SIGTERM); what had started was "
-                "stopped", "status": int(ExitStatus.INTERRUPTED), "phase": None,
-                "path": None, "log_tail": None,
-            }
-        )  # fmt: skip
-        os._exit(ExitStatus.INTERRUPTED)
-    except SnapctlError as error:
-        send(
-            {
-                "error": error.message,
-                "status": int(error.exit_status),
-                "phase": error.phase,
-                "path": None if error.path is None else str(error.path),
-                "log_tail": error.log_tail,
-            }
-        )
-        os._exit(error.exit_status)
-    except Exception as error:  # a bug: say so in the parent instead of "exited early"
-        traceback.print_exc()
-        send(
-            {
-                "error": f"unexpected {type(error).__name__} in the supervisor: {error}",
-                "status": int(ExitStatus.ERROR), "phase": None, "path": None, "log_tail": None,
-            }
-        )  # fmt: skip
-        os._exit(1)
+    except (KeyboardInterrupt, Exception) as error:
+        send(wire_outcome(error))
+        if isinstance(error, KeyboardInterrupt):
+            os._exit(ExitStatus.INTERRUPTED)
+        if not isinstance(error, SnapctlError):
+            traceback.print_exc()  # a bug: the parent says so instead of "exited early"
+        os._exit(error.exit_status if isinstance(error, SnapctlError) else ExitStatus.ERROR)
     signals.started()  # from here a signal asks the supervising loop to stop
     send({"report": report.model_dump(mode="json") if hasattr(report, "model_dump") else report})
     with contextlib.suppress(OSError):
@@ -172,26 +148,10 @@ def _relay(read_fd: int, on_progress: Callable[[str, str], None]) -> dict[str, A
                 on_progress(message["lane"], message["progress"])
                 continue
             if "error" in message:
-                raise DetachedStartError(
-                    message["error"],
-                    exit_status=message["status"],
-                    phase=_phase_named(message["phase"]),
-                    path=message["path"],
-                    log_tail=message["log_tail"],
-                )
+                raise DetachedStartError.from_wire(message)
             report: dict[str, Any] = message["report"]
             return report
     raise DetachedStartError("the detached supervisor exited before reporting")
-
-
-def _phase_named(name: str | None) -> HostPhase | Phase | None:
-    """The phase a relayed error named (its value in the supervisor)."""
-    if name is None:
-        return None
-    for kind in (HostPhase, Phase):
-        with contextlib.suppress(ValueError):
-            return kind(name)
-    return None
 
 
 def end_lazy_pages_daemon(record: ActivationRecord, timeout_s: float) -> list[int]:

@@ -33,14 +33,8 @@ class AgentUnavailableError(SnapctlError):
 
 def error_from(body: dict[str, Any]) -> AgentError:
     """The :class:`AgentError` an error body (see ``snapctl.agent.api.ErrorBody``) describes."""
-    return AgentError(
-        str(body.get("error", "the agent failed the request")),
-        exit_status=int(body.get("status", ExitStatus.ERROR)),
-        phase=body.get("phase"),
-        path=body.get("path"),
-        log_tail=body.get("log_tail"),
-        usage=body.get("usage"),
-    )
+    usage = body.get("usage")
+    return AgentError.from_wire(body, usage=usage if isinstance(usage, str) else None)
 
 
 __all__ = ["AgentError", "AgentUnavailableError", "error_from"]

@@ -108,14 +108,8 @@ def _json_line(value: Any) -> bytes:
 
 
 def error_body(error: SnapctlError) -> ErrorBody:
-    return ErrorBody(
-        error=error.message,
-        status=int(error.exit_status),
-        phase=error.phase,
-        path=None if error.path is None else str(error.path),
-        log_tail=error.log_tail,
-        usage=error.usage if isinstance(error, BadRequestError) else None,
-    )
+    usage = error.usage if isinstance(error, BadRequestError) else None
+    return ErrorBody(**error.to_wire(), usage=usage)
 
 
 def http_status(error: SnapctlError) -> int:

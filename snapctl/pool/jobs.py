@@ -24,7 +24,7 @@ import snapctl.activation.precheck
 import snapctl.activation.supervise
 import snapctl.registry.source  # the pre-start checks' image lookup
 from snapctl.activation.launch import LaunchOptions
-from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError, wire_outcome
 from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest, publish_pair
 from snapctl.statedir import StateDir
 
@@ -55,26 +55,11 @@ class Reporter:
 
     def error(self, error: BaseException) -> int:
         """Send ``error`` as the outcome; return the exit status it stands for."""
-        if isinstance(error, SnapctlError):
-            self.send(error_message(error))
-            return int(error.exit_status)
-        if isinstance(error, KeyboardInterrupt):
-            self.send(
-                {
-                    "error": "interrupted while starting (SIGINT/SIGTERM); what had started "
-                    "was stopped", "status": int(ExitStatus.INTERRUPTED), "phase": None,
-                    "path": None, "log_tail": None,
-                }
-            )  # fmt: skip
-            return int(ExitStatus.INTERRUPTED)
-        traceback.print_exc()
-        self.send(
-            {
-                "error": f"unexpected {type(error).__name__} in the supervisor: {error}",
-                "status": int(ExitStatus.ERROR), "phase": None, "path": None, "log_tail": None,
-            }
-        )  # fmt: skip
-        return int(ExitStatus.ERROR)
+        outcome = wire_outcome(error)
+        if not isinstance(error, KeyboardInterrupt | SnapctlError):
+            traceback.print_exc()  # a bug: the agent says so instead of "exited early"
+        self.send(outcome)
+        return int(outcome["status"])
 
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -83,16 +68,6 @@ class Reporter:
 
 # Where a supervisor keeps the API key its request carried, for its readiness probe.
 PROBE_KEY_ENV = "SNAPCTL_PROBE_API_KEY"
-
-
-def error_message(error: SnapctlError) -> dict[str, Any]:
-    return {
-        "error": error.message,
-        "status": int(error.exit_status),
-        "phase": error.phase,
-        "path": None if error.path is None else str(error.path),
-        "log_tail": error.log_tail,
-    }
 
 
 def launch_options(request: CopyRequest) -> LaunchOptions:
@@ -181,8 +156,7 @@ def run_job(job: dict[str, Any], pipe_fd: int) -> None:
         os._exit(run_parked(job, Reporter(pipe_fd)))
     if kind in ("donor", "bake"):
         os._exit(run_capture(job, Reporter(pipe_fd)))
-    Reporter(pipe_fd).send({"error": f"unknown job {kind!r}", "status": 1, "phase": None,
-                            "path": None, "log_tail": None})  # fmt: skip
+    Reporter(pipe_fd).send(SnapctlError(f"unknown job {kind!r}").to_wire())
     os._exit(1)
 
 

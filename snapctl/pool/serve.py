@@ -19,12 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from snapctl.errors import ExitStatus, RelayedError, SnapctlError
+from snapctl.errors import INTERRUPTED_MESSAGE, ExitStatus, RelayedError, SnapctlError
 from snapctl.phases import HostPhase
 from snapctl.pool.cancel import Cancel
 from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
-from snapctl.protocol.models import Phase
 from snapctl.statedir import StateDir
 
 if TYPE_CHECKING:
@@ -59,15 +58,6 @@ class ParkedHandle:
     supervisor_start_time: float
 
 
-def wire_phase(value: object) -> HostPhase | Phase | None:
-    """An error's phase as it came over the wire (its value), as the enum it was."""
-    if isinstance(value, str):
-        for kind in (HostPhase, Phase):
-            with contextlib.suppress(ValueError):
-                return kind(value)
-    return None
-
-
 def relay(lines: Iterable[bytes], on_progress: LaneProgress, what: str = "copy") -> dict[str, Any]:
     """Read a supervisor's report wire up to its outcome: the report, or its error raised."""
     for line in lines:
@@ -76,13 +66,7 @@ def relay(lines: Iterable[bytes], on_progress: LaneProgress, what: str = "copy")
             on_progress(message.get("lane", ""), message["progress"])
             continue
         if "error" in message:
-            raise SupervisorError(
-                message["error"],
-                exit_status=message.get("status", 1),
-                phase=wire_phase(message.get("phase")),
-                path=message.get("path"),
-                log_tail=message.get("log_tail"),
-            )
+            raise SupervisorError.from_wire(message)
         report: dict[str, Any] = message["report"]
         return report
     raise SupervisorError(
@@ -133,9 +117,6 @@ def capture_via_supervisor(
     kind = "donor" if isinstance(request, DonorRequest) else "bake"
     job = {"kind": kind, "state": str(state.root), "request": capture_payload(request)}
     return _run_in_supervisor(job, spawner, progress, kind, cancel)
-
-
-INTERRUPTED_MESSAGE = "interrupted while starting (SIGINT/SIGTERM); what had started was stopped"
 
 
 def _run_in_supervisor(

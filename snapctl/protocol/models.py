@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from snapctl.models import StrictModel
+from snapctl.phases import Phase as Phase  # the server's phases, in error.json
 
 UUID4_HEX = r"^[0-9a-f]{32}$"
 ACTIVATION_ID = r"^[\w.-]+$"
@@ -41,18 +42,6 @@ STALE_ON_ACTIVATION = (
     ControlFile.STATUS,
     ControlFile.ERROR,
 )
-
-
-class Phase(StrEnum):
-    """Phases named in ``error.json``. Finer recovery phases share the ``recovery:`` prefix."""
-
-    INITIALIZE_ENGINE = "initialize engine"
-    PREPARE = "prepare"
-    CAPTURE_BARRIER = "capture barrier"
-    RECOVER = "recover"
-    RECOVERY_RESTORE_MEMORY = "recovery: restore memory"
-    RECOVERY_CANARY = "recovery: canary"
-    SERVE = "serve"
 
 
 class _ControlModel(StrictModel):
