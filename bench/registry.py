@@ -30,8 +30,8 @@ from bench.workload import Answer, ensure_model, first_correct, host_connect, la
 from snapctl.activation.copy import start_copy
 from snapctl.activation.donor import start_donor
 from snapctl.activation.native import NoNativeStep
+from snapctl.activation.precheck import decide_lazy
 from snapctl.criu import find_criu
-from snapctl.criu.lazy.transfer import lazy_by_default
 from snapctl.images import load_manifest
 from snapctl.images.archive import export_image, import_image
 from snapctl.registry.cache import BlobCache
@@ -74,7 +74,7 @@ class Bench:
         session.stop()
 
     def copy_until_correct(self, image: Path, reference: Answer | None) -> Answer:
-        lazy = lazy_by_default(load_manifest(image))
+        lazy = decide_lazy(None, image)
         session, report = start_copy(
             image, launch_options(self.retained_mb), criu=self.criu, native=NoNativeStep(),
             publish=("127.0.0.1", 0), state=self.state, progress=lambda _: None, lazy=lazy,

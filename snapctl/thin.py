@@ -19,6 +19,7 @@ from __future__ import annotations
 import _signal  # type: ignore[import-not-found]
 import os
 
+from snapctl.activation.timeouts import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S
 from snapctl.agent import NO_AGENT_ENV, absolute
 
 # Not typing's, and no pathlib, threading or contextlib: this module's imports are most of a
@@ -33,10 +34,6 @@ if TYPE_CHECKING:
 
 _PS = (["ps"], ["ps", "--json"])
 
-# The copy options' defaults, shared with their click definitions (snapctl.cli).
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000
-DEFAULT_TIMEOUT_S = 300.0
 
 _COPY_FLAGS = {"--detach", "--json", "--lazy", "--no-lazy", "--expose"}
 _COPY_VALUES = {"--image", "--publish", "--name", "--host", "--port", "--timeout", "--api-key-env"}
@@ -60,8 +57,8 @@ def copy_request_body(
     criu_path: str | None = None,
     detach: bool = False,
 ) -> dict[str, Any]:
-    """The agent's ``CopyRequest`` (see :mod:`snapctl.pool.models`) for these options. The API
-    key travels as its value: the agent's environment is not the caller's."""
+    """The agent's ``CopyRequest`` (:mod:`snapctl.activation.requests`) for these options. The
+    API key travels as its value: the agent's environment is not the caller's."""
     return {
         "image": absolute(image),
         "name": name,

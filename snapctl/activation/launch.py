@@ -18,6 +18,9 @@ import psutil
 
 import snapctl
 from snapctl.activation.timeouts import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT_S,
     READY_TIMEOUT_S,
     SERVER_TIMEOUT_S,
     ready_timeout_hint,
@@ -54,12 +57,12 @@ class LaunchOptions:
 
     server_argv: list[str] | None = None
     name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     lo_addresses: list[str] = field(default_factory=list)
     api_key_env: str | None = None
     # Each step's wall-clock limit (dump, handshake, probe), except the wait for capture-ready.
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     server_timeout_s: float = SERVER_TIMEOUT_S
     ready_timeout_s: float = READY_TIMEOUT_S
     fixture_params_mb: int = 4

@@ -121,15 +121,31 @@ def _published_image(image: str) -> Path | None:
     return require_image(image).absolute()
 
 
-def lazy_default(image: Path, note: Note) -> bool:
-    """``--lazy/--no-lazy`` not given: lazy when ``image`` holds enough pages, said in a note."""
-    from snapctl.criu.lazy.transfer import lazy_by_default
+def decide_lazy(requested: bool | None, image: Path, note: Note | None = None) -> bool:
+    """Whether a copy of ``image`` restores lazily: ``requested`` (``--lazy/--no-lazy``) when
+    given, else when the image holds :data:`~snapctl.criu.lazy.tuning.LAZY_DEFAULT_MIN_BYTES`
+    of pages or more, said in a ``note``. Every entry decides it here (the CLI in-process, the
+    agent per request, a copy's supervisor, the pool's refill)."""
+    if requested is not None:
+        return requested
+    from snapctl.criu.lazy.pagemap import PAGE_SIZE
     from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
     from snapctl.images import load_manifest
 
-    lazy = lazy_by_default(load_manifest(image.absolute()))
-    if lazy:
-        threshold = LAZY_DEFAULT_MIN_BYTES >> 20
-        note(f"restoring lazily: the image holds {threshold} MiB of pages or more "
-             "(--no-lazy: restore every page first)")  # fmt: skip
+    manifest = load_manifest(image.absolute())
+    lazy = manifest.dump_stats.pages_written * PAGE_SIZE >= LAZY_DEFAULT_MIN_BYTES
+    if lazy and note is not None:
+        note(f"restoring lazily: the image holds {LAZY_DEFAULT_MIN_BYTES >> 20} MiB of pages or "
+             "more (--no-lazy: restore every page first)")  # fmt: skip
     return lazy
+
+
+def lazy_help() -> str:
+    """``--lazy/--no-lazy``'s help, its default's threshold read from the tuning constant."""
+    from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
+
+    return (
+        "Serve at once and let memory arrive on demand and in the background (CRIU lazy "
+        "pages); the image stays held until every page is in (see ps). Default: lazy when the "
+        f"image holds at least {LAZY_DEFAULT_MIN_BYTES >> 20} MiB of pages."
+    )

@@ -1,10 +1,17 @@
-"""The limits on starting a server for capture: their defaults, the CLI options that set them,
-and the hints the errors of their timeouts give, and what a limit in seconds may be (imports
-only ``math``, so ``--help`` stays light)."""
+"""The defaults of what starts a server (its address and port in its namespace, each step's
+limit), the limits on starting one for capture, the CLI options that set them, the hints the
+errors of their timeouts give, and what a limit in seconds may be (imports only ``math``, so
+``--help`` and the thin client stay light)."""
 
 from __future__ import annotations
 
 import math
+
+# Where the server binds inside its network namespace, and each step's wall-clock limit (dump,
+# restore, handshake, probe): the defaults of every request, option and launch.
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_TIMEOUT_S = 300.0
 
 # The server's own limit on its prepare stage and on each wait at the barrier (snapshot-config
 # ``timeout_s``; vLLM's default), and snapctl's wait for capture-ready: a real model loads,

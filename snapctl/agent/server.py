@@ -31,15 +31,15 @@ from urllib.parse import parse_qs, urlsplit
 
 from pydantic import BaseModel, ValidationError
 
+from snapctl.activation.requests import BakeRequest, CopyRequest, DonorRequest
 from snapctl.agent import API_PREFIX
 from snapctl.agent.api import ErrorBody, GcRequest, PoolRemoveRequest, StopRequest
 from snapctl.agent.errors import AgentUnavailableError
 from snapctl.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from snapctl.agent.service import AgentService, BadRequestError, Emit, NotFoundError
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool import CopyRequest, PoolTarget
+from snapctl.pool import PoolTarget
 from snapctl.pool.cancel import Cancel
-from snapctl.pool.models import BakeRequest, DonorRequest
 from snapctl.statedir.names import NAME_PATTERN
 from snapctl.supervision.sockets import bind_private
 

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapctl import __version__
+from snapctl.activation.precheck import decide_lazy
+from snapctl.activation.requests import CopyRequest, publish_pair
 from snapctl.agent.api import StopAnswer, VersionInfo
 from snapctl.agent.metrics import AgentMetrics
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool import CopyRequest, PoolListing, PoolTarget, Spawner, WarmPool
-from snapctl.pool.models import publish_pair
+from snapctl.pool import PoolListing, PoolTarget, Spawner, WarmPool
 from snapctl.pool.serve import activate_from_pool, copy_via_supervisor
 from snapctl.statedir import (
     ActivationRecord,
@@ -31,8 +32,8 @@ from snapctl.statedir import (
 )
 
 if TYPE_CHECKING:
+    from snapctl.activation.requests import BakeRequest, DonorRequest
     from snapctl.pool.cancel import Cancel
-    from snapctl.pool.models import BakeRequest, DonorRequest
 
 # One message of a streamed answer: {"lane", "progress"}, {"note"}, then the outcome.
 Emit = Callable[[dict[str, Any]], None]
@@ -172,8 +173,8 @@ class AgentService:
                 if report is not None:
                     self.metrics.served(report, source="pool", seconds=time.monotonic() - started)
                     return report
-            if request.lazy is None:
-                request = request.model_copy(update={"lazy": self._lazy_default(image, emit)})
+            lazy = decide_lazy(request.lazy, image, lambda text: emit({"note": text}))
+            request = request.model_copy(update={"lazy": lazy})
             report = copy_via_supervisor(request, self.state, progress, spawner=self.spawner)
         except SnapctlError as error:
             if error.exit_status != ExitStatus.USAGE:  # a refused request failed no phase
@@ -205,17 +206,12 @@ class AgentService:
             raise BadRequestError(f"{text} is not an absolute path", usage=option)
         return require_image(text).absolute()
 
-    def _lazy_default(self, image: Path, emit: Emit) -> bool:
-        from snapctl.activation.precheck import lazy_default
-
-        return lazy_default(image, lambda text: emit({"note": text}))
-
     # donor / bake ----------------------------------------------------------------------------
 
     def check_capture(self, request: BakeRequest) -> None:
         """What ``snapctl donor``/``bake`` refuse in-process before anything starts (the
         router calls it before it answers, so a refusal is a 4xx, not a failed stream)."""
-        from snapctl.pool.models import DonorRequest
+        from snapctl.activation.requests import DonorRequest
 
         if not Path(request.cwd).is_dir():
             raise BadRequestError(

@@ -11,12 +11,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from snapctl.activation.timeouts import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    DEFAULT_TIMEOUT_S,
     READY_TIMEOUT_S,
     SECONDS_RULE,
     SERVER_TIMEOUT_S,
     is_positive_seconds,
 )
-from snapctl.thin import DEFAULT_HOST, DEFAULT_PORT, DEFAULT_TIMEOUT_S, split_publish
+from snapctl.thin import split_publish
 
 if TYPE_CHECKING:
     from snapctl.activation.precheck import CopyUsageError

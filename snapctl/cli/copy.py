@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from snapctl.cli._activation_options import CommonOptions, activation_options, usage_error
 from snapctl.cli.serving import serve
 from snapctl.progress import Progress
+
+if TYPE_CHECKING:
+    from snapctl.activation.requests import CopyRequest
+
+
+class LazyOption(click.Option):
+    """``--lazy/--no-lazy``, whose help names the default's threshold: read from the lazy
+    tuning only when help is shown (importing it costs every command's start)."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from snapctl.activation.precheck import lazy_help
+
+        self.help = lazy_help()
+        return super().get_help_record(ctx)
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -41,14 +55,7 @@ from snapctl.progress import Progress
     "identity. File contents cannot be waived; host_id and env never refuse (accepted, "
     "not needed).",
 )
-@click.option(
-    "--lazy/--no-lazy",
-    default=None,
-    help="Serve at once and let memory arrive on demand and in the background (CRIU lazy "
-    "pages); the image stays held until every page is in (see ps). Default: lazy when the "
-    # criu.lazy.tuning.LAZY_DEFAULT_MIN_BYTES (not imported here: --help stays light).
-    "image holds at least 256 MiB of pages.",
-)
+@click.option("--lazy/--no-lazy", default=None, cls=LazyOption)
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[str, ...],
@@ -70,13 +77,12 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     if client is not None:
         from snapctl.cli.remote import copy_through_agent
 
-        request = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common)
-        copy_through_agent(client, request, as_json=common.as_json, detach=common.detach)
+        body = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common)
+        copy_through_agent(client, body, as_json=common.as_json, detach=common.detach)
         return
     from snapctl.activation.copy import start_copy
-    from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
-    from snapctl.activation.precheck import CopyUsageError, check_copy_start, lazy_default
+    from snapctl.activation.precheck import CopyUsageError, check_copy_start, decide_lazy
     from snapctl.cli.output import note
     from snapctl.criu import find_criu
     from snapctl.statedir import StateDir
@@ -93,19 +99,13 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     except CopyUsageError as error:
         raise usage_error(error) from error
     image = published or image_path(image_source, plain_http=plain_http, quiet=common.as_json)
-    options = LaunchOptions(
-        server_argv=list(server_cmd) or None,
-        allow_mismatch=allow_mismatch,
-        name=common.name,
-        host=common.host,
-        port=common.port,
-        api_key_env=common.api_key_env,
-        timeout_s=common.timeout_s,
+    request = copy_request_model(
+        copy_request(str(image), count, allow_mismatch, lazy, server_cmd, common)
     )
-    criu = find_criu(common.criu_path)
-    native = native_step(common.native)
-    if lazy is None:
-        lazy = lazy_default(image, say)
+    options = request.launch_options()
+    criu = find_criu(request.criu_path)
+    native = native_step(request.native)
+    lazy = decide_lazy(request.lazy, image, say)
 
     if count > 1:
         serve_many(image, options, count, criu, native, common, lazy=lazy)
@@ -135,6 +135,23 @@ def copy_request(
         api_key_env=common.api_key_env, timeout_s=common.timeout_s, native=common.native,
         criu_path=common.criu_path, detach=common.detach,
     )  # fmt: skip
+
+
+def copy_request_model(body: dict[str, Any]) -> CopyRequest:
+    """The request ``body`` describes (as the agent reads it: JSON), or a usage error saying
+    which option is refused."""
+    import json
+
+    from pydantic import ValidationError
+
+    from snapctl.activation.requests import CopyRequest
+
+    try:
+        return CopyRequest.model_validate_json(json.dumps(body))
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise click.UsageError(f"{where}: {first['msg']}") from error
 
 
 def serve_many(

@@ -6,9 +6,35 @@ tree is frozen), writes the exact argv beside the log, and raises
 :class:`CriuError` with the log tail when CRIU fails.
 """
 
-from snapctl.criu.locate import CriuBinary, find_criu
-from snapctl.criu.run import CriuError, CriuResult, run_criu
-from snapctl.criu.stats import DumpStats, RestoreStats, read_dump_stats, read_restore_stats
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from snapctl.criu.locate import CriuBinary, find_criu
+    from snapctl.criu.run import CriuError, CriuResult, run_criu
+    from snapctl.criu.stats import DumpStats, RestoreStats, read_dump_stats, read_restore_stats
+
+# Loaded on first use, so that a light submodule (the lazy tuning constants, which ``--help``
+# reads) does not import the runner, its models and psutil.
+_HOMES = {
+    "CriuBinary": "locate",
+    "find_criu": "locate",
+    "CriuError": "run",
+    "CriuResult": "run",
+    "run_criu": "run",
+    "DumpStats": "stats",
+    "RestoreStats": "stats",
+    "read_dump_stats": "stats",
+    "read_restore_stats": "stats",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "CriuBinary",

@@ -2,7 +2,8 @@
 its own supervisor process, and the two ways the agent serves a copy request (a parked copy,
 or a restore in a fresh supervisor).
 
-This module is the seam the agent codes against: the models (:mod:`snapctl.pool.models`),
+This module is the seam the agent codes against: the models (:mod:`snapctl.pool.models`; the
+requests are :mod:`snapctl.activation.requests`'),
 :class:`WarmPool`, :func:`activate_taken`, :func:`copy_via_supervisor`, :class:`Spawner`
 and :class:`PoolEvents`. Process model: every supervisor (a parked copy's, or a fresh copy's)
 is forked by the :class:`Spawner`, a single-threaded child the agent starts before any thread,
@@ -14,14 +15,12 @@ from __future__ import annotations
 from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.models import (
     AdoptionReport,
-    CopyRequest,
     DiscardedCopy,
     ParkedCopyRow,
     ParkedRecord,
     PoolEntry,
     PoolListing,
     PoolTarget,
-    PublishTarget,
 )
 from snapctl.pool.serve import ParkedHandle, activate_taken, copy_via_supervisor
 from snapctl.pool.spawner import Spawner
@@ -29,7 +28,6 @@ from snapctl.pool.warm import WarmPool
 
 __all__ = [
     "AdoptionReport",
-    "CopyRequest",
     "DiscardedCopy",
     "NoEvents",
     "ParkedCopyRow",
@@ -39,7 +37,6 @@ __all__ = [
     "PoolEvents",
     "PoolListing",
     "PoolTarget",
-    "PublishTarget",
     "Spawner",
     "WarmPool",
     "activate_taken",

@@ -7,6 +7,7 @@ supervisor starts without importing anything."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -24,8 +25,8 @@ import snapctl.activation.precheck
 import snapctl.activation.supervise
 import snapctl.registry.source  # the pre-start checks' image lookup
 from snapctl.activation.launch import LaunchOptions
+from snapctl.activation.requests import BakeRequest, CopyRequest, DonorRequest, publish_pair
 from snapctl.errors import ExitStatus, SnapctlError, wire_outcome
-from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest, publish_pair
 from snapctl.statedir import StateDir
 
 assert snapctl.activation.copy and snapctl.activation.supervise
@@ -79,15 +80,7 @@ def launch_options(request: CopyRequest) -> LaunchOptions:
     if request.api_key is not None:
         api_key_env = PROBE_KEY_ENV
         os.environ[api_key_env] = request.api_key.get_secret_value()
-    return LaunchOptions(
-        server_argv=None if request.server_argv is None else list(request.server_argv),
-        allow_mismatch=request.allow_mismatch,
-        name=request.name,
-        host=request.host,
-        port=request.port,
-        api_key_env=api_key_env,
-        timeout_s=request.timeout_s,
-    )
+    return dataclasses.replace(request.launch_options(), api_key_env=api_key_env)
 
 
 def check_request(request: CopyRequest, state: StateDir | None = None) -> None:
@@ -164,7 +157,7 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
     from snapctl.activation.copy import require_all, start_copies, start_copy
     from snapctl.activation.native import native_step
-    from snapctl.activation.precheck import lazy_default
+    from snapctl.activation.precheck import decide_lazy
     from snapctl.criu import find_criu
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
@@ -178,9 +171,7 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
             image = Path(request.image)
             criu = find_criu(request.criu_path)
             native = native_step(request.native)
-            lazy = request.lazy
-            if lazy is None:  # the agent decides (and notes) it first: this is the same rule
-                lazy = lazy_default(image, lambda text: None)
+            lazy = decide_lazy(request.lazy, image)  # the agent decided (and noted) it first
             publish = publish_pair(request.publish)
             sessions: list[Any]
             if request.count == 1:
@@ -218,21 +209,6 @@ def adopt_client_context(request: BakeRequest) -> None:
                        request.environ.items()})  # fmt: skip
 
 
-def capture_options(request: BakeRequest) -> LaunchOptions:
-    """The request's launch options, as ``snapctl donor``/``bake`` build them in-process."""
-    return LaunchOptions(
-        server_argv=None if request.server_argv is None else list(request.server_argv),
-        name=request.name if isinstance(request, DonorRequest) else None,
-        host=request.host,
-        port=request.port,
-        lo_addresses=list(request.lo_addresses),
-        api_key_env=request.api_key_env,
-        timeout_s=request.timeout_s,
-        ready_timeout_s=request.ready_timeout_s,
-        server_timeout_s=request.server_timeout_s,
-    )
-
-
 def run_capture(
     job: dict[str, Any], reporter: Reporter, *,
     adopt: Callable[[BakeRequest], None] = adopt_client_context,
@@ -254,7 +230,7 @@ def run_capture(
             model = DonorRequest if job["kind"] == "donor" else BakeRequest
             request = model.model_validate_json(json.dumps(job["request"]))
             adopt(request)
-            options = capture_options(request)
+            options = request.launch_options()
             criu = find_criu(request.criu_path)
             native = native_step(request.native)
 

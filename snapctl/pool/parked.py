@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from snapctl.activation.copy import ParkedCopy, activate_copy, restore_copy
+from snapctl.activation.requests import CopyRequest, publish_pair
 from snapctl.errors import ExitStatus
 from snapctl.images.filecache import StatKey
 from snapctl.images.manifest import MANIFEST_NAME
@@ -34,7 +35,7 @@ from snapctl.pool.jobs import (
     detach_stdio,
     launch_options,
 )
-from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord, publish_pair
+from snapctl.pool.models import ActivationOrder, ParkedRecord
 from snapctl.pool.records import LOG_NAME, RECORD_NAME, SOCKET_NAME, parked_home
 from snapctl.pool.serve import ParkedCopyUnusableError
 from snapctl.protocol.atomic import write_json_atomic

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from snapctl.activation.requests import BakeRequest, CopyRequest, DonorRequest
 from snapctl.errors import INTERRUPTED_MESSAGE, ExitStatus, RelayedError, SnapctlError
 from snapctl.phases import HostPhase
 from snapctl.pool.cancel import Cancel
-from snapctl.pool.models import BakeRequest, CopyRequest, DonorRequest
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.statedir import StateDir
 

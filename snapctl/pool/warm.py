@@ -25,6 +25,8 @@ from typing import Any
 import psutil
 from pydantic import ValidationError
 
+from snapctl.activation.precheck import decide_lazy
+from snapctl.activation.requests import CopyRequest
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import ImageError
 from snapctl.phases import HostPhase
@@ -33,7 +35,6 @@ from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import (
     AdoptionReport,
-    CopyRequest,
     DiscardedCopy,
     DiscardReason,
     ParkedCopyRow,
@@ -581,19 +582,11 @@ class WarmPool:
     def _park_request(self, target: PoolTarget, lazy: bool) -> CopyRequest:
         return CopyRequest(image=target.image, lazy=lazy)
 
-    def _resolved_lazy(self, target: PoolTarget) -> bool:
-        if target.lazy is not None:
-            return target.lazy
-        from snapctl.criu.lazy.transfer import lazy_by_default
-        from snapctl.images import load_manifest
-
-        return lazy_by_default(load_manifest(Path(target.image)))
-
     def _park(self, entry: _Image, slot: _Slot) -> None:
         """A parking thread: one supervisor's restore, until it is parked or failed."""
         started = time.monotonic()
         try:
-            lazy = self._resolved_lazy(entry.target)
+            lazy = decide_lazy(entry.target.lazy, Path(entry.target.image))
             request = self._park_request(entry.target, lazy)
             job = {
                 "kind": "park", "id": slot.id, "state": str(self.state.root),

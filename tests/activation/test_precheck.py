@@ -11,14 +11,14 @@ from typing import Any
 
 import pytest
 
-from snapctl.activation.precheck import CopyUsageError, check_copy_start, lazy_default
+from snapctl.activation.precheck import CopyUsageError, check_copy_start, decide_lazy, lazy_help
+from snapctl.activation.requests import CopyRequest
 from snapctl.agent.service import AgentService, BadRequestError
 from snapctl.cli import main
-from snapctl.criu.lazy.transfer import PAGE_SIZE
+from snapctl.criu.lazy.pagemap import PAGE_SIZE
 from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool import CopyRequest
 from snapctl.pool.jobs import check_request
 from snapctl.statedir import StateDir
 from snapctl.statedir.names import NameInUseError
@@ -186,18 +186,29 @@ def test_needless_waivers_are_noted_and_the_image_returned(
 
 
 @pytest.mark.parametrize("lazy", [True, False])
-def test_the_lazy_default_is_decided_and_noted_once_the_same_way(
-    state: StateDir, tmp_path: Path, lazy: bool
+def test_the_lazy_default_is_decided_by_the_image_s_pages_and_noted(
+    tmp_path: Path, lazy: bool
 ) -> None:
     pages = LAZY_DEFAULT_MIN_BYTES // PAGE_SIZE - (0 if lazy else 1)
     publish_sample(tmp_path / "image", dump_stats=DumpStats(pages_written=pages))
     notes: list[str] = []
-    assert lazy_default(tmp_path / "image", notes.append) is lazy
+    assert decide_lazy(None, tmp_path / "image", notes.append) is lazy
     expected = [
         f"restoring lazily: the image holds {LAZY_DEFAULT_MIN_BYTES >> 20} MiB of pages or more "
         "(--no-lazy: restore every page first)"
     ]
     assert notes == (expected if lazy else [])
-    emitted: list[dict[str, Any]] = []
-    assert agent_service(state)._lazy_default(tmp_path / "image", emitted.append) is lazy
-    assert emitted == [{"note": note} for note in notes]
+    assert decide_lazy(None, tmp_path / "image") is lazy  # no note asked for: none said
+
+
+@pytest.mark.parametrize("requested", [True, False])
+def test_a_requested_lazy_is_kept_without_reading_the_image(
+    tmp_path: Path, requested: bool
+) -> None:
+    notes: list[str] = []
+    assert decide_lazy(requested, tmp_path / "no-image", notes.append) is requested
+    assert notes == []
+
+
+def test_the_lazy_option_s_help_names_the_tuned_threshold() -> None:
+    assert f"at least {LAZY_DEFAULT_MIN_BYTES >> 20} MiB of pages" in lazy_help()

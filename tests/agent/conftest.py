@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
+from snapctl.activation.requests import CopyRequest
 from snapctl.agent.daemon import Agent, AgentOptions
 from snapctl.pool import (
     AdoptionReport,
-    CopyRequest,
     ParkedHandle,
     PoolEntry,
     PoolEvents,

@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 
 from snapctl.agent.daemon import Agent, AgentOptions
-from snapctl.errors import ExitStatus
-from snapctl.errors import INTERRUPTED_MESSAGE
+from snapctl.errors import INTERRUPTED_MESSAGE, ExitStatus
 from snapctl.pool.spawner import SpawnedJob
 from snapctl.statedir import StateDir
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from snapctl.activation.requests import BakeRequest, DonorRequest
 from snapctl.cli import main
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import jobs
-from snapctl.pool.models import BakeRequest, DonorRequest
 from snapctl.pool.serve import capture_payload
 from tests.agent.conftest import RunningAgent, make_report
 from tests.agent.test_server import HEAVY, metrics_of, post
@@ -403,7 +403,7 @@ def test_a_donor_whose_report_reached_no_one_is_stopped_unless_detached(
 def test_a_copy_whose_report_reached_no_one_is_stopped_unless_detached(
     supervisor_seams: list[Any], monkeypatch: pytest.MonkeyPatch, detach: bool
 ) -> None:
-    from snapctl.pool.models import CopyRequest
+    from snapctl.activation.requests import CopyRequest
 
     monkeypatch.setattr(jobs, "check_request", lambda request, state=None: None)
     monkeypatch.setattr(

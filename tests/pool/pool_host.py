@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from snapctl.pool import CopyRequest, Spawner, WarmPool, activate_taken, copy_via_supervisor
+from snapctl.activation.requests import CopyRequest
+from snapctl.pool import Spawner, WarmPool, activate_taken, copy_via_supervisor
 from snapctl.pool.serve import ParkedHandle, activate_from_pool
 from snapctl.statedir import StateDir
 

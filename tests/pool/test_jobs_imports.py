@@ -13,7 +13,7 @@ from tests.images.factories import publish_sample
 PROBE = """
 import sys
 import snapctl.pool.jobs as jobs
-from snapctl.pool.models import CopyRequest
+from snapctl.activation.requests import CopyRequest
 before = set(sys.modules)
 request = CopyRequest(image=sys.argv[1], name="probe", publish={"address": "127.0.0.1", "port": 0})
 jobs.check_request(request)

@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from snapctl.activation.requests import CopyRequest
 from snapctl.errors import ExitStatus
 from snapctl.pool import parked
-from snapctl.pool.models import ActivationOrder, CopyRequest, ParkedRecord
+from snapctl.pool.models import ActivationOrder, ParkedRecord
 
 
 def _parked(monkeypatch: pytest.MonkeyPatch, delivered: bool, detach: bool) -> dict[str, Any]:

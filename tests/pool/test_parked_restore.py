@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from snapctl.activation.requests import CopyRequest
 from snapctl.images.store import load_manifest
 from snapctl.pool import parked
-from snapctl.pool.models import CopyRequest
 from tests.images.factories import publish_sample
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from snapctl.pool import CopyRequest
+from snapctl.activation.requests import CopyRequest
 from snapctl.pool.models import ActivationOrder
 from snapctl.pool.parked import restore_fits
 from snapctl.pool.records import RECORD_NAME, parked_home, pool_dir, sweep_parked

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from snapctl.pool import CopyRequest, WarmPool
+from snapctl.activation.requests import CopyRequest
+from snapctl.pool import WarmPool
 from snapctl.pool.identity import published_identity
 from snapctl.pool.models import ParkedRecord, PoolTarget
 from snapctl.pool.records import RECORD_NAME, parked_home

@@ -21,15 +21,6 @@ from pydantic import BaseModel, ConfigDict
 
 from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
-from snapctl.criu.lazy.pagemap import PAGE_SIZE
-from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
-from snapctl.images.manifest import Manifest
-
-
-def lazy_by_default(manifest: Manifest) -> bool:
-    """Whether a copy of this image restores lazily when neither --lazy nor --no-lazy is given."""
-    return manifest.dump_stats.pages_written * PAGE_SIZE >= LAZY_DEFAULT_MIN_BYTES
-
 
 PagesState = Literal["transferring", "complete", "failed", "stopped"]
 
