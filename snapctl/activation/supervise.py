@@ -22,7 +22,7 @@ from snapctl.errors import ExitStatus, RelayedError, SnapctlError, wire_outcome
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
 from snapctl.progress import Progress
 from snapctl.statedir import ActivationRecord, StateDir
-from snapctl.supervision.leftovers import TMP_GRACE_S, sweep_claims, sweep_records
+from snapctl.supervision.leftovers import TMP_GRACE_S
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
 from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
 
@@ -264,20 +264,6 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
     return collected
 
 
-class GarbageReport(BaseModel):
-    """What one ``snapctl gc`` cleaned up: orphaned activations, and the leftovers of killed
-    snapctl processes outside them (staging directories, records' .tmp files)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    activations: list[CollectedActivation]
-    removed: list[str]
-
-    @property
-    def clean(self) -> bool:
-        return all(entry.audit.clean for entry in self.activations)
-
-
 def sweep_creating(state: StateDir) -> list[str]:
     """Remove activation directories a killed process was still creating (nothing in them
     runs or is mounted yet: both come after the rename); return them."""
@@ -310,15 +296,3 @@ def sweep_stale_records(state: StateDir) -> list[str]:
         state.drop_record(record.name)
         removed.append(str(state.record_path(record.name)))
     return removed
-
-
-def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageReport:
-    """Everything ``snapctl gc`` does: orphaned activations first (which drops their records),
-    then what killed processes left elsewhere, only where no live process owns it."""
-    activations = collect_orphans(state, stop_timeout_s)
-    removed = sweep_creating(state) + sweep_stale_records(state)
-    removed += sweep_claims(state.claims) + sweep_records(state.records)
-    from snapctl.pool.records import sweep_parked  # the pool's parked copies (issue 19)
-
-    removed += sweep_parked(state)
-    return GarbageReport(activations=activations, removed=removed)

@@ -118,7 +118,7 @@ class AgentService:
                                 path=log) from error  # fmt: skip
 
     def gc(self, timeout_s: float) -> dict[str, Any]:
-        from snapctl.activation.supervise import collect_garbage
+        from snapctl.gc import collect_garbage
 
         report = collect_garbage(self.state, timeout_s)
         return report.model_dump(mode="json")
@@ -129,7 +129,7 @@ class AgentService:
         """``images --json`` for this agent's state directory: the images in ``root``, else in
         ``default_root`` (the caller's ``$SNAPCTL_IMAGE_ROOT``) or the state's ``images/``,
         and the pulled ones."""
-        from snapctl.cli.images import image_records
+        from snapctl.registry.source import image_records
 
         for path, option in ((root, "--root"), (default_root, "")):
             if path is not None and not Path(path).is_absolute():
@@ -138,7 +138,7 @@ class AgentService:
         return image_records(None if root is None else Path(root), self.state, images)
 
     def inspect(self, image: str, verify: bool) -> dict[str, Any]:
-        from snapctl.cli.inspect import inspect_record
+        from snapctl.images.catalog import inspect_record
 
         return inspect_record(self._published_image(image, "IMAGE"), verify, self.state)
 

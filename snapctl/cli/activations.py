@@ -147,7 +147,7 @@ def gc(timeout_s: float, as_json: bool) -> None:
 
     client = agent_client()
     if client is None:
-        from snapctl.activation.supervise import collect_garbage
+        from snapctl.gc import collect_garbage
         from snapctl.statedir import StateDir
 
         report = collect_garbage(StateDir(), timeout_s).model_dump(mode="json")

@@ -10,7 +10,7 @@ import click
 from snapctl.cli.output import json_option
 
 if TYPE_CHECKING:
-    from snapctl.statedir import StateDir
+    pass
 
 
 @click.command()
@@ -30,6 +30,7 @@ def images(root: Path | None, as_json: bool) -> None:
     client = agent_client()
     if client is None:
         from snapctl.images.catalog import default_image_root
+        from snapctl.registry.source import image_records
         from snapctl.statedir import StateDir
 
         records = image_records(root, StateDir(), default_image_root())
@@ -59,22 +60,6 @@ def images_query(root: Path | None) -> str:
         return f"?root={quote(str(root.absolute()))}"
     configured = os.environ.get(IMAGE_ROOT_ENV)
     return f"?default_root={quote(str(Path(configured).absolute()))}" if configured else ""
-
-
-def image_records(
-    root: Path | None, state: StateDir, default_root: Path
-) -> list[dict[str, object]]:
-    """``images --json``'s rows: the images in ``root`` (default: ``default_root``), and
-    without ``root`` the ones pulled into ``state`` (the agent answers ``GET /v1/images``
-    with the same, for its own state directory)."""
-    from snapctl.images.catalog import list_images
-
-    rows = list_images(root.absolute() if root else default_root, state.verified)
-    if root is None:
-        from snapctl.registry.source import list_pulled
-
-        rows += list_pulled(state)
-    return [row.model_dump(mode="json") for row in rows]
 
 
 def render(rows: list[Any]) -> None:

@@ -13,7 +13,6 @@ from snapctl.cli.output import emit_json, json_option, stdout
 if TYPE_CHECKING:
     from snapctl.images import Manifest
     from snapctl.registry.workingsets import AttachedSets
-    from snapctl.statedir import StateDir
 
 
 @click.command()
@@ -53,6 +52,8 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
 
     client = agent_client() if Path(source).is_dir() else None
     if client is None:
+        from snapctl.images.catalog import inspect_record
+
         image = require_image(source)
         record = inspect_record(image, verify, StateDir())
     else:
@@ -64,23 +65,6 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     from snapctl.images import Manifest
 
     _show(source, Manifest.model_validate(record["manifest"]), verify, brief)
-
-
-def inspect_record(image: Path, verify: bool, state: StateDir) -> dict[str, Any]:
-    """``inspect --json``'s record of a local image (the agent answers ``GET
-    /v1/images/inspect`` with the same); ``verify`` hashes every file and records it in
-    ``state``, where ``snapctl images`` reads it."""
-    from snapctl.images import load_manifest, verify_image
-    from snapctl.images.store import record_verified
-
-    if verify:
-        manifest = verify_image(image)  # always a full hash when asked, cache or not
-        state.ensure()
-        record_verified(image, manifest, state.verified)  # so `snapctl images` shows it
-    else:
-        manifest = load_manifest(image)
-    return {"path": str(image.absolute()), "manifest": manifest.model_dump(mode="json"),
-            "verified": verify}  # fmt: skip
 
 
 def _sets_text(sets: AttachedSets) -> str:

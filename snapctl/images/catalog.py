@@ -1,5 +1,5 @@
-"""Images on this host: listing an image root (without hashing anything) and removing an image
-no copy holds."""
+"""Images on this host: listing an image root (without hashing anything), an image's record for
+``inspect`` (its manifest, verified when asked) and removing an image no copy holds."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.images.lock import hold_image
 from snapctl.images.manifest import MANIFEST_NAME
 from snapctl.images.store import ImageError, is_verified, load_manifest
-from snapctl.statedir import state_dir
+from snapctl.statedir import StateDir, state_dir
 
 IMAGE_ROOT_ENV = "SNAPCTL_IMAGE_ROOT"
 
@@ -118,3 +119,19 @@ def remove_image(image: Path) -> None:
             f"{image} was unpublished but {doomed} could not be deleted: {error.strerror}",
             path=doomed,
         ) from error
+
+
+def inspect_record(image: Path, verify: bool, state: StateDir) -> dict[str, Any]:
+    """``inspect --json``'s record of a local image (the agent answers ``GET
+    /v1/images/inspect`` with the same); ``verify`` hashes every file and records it in
+    ``state``, where ``snapctl images`` reads it."""
+    from snapctl.images.store import record_verified, verify_image
+
+    if verify:
+        manifest = verify_image(image)  # always a full hash when asked, cache or not
+        state.ensure()
+        record_verified(image, manifest, state.verified)  # so `snapctl images` shows it
+    else:
+        manifest = load_manifest(image)
+    return {"path": str(image.absolute()), "manifest": manifest.model_dump(mode="json"),
+            "verified": verify}  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from snapctl.images.catalog import ImageSummary, summarize
+from snapctl.images.catalog import ImageSummary, list_images, summarize
 from snapctl.images.store import ImageError
 from snapctl.registry.cache import blob_cache, pulled_root, read_record
 from snapctl.registry.client import Reference, RegistryClient
@@ -79,3 +79,15 @@ def list_pulled(state: StateDir) -> list[ImageSummary]:
         references = ", ".join(record.references) if record else None
         rows.append(row.model_copy(update={"reference": references}))
     return rows
+
+
+def image_records(
+    root: Path | None, state: StateDir, default_root: Path
+) -> list[dict[str, object]]:
+    """``images --json``'s rows: the images in ``root`` (default: ``default_root``), and
+    without ``root`` the ones pulled into ``state`` (the agent answers ``GET /v1/images``
+    with the same, for its own state directory)."""
+    rows = list_images(root.absolute() if root else default_root, state.verified)
+    if root is None:
+        rows += list_pulled(state)
+    return [row.model_dump(mode="json") for row in rows]

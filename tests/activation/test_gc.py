@@ -12,7 +12,8 @@ import pytest
 
 from snapctl.activation.core import new_session
 from snapctl.activation.launch import LaunchOptions, launch_in_sandbox
-from snapctl.activation.supervise import collect_garbage, collect_orphans
+from snapctl.activation.supervise import collect_orphans
+from snapctl.gc import collect_garbage
 from snapctl.namespaces import mounts
 from snapctl.namespaces.layout import ActivationDirs, ActivationOwner
 from snapctl.protocol.atomic import write_json_atomic

@@ -266,7 +266,7 @@ def test_image_replaced_after_the_take_is_refused_before_activation(
 def test_gc_without_an_agent_ends_what_a_killed_parked_supervisor_left(
     state: StateDir, donor_image: tuple[Path, Any], hosts: Started[Host]
 ) -> None:
-    from snapctl.activation.supervise import collect_garbage
+    from snapctl.gc import collect_garbage
 
     image, _expected = donor_image
     host = hosts.start()

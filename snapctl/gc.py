@@ -1,0 +1,42 @@
+"""``snapctl gc``: everything a state directory's garbage collection does, in one pass over the
+activations (:mod:`snapctl.activation.supervise`), the leftovers of killed snapctl processes
+(:mod:`snapctl.supervision.leftovers`) and the pool's parked copies (:mod:`snapctl.pool.records`).
+Above all three, so that none of them imports another's cleanup."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from snapctl.activation.supervise import (
+    CollectedActivation,
+    collect_orphans,
+    sweep_creating,
+    sweep_stale_records,
+)
+from snapctl.pool.records import sweep_parked
+from snapctl.statedir import StateDir
+from snapctl.supervision.leftovers import sweep_claims, sweep_records
+
+
+class GarbageReport(BaseModel):
+    """What one ``snapctl gc`` cleaned up: orphaned activations, and the leftovers of killed
+    snapctl processes outside them (staging directories, records' .tmp files)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    activations: list[CollectedActivation]
+    removed: list[str]
+
+    @property
+    def clean(self) -> bool:
+        return all(entry.audit.clean for entry in self.activations)
+
+
+def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageReport:
+    """Everything ``snapctl gc`` does: orphaned activations first (which drops their records),
+    then what killed processes left elsewhere, only where no live process owns it."""
+    activations = collect_orphans(state, stop_timeout_s)
+    removed = sweep_creating(state) + sweep_stale_records(state)
+    removed += sweep_claims(state.claims) + sweep_records(state.records)
+    removed += sweep_parked(state)
+    return GarbageReport(activations=activations, removed=removed)
