@@ -28,6 +28,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             from snapctl.errors import ExitStatus
 
             status = ExitStatus.INTERRUPTED  # as the full CLI exits
+        except Exception as error:  # the agent failed it: reported as the full CLI reports
+            from snapctl.cli import exit_status_for, report_error
+            from snapctl.errors import ExitStatus, SnapctlError
+
+            report_error(error)
+            status = exit_status_for(error) if isinstance(error, SnapctlError) else ExitStatus.ERROR
         if status is not None:
             if argv is None:
                 _end_now(status)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from snapctl.agent import wire
+from snapctl import wire
 
 TYPE_CHECKING = False  # not typing's: see snapctl.errors
 if TYPE_CHECKING:

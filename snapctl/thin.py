@@ -1,7 +1,7 @@
 """Commands the agent answers before click is imported: ``snapctl ps [--json]`` and the
 detached ``snapctl copy --image DIR ... --detach --json`` that scripts, hooks and autoscalers
 run. The standard library's cheapest modules and :mod:`snapctl.agent.client` only: no ``re``,
-``json``, ``socket`` or ``enum`` either (:mod:`snapctl.agent.wire` says why).
+``json``, ``socket`` or ``enum`` either (:mod:`snapctl.wire` says why).
 
 Through the agent such a command is a socket write and a few reads, so the interpreter's start,
 click and the CLI's modules (tens of milliseconds) would be most of its wall time. Each path
@@ -15,7 +15,7 @@ raised before anything starts: the full CLI then asks again and reports it as cl
 from __future__ import annotations
 
 # signal's C half, which the interpreter imported already (no stub in typeshed): signal itself
-# imports enum (see snapctl.agent.wire).
+# imports enum (see snapctl.wire).
 import _signal  # type: ignore[import-not-found]
 import os
 
@@ -254,9 +254,9 @@ def fast_ps(args: list[str]) -> int | None:
 
 def fast_copy(args: list[str]) -> int | None:
     """``snapctl copy --image DIR ... --detach --json`` served by the agent: its report on
-    stdout, exit 0; a failure reported by the full CLI's own error path, with its status.
-    None (nothing was asked of the agent, or it refused before anything started): take the
-    full CLI's path."""
+    stdout, exit 0; a failure raised, for the caller to report as the full CLI does
+    (:mod:`snapctl.entry`). None (nothing was asked of the agent, or it refused before
+    anything started): take the full CLI's path."""
     if os.environ.get(NO_AGENT_ENV):
         return None
     request = parse_fast_copy(args)
@@ -281,13 +281,5 @@ def fast_copy(args: list[str]) -> int | None:
 
         if isinstance(error, AgentError) and error.usage is not None:
             return None  # refused before anything started: the full CLI reports it as click
-        return _report_failure(error)
+        raise
     return 0
-
-
-def _report_failure(error: BaseException) -> int:
-    from snapctl.cli import exit_status_for, report_error
-    from snapctl.errors import ExitStatus, SnapctlError
-
-    report_error(error)
-    return int(exit_status_for(error)) if isinstance(error, SnapctlError) else ExitStatus.ERROR

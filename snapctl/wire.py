@@ -1,10 +1,10 @@
 """JSON and the unix socket for the CLI's fast path, straight from the C modules that the
 standard library's ``json`` and ``socket`` wrap (``_json``, ``_socket``).
 
-Those wrappers import ``re`` and ``enum``: 10 to 20 ms of every command answered through the
-agent, about as much as the interpreter's own start (docs/agent.md). The C codec is the one
-``json`` itself runs, with the arguments ``json.dumps`` and ``json.loads`` give it, so the text
-is the same (tests/agent/test_wire.py compares them; bytes are read as UTF-8 only, which is
+Those wrappers import ``re`` and ``enum``, a large share of every command answered through the
+agent (docs/agent.md, "Why the client imports so little"). The C codec is the one ``json``
+itself runs, with the arguments ``json.dumps`` and ``json.loads`` give it, so the text is the
+same (tests/test_wire.py compares them; bytes are read as UTF-8 only, which is
 what the agent sends); where ``_json`` lacks it (another Python implementation) the standard
 library's functions serve instead.
 """

@@ -1,4 +1,4 @@
-"""The thin client's JSON and socket (:mod:`snapctl.agent.wire`): the same text as ``json``
+"""The thin client's JSON and socket (:mod:`snapctl.wire`): the same text as ``json``
 gives, the same values back, the same refusals, with the C codec and with the standard library
 serving instead (the fallback where ``_json`` is absent)."""
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from snapctl.agent import wire
+from snapctl import wire
 
 Codec = tuple[Callable[..., str], Callable[[str | bytes], Any]]
 CODECS: dict[str, Codec] = {"stdlib": wire._stdlib_codec()}
@@ -147,7 +147,7 @@ def test_a_c_encoder_that_reads_its_arguments_otherwise_gives_way_to_the_standar
 def test_without_the_c_codec_the_standard_library_serves() -> None:
     script = (
         "import sys; sys.modules['_json'] = None\n"  # import _json raises ImportError
-        "from snapctl.agent import wire\n"
+        "from snapctl import wire\n"
         "assert wire._dumps.__name__ == 'std_dumps', wire._dumps\n"
         "print(wire.dumps({'b': [1, 'é'], 'a': None}, sort_keys=True), wire.loads('[1, 2.5]'))"
     )

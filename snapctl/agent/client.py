@@ -1,7 +1,7 @@
 """The thin client: the CLI's side of the agent's API, over its unix socket.
 
 Not ``http.client`` (it imports ``email`` and ``ssl``, tens of milliseconds), nor ``json`` and
-``socket`` (:mod:`snapctl.agent.wire` says why), nor :mod:`snapctl.errors` until something
+``socket`` (:mod:`snapctl.wire` says why), nor :mod:`snapctl.errors` until something
 fails: the CLI's fast path (``snapctl ps`` through the agent) must not pay for imports a few
 socket writes do not need. One request per connection (``Connection: close``); a response is
 JSON (``Content-Length``) or, for long operations, NDJSON in chunks, one message per chunk.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import io
 import os
 
-from snapctl.agent import API_PREFIX, default_socket, wire
+from snapctl import wire
+from snapctl.agent import API_PREFIX, default_socket
 
 TYPE_CHECKING = False  # not typing's, nor pathlib or contextlib: see snapctl.errors
 if TYPE_CHECKING:

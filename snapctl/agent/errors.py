@@ -1,7 +1,7 @@
 """The errors the thin client raises: the agent's refusal or failure, relayed, and an agent that
 stopped answering. A module of their own, which :mod:`snapctl.agent.client` imports only once
 something fails: :mod:`snapctl.errors` imports ``enum``, a few milliseconds that a command the
-agent answered need not pay (see :mod:`snapctl.agent.wire`)."""
+agent answered need not pay (see :mod:`snapctl.wire`)."""
 
 from __future__ import annotations
 

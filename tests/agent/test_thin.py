@@ -165,7 +165,7 @@ def test_as_a_process_it_imports_no_click_and_ends_with_the_report(
 
 # Standard library modules that each cost a pooled copy's command a millisecond or more to
 # import, none of which a socket request and a JSON record need (json and socket: their C
-# halves serve, see snapctl.agent.wire).
+# halves serve, see snapctl.wire).
 SLOW_STDLIB = {"typing", "pathlib", "threading", "contextlib", "unicodedata", "subprocess",
                "logging", "http", "email", "ssl", "asyncio", "dataclasses", "inspect", "re",
                "enum", "json", "socket", "selectors", "string"}  # fmt: skip
