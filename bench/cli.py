@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             say("error: needs root (CRIU restores into new namespaces)")
             return 2
         from bench.machine import compile_bytecode
-        from bench.run import Runner, full, quick, workdir
+        from bench.plan import full, quick
+        from bench.run import Runner, workdir
 
         compile_bytecode()
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from bench.results import Figure, Target, Unit, judge
 
 if TYPE_CHECKING:
-    from bench.run import Plan
+    from bench.plan import Plan
 
 
 class Recorder:

@@ -14,8 +14,9 @@ import pytest
 
 from bench import docs
 from bench.cli import main
+from bench.plan import tiny
 from bench.results import Results
-from bench.run import Runner, tiny
+from bench.run import Runner
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 

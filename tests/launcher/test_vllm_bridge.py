@@ -13,12 +13,11 @@ import pytest
 from snapctl.errors import CanaryMismatchError
 from snapctl.launcher.vllm.cli import (
     EXTENSION_FLAG,
-    MemoryOptions,
-    split_memory_options,
     split_snapshot_config,
     with_worker_extension,
 )
 from snapctl.launcher.vllm.hooks import VllmHooks, digest_difference
+from snapctl.launcher.vllm.memory import MemoryOptions, split_memory_options
 from snapctl.launcher.vllm.usage import UsageError
 from snapctl.launcher.vllm.worker import EXTENSION
 from snapctl.protocol.facts import CaptureFacts, MemoryPolicy

@@ -27,7 +27,7 @@ from snapctl.launcher.vllm.worker import RECORD_LOAD_ENV
 
 if TYPE_CHECKING:
     from snapctl.launcher import BindTarget
-    from snapctl.launcher.vllm.cli import MemoryOptions
+    from snapctl.launcher.vllm.memory import MemoryOptions
     from snapctl.protocol.facts import MemoryPolicy
     from snapctl.protocol.models import SnapshotConfig
 
