@@ -310,7 +310,7 @@ PLAIN, LAZY = "snapctl copy", "snapctl copy --lazy"
 
 
 def _lazy_against_plain(results: Results) -> list[str]:
-    """Issue #9's comparison, size by size: first correct completion and all pages present."""
+    """Lazy against plain, size by size: first correct completion and all pages present."""
     sizes = [s for s in _sizes(results, "pages_present_s") if results.find("ready_s", LAZY, s)]
     if not sizes:
         return []
@@ -329,7 +329,7 @@ def _lazy_against_plain(results: Results) -> list[str]:
         "plain: all pages", "lazy: all pages", "lazy / plain",
     ]  # fmt: skip
     return [
-        "Lazy against plain (issue #9): first correct completion, and every page of the copy "
+        "Lazy against plain: first correct completion, and every page of the copy "
         "in place (plain: `criu restore` returned; lazy: its daemon exited 0), both from the "
         "start of `start_copy`:",
         "",

@@ -105,9 +105,9 @@ PLAIN, LAZY = "snapctl copy", "snapctl copy --lazy"
 
 
 def _lazy_targets(rec: Recorder, plan: Plan) -> list[Target]:
-    """Issue #9: at the largest size a lazy copy answers correctly within 0.15 s and at least 8x
-    sooner than a plain copy of the same run; at every size its last page arrives no later
-    than a plain restore's."""
+    """Lazy against plain: at the largest size a lazy copy answers correctly within 0.15 s and
+    at least 8x sooner than a plain copy of the same run; at every size its last page arrives
+    no later than a plain restore's."""
     found: list[Target] = []
     sizes = [
         s for s in plan.sizes_mb if rec.has("ready_s", LAZY, s) and rec.has("ready_s", PLAIN, s)

@@ -23,9 +23,9 @@ from snapctl.models import StrictModel
 from snapctl.supervision.process import ProcessGoneError, descendants, same_start, start_time
 
 KSM_DIR = Path("/sys/kernel/mm/ksm")
-# When snapctl starts ksmd: this many pages per wake-up, every 20 ms (at most about 1 GB/s),
-# which merged three copies of a half-GB model within 20 s here (docs/pool.md). The kernel's
-# own advisor (``advisor_mode=scan-time``) starts far slower and took minutes to settle.
+# When snapctl starts ksmd: this many pages per wake-up, at this interval, so that copies of a
+# model of real size merge in seconds rather than minutes (docs/pool.md has what it costs);
+# the kernel's own advisor (``advisor_mode=scan-time``) starts far slower.
 KSM_PAGES_PER_WAKE = 5000
 KSM_SLEEP_MS = 20
 

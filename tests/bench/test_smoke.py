@@ -121,7 +121,8 @@ def test_json_and_docs_round_trip(
     text = (tmp_path / "docs" / "benchmarks.md").read_text()
     headings = (
         "## Targets", "## Method", "## Machine", "## 7. Concurrent copies",
-        "Lazy against plain (issue #9)", "### Plain and lazy copies started together",
+        "Lazy against plain: first correct completion",
+        "### Plain and lazy copies started together",
     )  # fmt: skip
     for heading in headings:
         assert heading in text

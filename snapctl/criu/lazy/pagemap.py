@@ -345,7 +345,7 @@ def cache_views(
 ) -> None:
     """Put what :func:`lazy_view` would make of each pagemap into ``cache_dir`` now: done when a
     copy's working sets changed, off any copy's way, so the next copy's view is a cache hit
-    (rewriting a real vLLM's pagemaps for a new set costs 30-70 ms)."""
+    (rewriting a real vLLM's pagemaps for a new set is not free: docs/lazy.md)."""
     for path in sorted(images_dir.resolve().iterdir()):
         if _is_pagemap(path):
             _process_view(path, process_below, run_below, cache_dir)

@@ -1,6 +1,6 @@
 """Every tuning constant of lazy restores in one place: when a copy restores lazily by default,
-which memory stays lazy, and when the background transfer may start (docs/lazy.md has the
-measurements behind each)."""
+which memory stays lazy, and when the background transfer may start (docs/lazy.md says why
+each is what it is; docs/history.md has the comparisons that chose them)."""
 
 from __future__ import annotations
 
