@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -22,7 +22,11 @@ from snapctl.activation.timeouts import (
 from snapctl.thin import split_publish
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from snapctl.activation.precheck import CopyUsageError
+
+RequestT = TypeVar("RequestT", bound="BaseModel")
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,21 @@ def check_publish_option(common: CommonOptions, count: int = 1) -> None:
         check_publish_target(common.publish, common.expose, count)
     except CopyUsageError as error:
         raise usage_error(error) from error
+
+
+def validated_request(model: type[RequestT], body: dict[str, Any]) -> RequestT:
+    """The request ``body`` describes, read as the agent reads it (JSON), or a usage error
+    naming the field it refuses: the in-process path starts from the same model."""
+    import json
+
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate_json(json.dumps(body))
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise click.UsageError(f"{where}: {first['msg']}") from error
 
 
 def usage_error(error: CopyUsageError) -> click.UsageError:

@@ -7,7 +7,12 @@ from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, capture_options, shared_options
+from snapctl.cli._activation_options import (
+    CommonOptions,
+    capture_options,
+    shared_options,
+    validated_request,
+)
 from snapctl.phases import HostPhase
 
 
@@ -45,24 +50,18 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
         check_clean(record["clean"], record["cleanup"])
         return
     from snapctl.activation.bake import bake_image
-    from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
+    from snapctl.activation.requests import BakeRequest
     from snapctl.cli.output import Steps, emit_json
+    from snapctl.cli.remote import capture_request
     from snapctl.criu import find_criu
     from snapctl.pool.identity import published_identity
     from snapctl.statedir import StateDir
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
-    options = LaunchOptions(
-        server_argv=list(server_cmd) or None,
-        host=common.host,
-        port=common.port,
-        lo_addresses=list(lo_addresses),
-        api_key_env=common.api_key_env,
-        timeout_s=common.timeout_s,
-        ready_timeout_s=ready_timeout_s,
-        server_timeout_s=server_timeout_s,
-    )
+    body = capture_request(image, force, lo_addresses, ready_timeout_s, server_timeout_s,
+                           server_cmd, common, donor=False)  # fmt: skip
+    options = validated_request(BakeRequest, body).launch_options()
     before = published_identity(image)
     # SIGTERM as SIGINT: either interrupts the bake, whose cleanup stops what it launched.
     with StopSignals() as signals:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from snapctl.cli._activation_options import CommonOptions, activation_options, usage_error
+from snapctl.cli._activation_options import (
+    CommonOptions,
+    activation_options,
+    usage_error,
+    validated_request,
+)
 from snapctl.cli.serving import serve
 from snapctl.progress import Progress
-
-if TYPE_CHECKING:
-    from snapctl.activation.requests import CopyRequest
 
 
 class LazyOption(click.Option):
@@ -83,6 +85,7 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     from snapctl.activation.copy import start_copy
     from snapctl.activation.native import native_step
     from snapctl.activation.precheck import CopyUsageError, check_copy_start, decide_lazy
+    from snapctl.activation.requests import CopyRequest
     from snapctl.cli.output import note
     from snapctl.criu import find_criu
     from snapctl.statedir import StateDir
@@ -99,9 +102,8 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
     except CopyUsageError as error:
         raise usage_error(error) from error
     image = published or image_path(image_source, plain_http=plain_http, quiet=common.as_json)
-    request = copy_request_model(
-        copy_request(str(image), count, allow_mismatch, lazy, server_cmd, common)
-    )
+    body = copy_request(str(image), count, allow_mismatch, lazy, server_cmd, common)
+    request = validated_request(CopyRequest, body)
     options = request.launch_options()
     criu = find_criu(request.criu_path)
     native = native_step(request.native)
@@ -135,23 +137,6 @@ def copy_request(
         api_key_env=common.api_key_env, timeout_s=common.timeout_s, native=common.native,
         criu_path=common.criu_path, detach=common.detach,
     )  # fmt: skip
-
-
-def copy_request_model(body: dict[str, Any]) -> CopyRequest:
-    """The request ``body`` describes (as the agent reads it: JSON), or a usage error saying
-    which option is refused."""
-    import json
-
-    from pydantic import ValidationError
-
-    from snapctl.activation.requests import CopyRequest
-
-    try:
-        return CopyRequest.model_validate_json(json.dumps(body))
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise click.UsageError(f"{where}: {first['msg']}") from error
 
 
 def serve_many(

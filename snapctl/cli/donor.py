@@ -12,6 +12,7 @@ from snapctl.cli._activation_options import (
     activation_options,
     capture_options,
     check_publish_option,
+    validated_request,
 )
 from snapctl.cli.serving import serve
 from snapctl.progress import Progress
@@ -40,23 +41,17 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
         donor_through_agent(client, request, as_json=common.as_json, detach=common.detach)
         return
     from snapctl.activation.donor import start_donor
-    from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
     from snapctl.criu import find_criu
     from snapctl.statedir import StateDir
 
     check_publish_option(common)
-    options = LaunchOptions(
-        server_argv=list(server_cmd) or None,
-        name=common.name,
-        host=common.host,
-        port=common.port,
-        lo_addresses=list(lo_addresses),
-        api_key_env=common.api_key_env,
-        timeout_s=common.timeout_s,
-        ready_timeout_s=ready_timeout_s,
-        server_timeout_s=server_timeout_s,
-    )
+    from snapctl.activation.requests import DonorRequest
+    from snapctl.cli.remote import capture_request
+
+    body = capture_request(image, force, lo_addresses, ready_timeout_s, server_timeout_s,
+                           server_cmd, common, donor=True)  # fmt: skip
+    options = validated_request(DonorRequest, body).launch_options()
     criu = find_criu(common.criu_path)
     native = native_step(common.native)
 
