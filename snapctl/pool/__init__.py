@@ -2,6 +2,18 @@
 its own supervisor process, and the two ways the agent serves a copy request (a parked copy,
 or a restore in a fresh supervisor).
 
+Split by the process a module runs in, each layer importing only the ones below it:
+
+- the agent: :mod:`~snapctl.pool.warm` (the :class:`WarmPool`: targets, take, the refill
+  tick) with :mod:`~snapctl.pool.slots`, :mod:`~snapctl.pool.memory`,
+  :mod:`~snapctl.pool.verify` and :mod:`~snapctl.pool.targets`; :mod:`~snapctl.pool.serve`
+  (serving one request) and :mod:`~snapctl.pool.cancel`, :mod:`~snapctl.pool.events`;
+- a supervisor: :mod:`snapctl.pool.supervisor` (the jobs the spawner's children run);
+- both, below them: :mod:`~snapctl.pool.wire` (the pipe and socket between them, its
+  errors), :mod:`~snapctl.pool.spawner` (forks supervisors; their job runner is injected),
+  :mod:`~snapctl.pool.models`, :mod:`~snapctl.pool.records`, :mod:`~snapctl.pool.identity`,
+  :mod:`~snapctl.pool.states`.
+
 This module is the seam the agent codes against: the models (:mod:`snapctl.pool.models`; the
 requests are :mod:`snapctl.activation.requests`'),
 :class:`WarmPool`, :func:`activate_taken`, :func:`copy_via_supervisor`, :class:`Spawner`
@@ -22,9 +34,10 @@ from snapctl.pool.models import (
     PoolListing,
     PoolTarget,
 )
-from snapctl.pool.serve import ParkedHandle, activate_taken, copy_via_supervisor
-from snapctl.pool.spawner import Spawner
+from snapctl.pool.serve import activate_taken, copy_via_supervisor
+from snapctl.pool.supervisor import SupervisorSpawner as Spawner
 from snapctl.pool.warm import WarmPool
+from snapctl.pool.wire import ParkedHandle
 
 __all__ = [
     "AdoptionReport",

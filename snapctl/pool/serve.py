@@ -3,9 +3,8 @@ with a restore in a fresh supervisor (:func:`copy_via_supervisor`). Either way t
 in its own supervisor process, and this side only relays its progress and its report. A donor
 or a bake request is served the same way, in a fresh supervisor (:func:`capture_via_supervisor`).
 
-The report wire, from a supervisor (a pipe) or a parked copy (its socket): one JSON object a
-line, ``{"lane", "progress"}`` any number of times, then ``{"report": {...}}`` or
-``{"error", "status", "phase", "path", "log_tail"}`` (the fields of a SnapctlError).
+Runs in the agent (in the thread serving the request); the wire it reads is
+:mod:`snapctl.pool.wire`.
 """
 
 from __future__ import annotations
@@ -14,72 +13,41 @@ import contextlib
 import json
 import os
 import socket
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from snapctl.activation.requests import BakeRequest, CopyRequest, DonorRequest
-from snapctl.errors import INTERRUPTED_MESSAGE, ExitStatus, RelayedError, SnapctlError
+from snapctl.errors import INTERRUPTED_MESSAGE, ExitStatus
 from snapctl.phases import HostPhase
 from snapctl.pool.cancel import Cancel
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
+from snapctl.pool.wire import (
+    LaneProgress,
+    ParkedCopyUnusableError,
+    ParkedHandle,
+    SupervisorError,
+    capture_payload,
+    relay,
+    request_payload,
+)
 from snapctl.statedir import StateDir
 
 if TYPE_CHECKING:
     from snapctl.pool.warm import WarmPool
 
-# on_progress(lane, step): lane "" for a single copy, "copy N" for one of --count N.
-LaneProgress = Callable[[str, str], None]
-
-
-class SupervisorError(RelayedError):
-    """A supervisor (a copy's, a donor's, a bake's) could not start, capture or activate
-    (its error, relayed)."""
-
-
-class ParkedCopyUnusableError(SnapctlError):
-    """A parked copy refused its order before activating anything (it was gone, its image
-    was removed or replaced since it was parked, the request does not fit how it was
-    restored, a malformed order); nothing of it serves: restore a fresh copy instead."""
-
-    exit_status = ExitStatus.ACTIVATION_FAILED
-
-
-@dataclass(frozen=True)
-class ParkedHandle:
-    """A parked copy that :meth:`WarmPool.take` handed out: its order socket (all its
-    activation needs), its id and image, and its supervisor."""
-
-    id: str
-    image: str
-    socket: Path
-    supervisor_pid: int
-    supervisor_start_time: float
-
-
-def relay(lines: Iterable[bytes], on_progress: LaneProgress, what: str = "copy") -> dict[str, Any]:
-    """Read a supervisor's report wire up to its outcome: the report, or its error raised."""
-    for line in lines:
-        message = json.loads(line)
-        if "progress" in message:
-            on_progress(message.get("lane", ""), message["progress"])
-            continue
-        if "error" in message:
-            raise SupervisorError.from_wire(message)
-        report: dict[str, Any] = message["report"]
-        return report
-    raise SupervisorError(
-        f"the {what}'s supervisor exited before reporting", phase=HostPhase.SUPERVISE
-    )
-
-
-def request_payload(request: CopyRequest) -> dict[str, Any]:
-    """The request as it travels to a supervisor, the API key's value included (JSON's
-    dump masks it; supervisors are ours, reached only over pipes and 0600 sockets)."""
-    payload = request.model_dump(mode="json")
-    payload["api_key"] = None if request.api_key is None else request.api_key.get_secret_value()
-    return payload
+__all__ = [
+    "LaneProgress",
+    "ParkedCopyUnusableError",
+    "ParkedHandle",
+    "SupervisorError",
+    "activate_from_pool",
+    "activate_taken",
+    "capture_payload",
+    "capture_via_supervisor",
+    "copy_via_supervisor",
+    "relay",
+    "request_payload",
+]
 
 
 def copy_via_supervisor(
@@ -94,15 +62,6 @@ def copy_via_supervisor(
     or raise its error (:class:`SupervisorError`, with the supervisor's exit status)."""
     job = {"kind": "copy", "state": str(state.root), "request": request_payload(request)}
     return _run_in_supervisor(job, spawner, progress, "copy")
-
-
-def capture_payload(request: BakeRequest) -> dict[str, Any]:
-    """A donor or bake request as it travels to its supervisor: the environment's values
-    included (JSON's dump masks them; see :func:`request_payload`)."""
-    payload = request.model_dump(mode="json")
-    payload["environ"] = {name: value.get_secret_value() for name, value in
-                          request.environ.items()}  # fmt: skip
-    return payload
 
 
 def capture_via_supervisor(

@@ -10,6 +10,9 @@ agent's thread that asked reads them. The acknowledgement carries a pidfd of the
 process later (cancel a request whose client left) and never a pid reused since. Supervisors
 are reaped by the kernel (SIGCHLD ignored here) and outlive the spawner; the spawner exits
 when the agent closes its end or dies.
+
+The :class:`Spawner` handle runs in the agent, :func:`_serve` in the spawner child; what a
+supervisor runs is injected (:data:`JobRunner`): this module imports no other pool module.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 Job = dict[str, Any]
 # Runs in the forked supervisor: the job, and the pipe it reports on. Never returns.
@@ -56,16 +59,10 @@ class Spawner:
         self._lock = threading.Lock()
 
     @classmethod
-    def start(cls, runner: JobRunner | None = None) -> Spawner:
-        """Fork the spawner now: call before this process starts any thread.
-
-        ``runner`` runs each job in its supervisor (default: :func:`snapctl.pool.jobs.run_job`,
-        imported here, before the fork, with everything a supervisor needs).
-        """
-        if runner is None:
-            from snapctl.pool.jobs import run_job
-
-            runner = run_job
+    def start(cls, runner: JobRunner) -> Self:
+        """Fork the spawner now: call before this process starts any thread. ``runner``
+        runs each job in its supervisor (the agent's: :func:`snapctl.pool.supervisor.run_job`,
+        imported before the fork, with everything a supervisor needs)."""
         if threading.active_count() > 1:
             raise RuntimeError("the spawner must be started before any thread")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -20,7 +20,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psutil
 from pydantic import ValidationError
@@ -32,7 +31,7 @@ from snapctl.images import ImageError
 from snapctl.phases import HostPhase
 from snapctl.plain import mib
 from snapctl.pool.events import NoEvents, PoolEvents
-from snapctl.pool.identity import published_identity
+from snapctl.pool.identity import published_identity, restore_fits
 from snapctl.pool.models import (
     AdoptionReport,
     DiscardedCopy,
@@ -51,8 +50,8 @@ from snapctl.pool.records import (
     parked_home,
     pool_dir,
 )
-from snapctl.pool.serve import ParkedHandle, SupervisorError, relay
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
+from snapctl.pool.wire import ParkedHandle, wait_parked
 from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
 from snapctl.supervision.memory import members_memory, read_ksm, tree_members
@@ -316,8 +315,6 @@ class WarmPool:
         """A parked copy of ``image``, now the caller's to activate; None if none is ready
         (never waits). With ``request``: only one whose restore fits it (the same host, port,
         server command, waivers, native step and CRIU; ``lazy`` if the request says)."""
-        from snapctl.pool.parked import restore_fits
-
         key = image_key(image)
         with self._lock:
             entry = self._images.get(key)
@@ -595,7 +592,7 @@ class WarmPool:
             }  # fmt: skip
             read_fd = self.spawner.spawn(job)
             with os.fdopen(read_fd, "rb") as reader:
-                record = _wait_parked(reader)
+                record = wait_parked(reader)
         except (SnapctlError, SpawnerGoneError, OSError, ValueError) as error:
             phase = (error.phase if isinstance(error, SnapctlError) else None) or HostPhase.RESTORE
             with self._lock:
@@ -663,24 +660,6 @@ class WarmPool:
             discard_recorded(slot.record, self.state)
             self._shares_changed(slot.image)
         self.events.discarded(slot.image, reason)
-
-
-def _wait_parked(reader: Any) -> ParkedRecord:
-    """Read a park job's pipe until it parked (its record) or failed (raised)."""
-
-    def ignore(lane: str, step: str) -> None:
-        pass
-
-    for line in reader:
-        message = json.loads(line)
-        if "parked" in message:
-            return ParkedRecord.model_validate_json(json.dumps(message["parked"]))
-        if "progress" in message:
-            continue
-        relay([line], ignore)  # raises its error
-    raise SupervisorError(
-        "the parked copy's supervisor exited before parking", phase=HostPhase.RESTORE
-    )
 
 
 def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:

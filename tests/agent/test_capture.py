@@ -19,8 +19,8 @@ import pytest
 from snapctl.activation.requests import BakeRequest, DonorRequest
 from snapctl.cli import main
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool import jobs
 from snapctl.pool.serve import capture_payload
+from snapctl.pool.supervisor import jobs
 from tests.agent.conftest import RunningAgent, make_report
 from tests.agent.test_server import HEAVY, metrics_of, post
 

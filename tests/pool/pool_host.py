@@ -19,7 +19,8 @@ from typing import Any
 
 from snapctl.activation.requests import CopyRequest
 from snapctl.pool import Spawner, WarmPool, activate_taken, copy_via_supervisor
-from snapctl.pool.serve import ParkedHandle, activate_from_pool
+from snapctl.pool.serve import activate_from_pool
+from snapctl.pool.wire import ParkedHandle
 from snapctl.statedir import StateDir
 
 

@@ -12,7 +12,7 @@ from tests.images.factories import publish_sample
 
 PROBE = """
 import sys
-import snapctl.pool.jobs as jobs
+import snapctl.pool.supervisor.jobs as jobs
 from snapctl.activation.requests import CopyRequest
 before = set(sys.modules)
 request = CopyRequest(image=sys.argv[1], name="probe", publish={"address": "127.0.0.1", "port": 0})

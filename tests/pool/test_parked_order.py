@@ -10,8 +10,8 @@ import pytest
 
 from snapctl.activation.requests import CopyRequest
 from snapctl.errors import ExitStatus
-from snapctl.pool import parked
 from snapctl.pool.models import ActivationOrder, ParkedRecord
+from snapctl.pool.supervisor import parked
 
 
 def _parked(monkeypatch: pytest.MonkeyPatch, delivered: bool, detach: bool) -> dict[str, Any]:

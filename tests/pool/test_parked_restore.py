@@ -11,7 +11,7 @@ import pytest
 
 from snapctl.activation.requests import CopyRequest
 from snapctl.images.store import load_manifest
-from snapctl.pool import parked
+from snapctl.pool.supervisor import parked
 from tests.images.factories import publish_sample
 
 

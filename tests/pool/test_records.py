@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from snapctl.activation.requests import CopyRequest
+from snapctl.pool.identity import restore_fits
 from snapctl.pool.models import ActivationOrder
-from snapctl.pool.parked import restore_fits
 from snapctl.pool.records import RECORD_NAME, parked_home, pool_dir, sweep_parked
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
@@ -111,7 +111,7 @@ def test_a_state_dir_too_long_for_the_sockets_is_refused(tmp_path: Path) -> None
 def test_the_api_key_goes_under_one_private_name_whatever_the_request_calls_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from snapctl.pool.jobs import PROBE_KEY_ENV, launch_options
+    from snapctl.pool.supervisor.common import PROBE_KEY_ENV, launch_options
 
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv(PROBE_KEY_ENV, raising=False)

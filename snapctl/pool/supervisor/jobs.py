@@ -1,0 +1,199 @@
+"""What a supervisor forked by the spawner runs (:func:`run_job`, the spawner's job runner):
+a fresh copy (``copy``), a parked one (``park``, see :mod:`snapctl.pool.supervisor.parked`),
+a donor (``donor``: captures, then serves and is supervised like a detached donor) or a bake
+(``bake``: captures, publishes, stops, exits). Runs in a supervisor process; imported by the
+agent before it forks the spawner, with everything a supervisor needs, so that a supervisor
+starts without importing anything."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# Imported here, before the spawner forks: a supervisor's start imports nothing more.
+import snapctl.activation.bake
+import snapctl.activation.copy
+import snapctl.activation.donor
+import snapctl.activation.precheck
+import snapctl.activation.supervise
+import snapctl.registry.source  # the pre-start checks' image lookup
+from snapctl.activation.requests import BakeRequest, CopyRequest, DonorRequest, publish_pair
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.pool.supervisor.common import (
+    PROBE_KEY_ENV,
+    abandon_undelivered,
+    check_request,
+    detach_stdio,
+    launch_options,
+)
+from snapctl.pool.supervisor.parked import run_parked
+from snapctl.pool.wire import Reporter
+from snapctl.statedir import StateDir
+
+assert snapctl.activation.copy and snapctl.activation.supervise
+assert snapctl.activation.donor and snapctl.activation.bake
+assert snapctl.activation.precheck and snapctl.registry.source
+
+__all__ = [
+    "PROBE_KEY_ENV",
+    "Reporter",
+    "abandon_undelivered",
+    "adopt_client_context",
+    "check_request",
+    "detach_stdio",
+    "launch_options",
+    "report_then_supervise",
+    "run_capture",
+    "run_copy",
+    "run_job",
+]
+
+
+def report_then_supervise(
+    reporter: Reporter, report: dict[str, Any], sessions: list[Any], signals: Any, *,
+    detach: bool,
+) -> int:  # fmt: skip
+    """The end of a job that serves: send its report, then supervise its sessions until
+    they are stopped (or, a foreground start whose report reached no one, stop them now:
+    :func:`abandon_undelivered`); the supervisor's exit status."""
+    from snapctl.activation.supervise import run_all_until_stopped
+    from snapctl.supervision.signals import stop_all_tracked
+
+    delivered = reporter.send({"report": report})
+    reporter.close()
+    if abandon_undelivered(delivered, detach):
+        return int(ExitStatus.ERROR)
+    detach_stdio()
+    try:
+        run_all_until_stopped(sessions, stop=signals.requested)
+    finally:
+        stop_all_tracked()
+    return 0
+
+
+def run_job(job: dict[str, Any], pipe_fd: int) -> None:
+    """Run ``job`` in this (freshly forked) supervisor, reporting on ``pipe_fd``; exits."""
+    kind = job.get("kind")
+    if kind == "copy":
+        os._exit(run_copy(job, Reporter(pipe_fd)))
+    if kind == "park":
+        os._exit(run_parked(job, Reporter(pipe_fd)))
+    if kind in ("donor", "bake"):
+        os._exit(run_capture(job, Reporter(pipe_fd)))
+    Reporter(pipe_fd).send(SnapctlError(f"unknown job {kind!r}").to_wire())
+    os._exit(1)
+
+
+def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
+    """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
+    from snapctl.activation.copy import require_all, start_copies, start_copy
+    from snapctl.activation.native import native_step
+    from snapctl.activation.precheck import decide_lazy
+    from snapctl.criu import find_criu
+    from snapctl.supervision.signals import StopSignals, stop_all_tracked
+
+    signals = StopSignals().install()
+    state = StateDir(Path(job["state"]))
+    try:
+        try:
+            request = CopyRequest.model_validate_json(json.dumps(job["request"]))
+            check_request(request, state)
+            options = launch_options(request)
+            image = Path(request.image)
+            criu = find_criu(request.criu_path)
+            native = native_step(request.native)
+            lazy = decide_lazy(request.lazy, image)  # the agent decided (and noted) it first
+            publish = publish_pair(request.publish)
+            sessions: list[Any]
+            if request.count == 1:
+                session, single = start_copy(
+                    image, options, criu=criu, native=native, publish=publish, state=state,
+                    progress=lambda step: reporter.progress("", step), lazy=lazy,
+                )  # fmt: skip
+                sessions = [session]
+                report = single.model_dump(mode="json")
+            else:
+                started = time.monotonic()
+                results = start_copies(
+                    image, options, request.count, criu=criu, native=native,
+                    publish_base=publish, state=state, lazy=lazy,
+                    progress_for=lambda lane: lambda step: reporter.progress(lane, step),
+                )  # fmt: skip
+                sessions, many = require_all(results, time.monotonic() - started)
+                report = many.model_dump(mode="json")
+            signals.started()
+        except BaseException:
+            stop_all_tracked()  # what a start interrupted at any point had started
+            raise
+    except BaseException as error:
+        return reporter.error(error)
+    return report_then_supervise(reporter, report, sessions, signals, detach=request.detach)
+
+
+def adopt_client_context(request: BakeRequest) -> None:
+    """Become the client's process for the capture: its working directory and its whole
+    environment (this supervisor's own is the agent's), so that the server command, its
+    relative paths and the identity's env record are what the CLI in-process would give."""
+    os.chdir(request.cwd)
+    os.environ.clear()
+    os.environ.update({name: value.get_secret_value() for name, value in
+                       request.environ.items()})  # fmt: skip
+
+
+def run_capture(
+    job: dict[str, Any], reporter: Reporter, *,
+    adopt: Callable[[BakeRequest], None] = adopt_client_context,
+) -> int:  # fmt: skip
+    """A donor or a bake, in the client's directory and environment: capture (and for a donor
+    activate), report, then (a donor) supervise it like a detached donor until stopped.
+    ``adopt`` is the seam that makes this process the client's (tests: a fake)."""
+    from snapctl.activation.bake import bake_image
+    from snapctl.activation.donor import start_donor
+    from snapctl.activation.native import native_step
+    from snapctl.criu import find_criu
+    from snapctl.supervision.signals import StopSignals, stop_all_tracked
+
+    signals = StopSignals().install()
+    state = StateDir(Path(job["state"]))
+    session = None
+    try:
+        try:
+            model = DonorRequest if job["kind"] == "donor" else BakeRequest
+            request = model.model_validate_json(json.dumps(job["request"]))
+            adopt(request)
+            options = request.launch_options()
+            criu = find_criu(request.criu_path)
+            native = native_step(request.native)
+
+            def progress(step: str) -> None:
+                reporter.progress("", step)
+
+            if isinstance(request, DonorRequest):
+                publish = publish_pair(request.publish)
+                session, donor = start_donor(
+                    options, image=Path(request.image), force=request.force, criu=criu,
+                    native=native, publish=publish, state=state, progress=progress,
+                )  # fmt: skip
+                report = donor.model_dump(mode="json")
+            else:
+                baked = bake_image(
+                    options, image=Path(request.image), force=request.force, criu=criu,
+                    native=native, state=state, progress=progress,
+                )  # fmt: skip
+                report = baked.model_dump(mode="json")
+            signals.started()
+        except BaseException:
+            stop_all_tracked()  # what a start interrupted at any point had started
+            raise
+    except BaseException as error:
+        return reporter.error(error)
+    if session is None:  # a bake: its original was stopped, its image published
+        reporter.send({"report": report})
+        reporter.close()
+        return 0
+    detach = isinstance(request, DonorRequest) and request.detach
+    return report_then_supervise(reporter, report, [session], signals, detach=detach)
