@@ -1,17 +1,20 @@
 """The warm pool: per image, keep ``size`` copies restored and parked, refill in the
 background, bound their memory, and discard the ones that can no longer be vouched for.
+Runs in the agent.
 
-One refill thread does all the bookkeeping on a tick (and when woken by ``set``, ``take``
-or a copy that parked): it drops copies whose supervisor is gone, discards those whose image
-was removed, replaced or fails verification, and those over the target or the memory
-budget, then starts restores for what is missing, each in a parking thread (a supervisor
-forked by the spawner, which reports once parked). A restore that fails backs its image off.
+Each slot has one explicit state (:mod:`snapctl.pool.states`), changed only by
+:meth:`WarmPool._set_state`. One pass of the bookkeeping is :meth:`WarmPool.tick`: it drops
+copies whose supervisor is gone, discards those whose image was removed, replaced or fails
+verification (:mod:`snapctl.pool.verify`), and those over the target or the memory budget
+(:mod:`snapctl.pool.memory`), then starts restores for what is missing, each in a parking
+thread (a supervisor forked by the spawner, which reports once parked). A restore that fails
+backs its image off. The refill thread runs the tick every :data:`TICK_S` (and when woken by
+``set``, ``take`` or a copy that parked); tests call it themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import secrets
@@ -22,16 +25,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from pydantic import ValidationError
 
 from snapctl.activation.precheck import decide_lazy
 from snapctl.activation.requests import CopyRequest
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.images import ImageError
 from snapctl.phases import HostPhase
 from snapctl.plain import mib
 from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.identity import published_identity, restore_fits
+from snapctl.pool.memory import MEMORY_EVERY_S, CopyMemory
 from snapctl.pool.models import (
     AdoptionReport,
     DiscardedCopy,
@@ -41,23 +43,19 @@ from snapctl.pool.models import (
     PoolEntry,
     PoolListing,
     PoolTarget,
-    PoolTargets,
 )
-from snapctl.pool.records import (
-    SOCKET_NAME,
-    discard_recorded,
-    load_parked_records,
-    parked_home,
-    pool_dir,
-)
+from snapctl.pool.records import SOCKET_NAME, discard_recorded, load_parked_records, parked_home
 from snapctl.pool.spawner import Spawner, SpawnerGoneError
+from snapctl.pool.states import SlotState, check_slot_transition
+from snapctl.pool.targets import PoolTargetsError, load_targets, save_targets
+from snapctl.pool.verify import VERIFY_EVERY_S, ImageWatch
 from snapctl.pool.wire import ParkedHandle, wait_parked
-from snapctl.protocol.atomic import read_json_bounded, write_json_atomic
 from snapctl.statedir import StateDir
-from snapctl.supervision.memory import members_memory, read_ksm, tree_members
+from snapctl.supervision.memory import read_ksm
 from snapctl.supervision.process import ProcessGoneError, is_same_process, same_start, start_time
 
-TARGETS_NAME = "targets.json"
+__all__ = ["PoolError", "PoolTargetsError", "TickReport", "WarmPool", "image_key"]
+
 TICK_S = 0.5
 # At most this many restores for the pool at once, over all images: parking is background
 # work and must leave the host's CPUs to the copies being served.
@@ -66,15 +64,6 @@ MAX_PARKING = 2
 # needs on a small host), at most this long after the take.
 REFILL_HOLD_S = 5.0
 BACKOFF_MAX_S = 30.0
-# The memory of parked copies is looked at this often: the resident counters of each tree's
-# processes (statm), and its PSS (smaps_rollup: a walk of every page table entry, its time
-# in proportion to the memory mapped) only where those moved by more than RESIDENT_SLACK
-# since the last PSS, where a copy of the same image was discarded or died since (its share
-# of the pages they both mapped is the others' now), or where it is PSS_MAX_AGE_S old (a
-# copy taken from the pool and stopped later does the same). docs/pool.md has what it cost.
-MEMORY_EVERY_S = 2.0
-RESIDENT_SLACK = 0.01
-PSS_MAX_AGE_S = 30.0
 # The refill thread's niceness, and so that of the parking and discarding threads it starts:
 # its reads of /proc and images are background work, never to take the CPU from a copy
 # being activated. At least this: an agent started nicer stays so.
@@ -82,7 +71,6 @@ REFILL_NICENESS = 10
 # With a budget, a copy parked this recently whose memory could not be read yet holds back
 # the refill; one unreadable longer counts at the size the others measure.
 UNMEASURED_WAIT_S = 2 * MEMORY_EVERY_S
-VERIFY_EVERY_S = 5.0
 # sun_path holds 108 bytes, the last one a NUL.
 MAX_SOCKET_PATH = 107
 
@@ -93,11 +81,6 @@ class PoolError(SnapctlError):
     exit_status = ExitStatus.USAGE
 
 
-class PoolTargetsError(SnapctlError):
-    """``STATE/pool/targets.json`` cannot be read: the pool refuses to start rather than
-    start with no targets and overwrite the file at the next ``pool set``."""
-
-
 @dataclass
 class _Slot:
     """One parked copy, from its restore on."""
@@ -105,61 +88,44 @@ class _Slot:
     id: str
     image: str
     started: float = field(default_factory=time.monotonic)
+    state: SlotState = SlotState.RESTORING
     record: ParkedRecord | None = None  # once parked
     parked_at: float | None = None
-    memory_bytes: int | None = None
-    # What memory_bytes was read against: the tree's (pid, resident bytes) and when.
-    memory_basis: tuple[tuple[int, int], ...] = ()
-    memory_at: float = -math.inf
-    discarding: bool = False
-    taken: bool = False  # handed out by take(): the taker's now, never discarded here
+    memory: CopyMemory = field(default_factory=CopyMemory)
 
     @property
-    def ready(self) -> bool:
-        return self.record is not None and not self.discarding
+    def memory_bytes(self) -> int | None:
+        return self.memory.bytes
 
 
 @dataclass
 class _Image:
     target: PoolTarget
     slots: list[_Slot] = field(default_factory=list)
-    identity: tuple[str, str] | None = None
-    manifest_stat: tuple[int, int, int] | None = None
+    watch: ImageWatch = field(default_factory=ImageWatch)
     last_failure: str | None = None
     failures: int = 0
     retry_at: float = 0.0
-    verified_at: float = 0.0
     # The most a parked copy of this image was measured to hold: what the next one is
     # expected to hold, even once none is left (each discarded for the budget, say).
     copy_bytes: int = 0
 
+    def live(self) -> list[_Slot]:
+        """Its slots restoring or parked (not being discarded)."""
+        return [s for s in self.slots if s.state in (SlotState.RESTORING, SlotState.PARKED)]
 
-def members_resident(members: list[psutil.Process]) -> tuple[tuple[int, int], ...]:
-    """Each member's resident bytes, by PID (statm: no walk of its memory, unlike PSS)."""
-    readings = []
-    for member in members:
-        with contextlib.suppress(psutil.Error):
-            readings.append((member.pid, int(member.memory_info().rss)))
-    return tuple(readings)
+    def parked(self) -> list[_Slot]:
+        return [slot for slot in self.slots if slot.state is SlotState.PARKED]
 
 
-def record_members(record: ParkedRecord) -> list[psutil.Process]:
-    """A parked copy's tree and its lazy-pages daemon."""
-    pids: list[tuple[int, float | None]] = []
-    if record.root_pid is not None:
-        pids.append((record.root_pid, record.root_start_time))
-    if record.lazy_pages_pid is not None:
-        pids.append((record.lazy_pages_pid, record.lazy_pages_start_time))
-    return tree_members(pids)
+@dataclass
+class TickReport:
+    """What one :meth:`WarmPool.tick` did: the restores it started (slot ids), the parked
+    copies it sent to be discarded and why, and those it found gone by themselves."""
 
-
-def memory_moved(before: tuple[tuple[int, int], ...], now: tuple[tuple[int, int], ...]) -> bool:
-    """Whether the tree's resident memory changed enough to read its PSS again: another set
-    of processes, or a total that moved by more than :data:`RESIDENT_SLACK` of it."""
-    if {pid for pid, _ in before} != {pid for pid, _ in now}:
-        return True
-    old, new = sum(rss for _, rss in before), sum(rss for _, rss in now)
-    return abs(new - old) > RESIDENT_SLACK * max(old, new)
+    started: list[str] = field(default_factory=list)
+    discarding: list[tuple[str, DiscardReason]] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
 
 
 def image_key(image: Path) -> str:
@@ -174,15 +140,18 @@ class WarmPool:
     Thread-safe. ``adopt`` first (it discards what an earlier agent parked and starts the
     refill thread), then ``set``, ``remove``, ``take`` and ``listing`` from any thread;
     ``close`` stops refilling and discards every parked copy. Targets persist in
-    ``STATE/pool/targets.json``: a new agent refills them.
+    ``STATE/pool/targets.json``: a new agent refills them. ``background=False``: no refill
+    thread, the caller drives :meth:`tick` (and :meth:`drain` the threads it started).
     """
 
     def __init__(
-        self, state: StateDir, *, spawner: Spawner, events: PoolEvents | None = None
-    ) -> None:
+        self, state: StateDir, *, spawner: Spawner, events: PoolEvents | None = None,
+        background: bool = True,
+    ) -> None:  # fmt: skip
         self.state = state
         self.spawner = spawner
         self.events: PoolEvents = events or NoEvents()
+        self._background = background
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closing = threading.Event()
@@ -194,39 +163,35 @@ class WarmPool:
         self._workers: list[threading.Thread] = []
         self._owner = (os.getpid(), start_time(os.getpid()))
         self._memory_at = 0.0
-        for target in self._load_targets():
+        for target in load_targets(state):
             self._images[target.image] = _Image(target)
+
+    # -- slot states -----------------------------------------------------------------------
+
+    def _set_state(self, slot: _Slot, state: SlotState) -> None:
+        """The one place a slot changes state (with ``_lock`` held), along an allowed edge."""
+        check_slot_transition(slot.state, state)
+        slot.state = state
+
+    def _start_worker(self, target: object, args: tuple[object, ...], name: str) -> None:
+        worker = threading.Thread(target=target, args=args, name=name, daemon=True)  # type: ignore[arg-type]
+        with self._lock:
+            self._workers = [w for w in self._workers if w.is_alive()] + [worker]
+        worker.start()
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait for the parking and discarding threads started so far; whether all ended."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            workers = list(self._workers)
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        return not any(worker.is_alive() for worker in workers)
 
     # -- targets ---------------------------------------------------------------------------
 
-    def _targets_path(self) -> Path:
-        return pool_dir(self.state) / TARGETS_NAME
-
-    def _load_targets(self) -> list[PoolTarget]:
-        """The targets kept by the last agent (none if it kept none); a file that cannot be
-        read is refused, naming it, rather than lost (the next save would replace it)."""
-        path = self._targets_path()
-        try:
-            data = read_json_bounded(path)
-            if data is None:
-                return []
-            return list(PoolTargets.model_validate_json(json.dumps(data)).targets)
-        except SnapctlError as error:
-            why = error.message
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(part) for part in first["loc"]) or "file"
-            why = f"{where}: {first['msg']}"
-        raise PoolTargetsError(
-            f"the pool targets in {path} cannot be read ({why}): repair the file, or move it "
-            "aside to start with no pool targets (snapctl pool set adds them again)",
-            path=path,
-        )
-
     def _save_targets(self) -> None:
-        pool_dir(self.state).mkdir(parents=True, mode=0o700, exist_ok=True)
-        targets = PoolTargets(targets=tuple(entry.target for entry in self._images.values()))
-        write_json_atomic(self._targets_path(), targets, overwrite=True)
+        save_targets(self.state, [entry.target for entry in self._images.values()])
 
     def set(
         self, image: Path, size: int, *, lazy: bool | None = None, max_memory: int | None = None
@@ -288,19 +253,19 @@ class WarmPool:
                 rows = tuple(
                     ParkedCopyRow(
                         id=slot.id,
-                        state="parked" if slot.ready else "restoring",
+                        state="parked" if slot.state is SlotState.PARKED else "restoring",
                         age_s=round(now - (slot.parked_at or slot.started), 3),
                         memory_bytes=slot.memory_bytes,
                         supervisor_pid=slot.record.supervisor_pid if slot.record else 0,
                         root_pid=slot.record.root_pid if slot.record else None,
                     )
-                    for slot in entry.slots
-                    if not slot.discarding
+                    for slot in entry.live()
                 )
+                identity = entry.watch.identity
                 entries.append(
                     PoolEntry(
                         target=entry.target,
-                        image_id=None if entry.identity is None else entry.identity[0],
+                        image_id=None if identity is None else identity[0],
                         memory_bytes=sum(row.memory_bytes or 0 for row in rows),
                         parked=rows,
                         last_failure=entry.last_failure,
@@ -320,19 +285,17 @@ class WarmPool:
             entry = self._images.get(key)
             if entry is None:
                 return None
-            for slot in sorted(entry.slots, key=lambda s: s.parked_at or math.inf):
-                if not slot.ready or slot.record is None:
-                    continue
+            for slot in sorted(entry.parked(), key=lambda s: s.parked_at or math.inf):
+                record = slot.record
+                assert record is not None
                 if request is not None and restore_fits(
-                    self._park_request(entry.target, slot.record.lazy), request
+                    self._park_request(entry.target, record.lazy), request
                 ):
                     continue
-                if not is_same_process(slot.record.supervisor_pid,
-                                       slot.record.supervisor_start_time):  # fmt: skip
+                if not is_same_process(record.supervisor_pid, record.supervisor_start_time):
                     continue  # died: the next tick drops it
                 entry.slots.remove(slot)
-                slot.taken = True
-                record = slot.record
+                self._set_state(slot, SlotState.TAKEN)  # PARKED -> TAKEN
                 self._activating[record.id] = time.monotonic() + REFILL_HOLD_S
                 break
             else:
@@ -353,7 +316,6 @@ class WarmPool:
     def forget(self, handle: ParkedHandle) -> None:
         """A taken copy its taker could not use: discard it (in the background), so that it
         holds no memory until the agent exits."""
-        from snapctl.pool.records import discard_recorded, load_parked_records
 
         def discard() -> None:
             for _home, record in load_parked_records(self.state):
@@ -398,15 +360,13 @@ class WarmPool:
             slots = [slot for entry in self._images.values() for slot in entry.slots]
         for slot in slots:
             self._discard_now(slot, "closing")
-        deadline = time.monotonic() + timeout_s
-        for worker in list(self._workers):
-            worker.join(max(0.0, deadline - time.monotonic()))
+        self.drain(timeout_s)
 
-    # -- the refill thread -----------------------------------------------------------------
+    # -- the refill tick -------------------------------------------------------------------
 
     def _start_thread(self) -> None:
         with self._lock:
-            if self._thread is None and not self._closing.is_set():
+            if self._background and self._thread is None and not self._closing.is_set():
                 self._thread = threading.Thread(target=self._run, name="pool-refill",
                                                 daemon=True)  # fmt: skip
                 self._thread.start()
@@ -418,109 +378,85 @@ class WarmPool:
             os.setpriority(os.PRIO_PROCESS, thread, niceness)
         while not self._closing.is_set():
             try:
-                self._tick()
+                self.tick()
             except Exception as error:  # a bug: keep the pool alive, say it where seen
                 for entry in list(self._images.values()):
                     entry.last_failure = f"refill: unexpected {type(error).__name__}: {error}"
             self._wake.wait(TICK_S)
             self._wake.clear()
 
-    def _tick(self) -> None:
-        now = time.monotonic()
+    def tick(self, now: float | None = None) -> TickReport:
+        """One pass of the bookkeeping, in the calling thread: drop what died, discard what
+        cannot be vouched for or is over its target or budget, read memory, start restores
+        (each in a parking thread); return what it did."""
+        report = TickReport()
+        now = time.monotonic() if now is None else now
         measure = now - self._memory_at >= MEMORY_EVERY_S
         if measure:
             self._memory_at = now
         with self._lock:
             entries = list(self._images.items())
         for key, entry in entries:
-            self._check_image(key, entry, now)
+            self._check_image(key, entry, now, report)
             with self._lock:
-                slots = list(entry.slots)
+                slots = entry.parked()
             for slot in slots:
                 record = slot.record
-                if record is None or slot.discarding:
-                    continue
+                assert record is not None
                 if not is_same_process(record.supervisor_pid, record.supervisor_start_time):
-                    self._drop(entry, slot, "died")
+                    if self._drop(entry, slot, "died"):
+                        report.dropped.append(slot.id)
                     continue
                 if measure or slot.memory_bytes is None:
                     self._measure(entry, slot, record, now)
-            self._enforce(key, entry)
-            self._refill(key, entry, now)
+            self._enforce(entry, report)
+            started = self._refill(key, entry, now)
+            if started is not None:
+                report.started.append(started)
+        return report
 
-    def _check_image(self, key: str, entry: _Image, now: float) -> None:
+    def _check_image(self, key: str, entry: _Image, now: float, report: TickReport) -> None:
         """Discard parked copies of an image removed, replaced, or that fails verification."""
-        from snapctl.images import verify_image
-        from snapctl.images.store import is_verified
-
-        path = Path(key)
-        try:
-            st = (path / "manifest.json").stat()
-            stat_key: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
-        except OSError:
-            stat_key = None
-        if stat_key is None or stat_key != entry.manifest_stat:
-            entry.manifest_stat = stat_key
-            entry.identity = None if stat_key is None else published_identity(path)
+        reason, changed = entry.watch.check(Path(key), now, self.state.verified)
+        if changed:
             entry.copy_bytes = 0  # another image's copies may hold another size
-        reason: DiscardReason | None = None
-        if entry.identity is None:
-            reason = "removed"
-        if reason is None and now - entry.verified_at >= VERIFY_EVERY_S:
-            entry.verified_at = now
-            manifest = None
-            with contextlib.suppress(ImageError, OSError):
-                from snapctl.images import load_manifest
-
-                manifest = load_manifest(path)
-            if manifest is not None and not is_verified(path, manifest, self.state.verified):
-                try:
-                    verify_image(path, cache_dir=self.state.verified)
-                except (ImageError, OSError) as error:
-                    entry.last_failure = f"verification: {error}"
-                    reason = "verification"
+        if reason == "verification":
+            entry.last_failure = entry.watch.last_failure
         with self._lock:
-            slots = list(entry.slots)
+            slots = entry.parked()
         for slot in slots:
-            record = slot.record
-            if record is None or slot.discarding:
-                continue
+            assert slot.record is not None
             why = reason
-            if why is None and entry.identity != (record.image_id, record.manifest_digest):
+            if why is None and not entry.watch.vouches_for(slot.record):
                 why = "replaced"
-            if why is not None:
-                self._discard_later(slot, why)
+            if why is not None and self._discard_later(slot, why):
+                report.discarding.append((slot.id, why))
         if reason is not None:
             entry.retry_at = max(entry.retry_at, now + VERIFY_EVERY_S)
 
-    def _enforce(self, key: str, entry: _Image) -> None:
+    def _enforce(self, entry: _Image, report: TickReport) -> None:
         """Over the target's size, or over its memory budget: discard the newest."""
         with self._lock:
-            live = [slot for slot in entry.slots if not slot.discarding]
+            live = entry.live()
         target = entry.target
-        parked = [slot for slot in live if slot.ready]
+        parked = [slot for slot in live if slot.state is SlotState.PARKED]
         while len(live) > target.size and parked:
             slot = max(parked, key=lambda s: s.parked_at or 0.0)
             parked.remove(slot)
             live.remove(slot)
-            self._discard_later(slot, "target")
+            if self._discard_later(slot, "target"):
+                report.discarding.append((slot.id, "target"))
         if target.max_memory is not None:
             while parked and sum(s.memory_bytes or 0 for s in parked) > target.max_memory:
                 slot = max(parked, key=lambda s: s.parked_at or 0.0)
                 parked.remove(slot)
-                self._discard_later(slot, "memory")
+                if self._discard_later(slot, "memory"):
+                    report.discarding.append((slot.id, "memory"))
                 entry.last_failure = "memory budget: a parked copy was discarded"
 
     @staticmethod
     def _measure(entry: _Image, slot: _Slot, record: ParkedRecord, now: float) -> None:
-        members = record_members(record)
-        basis = members_resident(members)
-        if (slot.memory_bytes is None or now - slot.memory_at >= PSS_MAX_AGE_S
-                or memory_moved(slot.memory_basis, basis)):  # fmt: skip
-            # A read that failed (a process between states) keeps the last one.
-            memory = members_memory(members)
-            if memory is not None:
-                slot.memory_bytes, slot.memory_basis, slot.memory_at = memory, basis, now
+        slot.memory.measure(record, now)
         entry.copy_bytes = max(entry.copy_bytes, slot.memory_bytes or 0)
 
     def _shares_changed(self, image: str) -> None:
@@ -529,31 +465,32 @@ class WarmPool:
         with self._lock:
             entry = self._images.get(image)
             for slot in entry.slots if entry is not None else ():
-                slot.memory_at = -math.inf
+                slot.memory.shares_changed()
 
     def _per_copy_estimate(self, entry: _Image) -> int:
         known = [s.memory_bytes for s in entry.slots if s.memory_bytes]
         return max([entry.copy_bytes, *known])
 
-    def _refill(self, key: str, entry: _Image, now: float) -> None:
-        if self._closing.is_set() or entry.identity is None or now < entry.retry_at:
-            return
+    def _refill(self, key: str, entry: _Image, now: float) -> str | None:
+        """Start one restore for ``entry`` if it lacks one and may have it; its slot id."""
+        if self._closing.is_set() or entry.watch.identity is None or now < entry.retry_at:
+            return None
         with self._lock:
             self._activating = {
                 key: until for key, until in self._activating.items() if until > now
             }
             if self._activating:
-                return  # settled() wakes the tick again
-            live = [slot for slot in entry.slots if not slot.discarding]
-            restoring = [slot for slot in live if slot.record is None]
+                return None  # settled() wakes the tick again
+            live = entry.live()
+            restoring = [slot for slot in live if slot.state is SlotState.RESTORING]
             if len(live) >= entry.target.size or restoring or self._parking >= MAX_PARKING:
-                return
+                return None
             if entry.target.max_memory is not None:
                 unmeasured = [slot for slot in live if slot.memory_bytes is None]
                 if any(now - (slot.parked_at or now) < UNMEASURED_WAIT_S for slot in unmeasured):
                     # Just parked, its memory not read yet: counted as nothing, it would let
                     # one more restore past the budget. A tick reads it soon.
-                    return
+                    return None
                 estimate = self._per_copy_estimate(entry)
                 held = sum(
                     estimate if slot.memory_bytes is None else slot.memory_bytes for slot in live
@@ -567,14 +504,12 @@ class WarmPool:
                             f"--max-memory {mib(entry.target.max_memory)}; raise it with "
                             "snapctl pool set"
                         )
-                    return
-            slot = _Slot(id=f"pool-{secrets.token_hex(6)}", image=key)
+                    return None
+            slot = _Slot(id=f"pool-{secrets.token_hex(6)}", image=key)  # -> RESTORING
             entry.slots.append(slot)
             self._parking += 1
-        worker = threading.Thread(target=self._park, args=(entry, slot), name=f"park-{slot.id}",
-                                  daemon=True)  # fmt: skip
-        self._workers = [w for w in self._workers if w.is_alive()] + [worker]
-        worker.start()
+        self._start_worker(self._park, (entry, slot), f"park-{slot.id}")
+        return slot.id
 
     def _park_request(self, target: PoolTarget, lazy: bool) -> CopyRequest:
         return CopyRequest(image=target.image, lazy=lazy)
@@ -598,6 +533,7 @@ class WarmPool:
             with self._lock:
                 if slot in entry.slots:
                     entry.slots.remove(slot)
+                self._set_state(slot, SlotState.GONE)  # RESTORING|DISCARDING -> GONE
                 self._parking -= 1
                 entry.failures += 1
                 entry.last_failure = f"{phase}: {error}"
@@ -612,11 +548,13 @@ class WarmPool:
             entry.last_failure = None
             # Not if its target was removed or changed, or the pool closes, meanwhile.
             wanted = (
-                not slot.discarding
+                slot.state is SlotState.RESTORING
                 and self._images.get(slot.image) is entry
                 and slot in entry.slots
                 and not self._closing.is_set()
             )
+            if wanted:
+                self._set_state(slot, SlotState.PARKED)  # RESTORING -> PARKED
         if not wanted:
             self._discard_now(slot, "closing")
             return
@@ -626,38 +564,64 @@ class WarmPool:
 
     # -- discarding ------------------------------------------------------------------------
 
-    def _drop(self, entry: _Image, slot: _Slot, reason: DiscardReason) -> None:
-        """A copy gone by itself: forget it, clean up what it left."""
+    def _drop(self, entry: _Image, slot: _Slot, reason: DiscardReason) -> bool:
+        """A parked copy gone by itself: forget it, clean up what it left; whether it did
+        (not if it was taken or is being discarded meanwhile)."""
         with self._lock:
-            if slot.taken:
-                return
+            if slot.state is not SlotState.PARKED:
+                return False
+            self._set_state(slot, SlotState.GONE)  # PARKED -> GONE
             if slot in entry.slots:
                 entry.slots.remove(slot)
         if slot.record is not None:
             discard_recorded(slot.record, self.state)
             self._shares_changed(slot.image)
         self.events.discarded(slot.image, reason)
+        return True
 
-    def _discard_later(self, slot: _Slot, reason: DiscardReason) -> None:
-        """Discard in a thread of its own: a copy's stop must not hold up the others."""
+    def _mark_discarding(self, slot: _Slot) -> bool:
+        """With ``_lock`` held: the slot is to be discarded; whether it was not already (and
+        is not taken: a taken copy is its taker's)."""
+        if slot.state not in (SlotState.RESTORING, SlotState.PARKED):
+            return False
+        self._set_state(slot, SlotState.DISCARDING)  # RESTORING|PARKED -> DISCARDING
+        return True
+
+    def _discard_later(self, slot: _Slot, reason: DiscardReason) -> bool:
+        """Discard in a thread of its own (a copy's stop must not hold up the others);
+        whether it was sent to be discarded here."""
         with self._lock:
-            if slot.discarding or slot.taken:
-                return
-            slot.discarding = True
-        threading.Thread(target=self._discard_now, args=(slot, reason), daemon=True,
-                         name=f"discard-{slot.id}").start()  # fmt: skip
+            if not self._mark_discarding(slot):
+                return False
+        self._start_worker(self._finish_discard, (slot, reason), f"discard-{slot.id}")
+        return True
 
     def _discard_now(self, slot: _Slot, reason: DiscardReason) -> None:
+        """Discard in this thread; a slot already being discarded by its parking thread (its
+        restore ended after its target went) is ended here too, a taken one never."""
         with self._lock:
-            if slot.taken:
+            if slot.state is SlotState.TAKEN or slot.state is SlotState.GONE:
                 return
-            slot.discarding = True
+            if slot.state is not SlotState.DISCARDING:
+                self._mark_discarding(slot)
+            elif slot.record is None:
+                return  # marked while restoring, restore not over: its parking thread ends it
+        self._finish_discard(slot, reason)
+
+    def _finish_discard(self, slot: _Slot, reason: DiscardReason) -> None:
+        with self._lock:
+            if slot.state is not SlotState.DISCARDING:
+                return  # another thread finished it meanwhile
             for entry in self._images.values():
                 if slot in entry.slots:
                     entry.slots.remove(slot)
-        if slot.record is not None:
-            _order_discard(slot.record)
-            discard_recorded(slot.record, self.state)
+            record = slot.record
+            if record is not None:
+                self._set_state(slot, SlotState.GONE)  # DISCARDING -> GONE
+            # else: still restoring; its parking thread discards it once it parked or failed
+        if record is not None:
+            _order_discard(record)
+            discard_recorded(record, self.state)
             self._shares_changed(slot.image)
         self.events.discarded(slot.image, reason)
 

@@ -20,17 +20,11 @@ import pytest
 from snapctl.activation.requests import CopyRequest
 from snapctl.pool import WarmPool
 from snapctl.pool.identity import published_identity
+from snapctl.pool.memory import PSS_MAX_AGE_S, memory_moved
 from snapctl.pool.models import ParkedRecord, PoolTarget
 from snapctl.pool.records import RECORD_NAME, parked_home
-from snapctl.pool.warm import (
-    PSS_MAX_AGE_S,
-    REFILL_NICENESS,
-    TICK_S,
-    UNMEASURED_WAIT_S,
-    _Image,
-    _Slot,
-    memory_moved,
-)
+from snapctl.pool.states import SlotState
+from snapctl.pool.warm import REFILL_NICENESS, UNMEASURED_WAIT_S, TickReport, _Image, _Slot
 from snapctl.protocol.atomic import write_json_atomic
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import start_time
@@ -146,23 +140,44 @@ def pool(state: StateDir, spawner: FakeSpawner) -> Iterator[tuple[WarmPool, Even
     warm.close(5.0)
 
 
+@pytest.fixture
+def manual(state: StateDir, spawner: FakeSpawner) -> Iterator[tuple[WarmPool, Events]]:
+    """A pool with no refill thread: the test drives :meth:`WarmPool.tick` itself."""
+    events = Events()
+    warm = WarmPool(state, spawner=spawner, events=events, background=False)  # type: ignore[arg-type]
+    warm.adopt()
+    yield warm, events
+    warm.close(5.0)
+
+
+def tick(warm: WarmPool) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """One tick, then its parking and discarding threads waited for: what it did."""
+    done = warm.tick()
+    assert warm.drain(10.0)
+    return done.started, [(i, str(why)) for i, why in done.discarding], done.dropped
+
+
 def parked(warm: WarmPool) -> list[str]:
     return [row.id for e in warm.listing().entries for row in e.parked if row.state == "parked"]
 
 
-def test_fill_take_refill(pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner) -> None:
-    warm, events = pool
+def test_fill_take_refill(
+    manual: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = manual
     assert warm.take(image) is None  # no target: never waits
     warm.set(image, 2)
-    until(lambda: len(parked(warm)) == 2)
-    first = set(parked(warm))
+    first = tick(warm)[0] + tick(warm)[0]  # one restore at a time per image
+    assert len(first) == 2 and sorted(parked(warm)) == sorted(first)
+    assert tick(warm) == ([], [], [])  # full: nothing to do
     handle = warm.take(image, CopyRequest(image=str(image)))
     assert handle is not None and handle.id in first
-    time.sleep(3 * TICK_S)  # while the taken copy activates, no restore competes with it
+    for _ in range(3):  # while the taken copy activates, no restore competes with it
+        assert tick(warm) == ([], [], [])
     assert len(spawner.jobs) == 2 and len(parked(warm)) == 1
     warm.settled(handle)
-    until(lambda: len(parked(warm)) == 2)  # refilled
-    assert handle.id not in parked(warm)
+    (refill,) = tick(warm)[0]  # refilled
+    assert parked(warm) == [i for i in first if i != handle.id] + [refill]
     assert len(spawner.jobs) == 3
     assert all(job["kind"] == "park" and job["owner_pid"] == os.getpid() for job in spawner.jobs)
     assert ("taken", str(image)) in events.seen
@@ -315,36 +330,42 @@ def test_damaged_image_fails_verification(
 
 
 def test_memory_budget_bounds_parked_copies(
-    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
+    manual: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    warm, events = pool
-    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: 100)
+    warm, events = manual
+    monkeypatch.setattr("snapctl.pool.memory.members_memory", lambda members: 100)
     warm.set(image, 4, max_memory=250)
-    until(lambda: len(parked(warm)) == 2)
-    time.sleep(1.5)  # a third would exceed the budget: never started
+    assert len(tick(warm)[0]) == 1 and len(tick(warm)[0]) == 1
+    for _ in range(3):  # a third would exceed the budget: never started
+        assert tick(warm) == ([], [], [])
     assert len(spawner.jobs) == 2
     assert warm.listing().entries[0].memory_bytes == 200
     warm.set(image, 4, max_memory=150)
-    until(lambda: ("discarded", "memory") in events.seen)
-    assert len(parked(warm)) == 1
+    newest = max(warm._images[str(image)].slots, key=lambda s: s.parked_at or 0.0)
+    _started, discarding, _dropped = tick(warm)
+    assert discarding == [(newest.id, "memory")] and newest.state is SlotState.GONE
+    assert ("discarded", "memory") in events.seen and len(parked(warm)) == 1
 
 
 def test_a_budget_below_one_copy_restores_once_and_says_so_instead_of_restoring_in_a_loop(
-    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
+    manual: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    warm, events = pool
-    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: 3 << 20)
+    warm, events = manual
+    monkeypatch.setattr("snapctl.pool.memory.members_memory", lambda members: 3 << 20)
     warm.set(image, 2, max_memory=1 << 20)
-    until(lambda: ("discarded", "memory") in events.seen)
-    until(lambda: not warm._images[str(image)].slots)
-    time.sleep(1.5)  # many ticks: the old pool restored again at each one
+    (first,) = tick(warm)[0]
+    assert tick(warm)[1] == [(first, "memory")]
+    assert ("discarded", "memory") in events.seen and not warm._images[str(image)].slots
+    for _ in range(5):  # the old pool restored again at each tick
+        assert tick(warm) == ([], [], [])
     assert len(spawner.jobs) == 1
     failure = warm.listing().entries[0].last_failure or ""
     assert "one parked copy holds 3 MiB, more than --max-memory 1 MiB" in failure
     warm.set(image, 2, max_memory=8 << 20)  # a budget that fits two
-    until(lambda: len(parked(warm)) == 2)
+    assert len(tick(warm)[0]) == 1 and len(tick(warm)[0]) == 1
+    assert len(parked(warm)) == 2
     assert warm.listing().entries[0].last_failure is None
 
 
@@ -353,15 +374,15 @@ def test_a_copy_whose_memory_is_not_read_yet_holds_back_a_restore_over_the_budge
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     warm, _ = pool
-    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: 100)
+    monkeypatch.setattr("snapctl.pool.memory.members_memory", lambda members: 100)
     warm.set(image, 4, max_memory=250)
     until(lambda: len(parked(warm)) == 2)
     entry = warm._images[str(image)]
     # As between a parking thread's record and its first memory read, when a tick refills;
     # unreadable from now on, so the pool's own ticks cannot read it meanwhile either.
-    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: None)
+    monkeypatch.setattr("snapctl.pool.memory.members_memory", lambda members: None)
     newest = max(entry.slots, key=lambda slot: slot.parked_at or 0.0)
-    newest.memory_bytes = None
+    newest.memory.bytes = None
     now = time.monotonic()
     warm._refill(str(image), entry, now)
     assert len(entry.slots) == 2  # no third restore: 100 + (unread) + 100 more exceed 250
@@ -377,10 +398,10 @@ def test_parked_memory_is_read_again_only_when_its_resident_memory_moves_or_it_i
     counters it is gated on are read without such a walk."""
     reads: list[int] = []
     resident = [((7, 1000 << 20),)]
-    monkeypatch.setattr("snapctl.pool.warm.record_members", lambda record: [])
-    monkeypatch.setattr("snapctl.pool.warm.members_memory",
+    monkeypatch.setattr("snapctl.pool.memory.record_members", lambda record: [])
+    monkeypatch.setattr("snapctl.pool.memory.members_memory",
                         lambda members: reads.append(1) or 600)  # fmt: skip
-    monkeypatch.setattr("snapctl.pool.warm.members_resident", lambda members: resident[0])
+    monkeypatch.setattr("snapctl.pool.memory.members_resident", lambda members: resident[0])
     entry = _Image(target=PoolTarget(image=str(image), size=1))
     slot = _Slot(id="pool-00000000000a", image=str(image))
     record = make_record(slot.id, str(image), ("0" * 64, "sha256:" + "0" * 64), os.getpid(),
@@ -391,10 +412,10 @@ def test_parked_memory_is_read_again_only_when_its_resident_memory_moves_or_it_i
     for step in (1.0, 2.0, 3.0):  # idle, and within RESIDENT_SLACK of it: no walk
         resident[0] = ((7, (1000 << 20) + int(step * (1 << 20))),)
         WarmPool._measure(entry, slot, record, now + step)
-    assert reads == [1] and slot.memory_at == now
+    assert reads == [1] and slot.memory.at == now
     resident[0] = ((7, 1100 << 20),)  # 10 % more: pages came in
     WarmPool._measure(entry, slot, record, now + 4.0)
-    assert reads == [1, 1] and slot.memory_at == now + 4.0
+    assert reads == [1, 1] and slot.memory.at == now + 4.0
     resident[0] = ((7, 1100 << 20), (8, 4096))  # another process in the tree
     WarmPool._measure(entry, slot, record, now + 5.0)
     assert len(reads) == 3
@@ -406,23 +427,34 @@ def test_parked_memory_is_read_again_only_when_its_resident_memory_moves_or_it_i
 
 
 def test_a_discarded_copy_has_its_siblings_memory_read_again(
-    pool: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch
+    manual: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Pages two parked copies shared count whole in the one left: its PSS grows while its
     resident counters do not move."""
-    warm, events = pool
+    warm, events = manual
     pss = [100]
-    monkeypatch.setattr("snapctl.pool.warm.members_memory", lambda members: pss[0])
+    reads: list[int] = []
+
+    def members_memory(members: Any) -> int:
+        reads.append(pss[0])
+        return pss[0]
+
+    monkeypatch.setattr("snapctl.pool.memory.members_memory", members_memory)
+    monkeypatch.setattr("snapctl.pool.memory.members_resident", lambda members: ((7, 1 << 30),))
     warm.set(image, 2)
-    until(lambda: len(parked(warm)) == 2)
+    tick(warm), tick(warm)
     entry = warm._images[str(image)]
-    until(lambda: all(slot.memory_bytes == 100 for slot in entry.slots))
+    assert [slot.memory_bytes for slot in entry.slots] == [100, 100] and reads == [100, 100]
     pss[0] = 150
-    time.sleep(3 * TICK_S)  # ticks, none of which reads PSS again: nothing moved
-    assert [slot.memory_bytes for slot in entry.slots] == [100, 100]
+    now = time.monotonic()
+    for step in (1, 2, 3):  # ticks that look at memory, none reads PSS again: nothing moved
+        assert warm.tick(now + 5 * step) == TickReport()
+    assert [slot.memory_bytes for slot in entry.slots] == [100, 100] and len(reads) == 2
     warm.set(image, 1)
-    until(lambda: ("discarded", "target") in events.seen)
-    until(lambda: [slot.memory_bytes for slot in entry.slots] == [150])
+    assert [why for _id, why in tick(warm)[1]] == ["target"]
+    assert ("discarded", "target") in events.seen
+    warm.tick(now + 20)  # not yet PSS_MAX_AGE_S old: read again for the sibling gone
+    assert [slot.memory_bytes for slot in entry.slots] == [150] and reads[2:] == [150]
 
 
 def test_memory_moved_follows_the_tree_and_the_slack() -> None:
@@ -466,14 +498,19 @@ def test_an_agent_started_nicer_than_the_refill_thread_stays_so(
 
 
 def test_failed_restore_backs_off(
-    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+    manual: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
 ) -> None:
-    warm, events = pool
+    warm, events = manual
     spawner.fail_with = "criu restore failed: boom"
     warm.set(image, 1)
-    until(lambda: ("failed", "restore") in events.seen)
-    time.sleep(1.0)
-    assert len(spawner.jobs) == 1  # backing off, not retrying on every tick
+    assert len(tick(warm)[0]) == 1
+    assert ("failed", "restore") in events.seen
+    for _ in range(3):  # backing off, not retrying on every tick
+        assert tick(warm) == ([], [], [])
+    assert len(spawner.jobs) == 1
+    entry = warm._images[str(image)]
+    assert len(warm.tick(entry.retry_at + 0.01).started) == 1  # once backed off, it retries
+    assert warm.drain(10.0) and len(spawner.jobs) == 2
     assert "boom" in (warm.listing().entries[0].last_failure or "")
 
 
@@ -536,10 +573,11 @@ def test_a_taken_copy_is_the_takers_even_if_a_tick_saw_it_before(
     (seen,) = warm._images[str(image)].slots
     handle = warm.take(image)
     assert handle is not None and handle.id == seen.id
+    assert seen.state is SlotState.TAKEN
     warm._discard_now(seen, "replaced")  # what that tick does next
-    warm._discard_later(seen, "replaced")
-    warm._drop(warm._images[str(image)], seen, "died")
-    time.sleep(0.5)
+    assert warm._discard_later(seen, "replaced") is False
+    assert warm._drop(warm._images[str(image)], seen, "died") is False
+    assert warm.drain(10.0) and seen.state is SlotState.TAKEN
     taken = [c for c in spawner.children if c.pid == handle.supervisor_pid]
     assert taken and taken[0].poll() is None
     assert parked_home(warm.state, handle.id).exists()
@@ -584,11 +622,11 @@ def _gone_meanwhile(pid: int) -> float:
 def test_a_process_gone_between_two_reads_counts_no_memory(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from snapctl.pool import warm
+    from snapctl.supervision import memory
 
-    monkeypatch.setattr(warm, "start_time", _gone_meanwhile)
-    assert warm.tree_members([(os.getpid(), 1.0)]) == []
-    assert warm.members_memory([]) is None
+    monkeypatch.setattr(memory, "start_time", _gone_meanwhile)
+    assert memory.tree_members([(os.getpid(), 1.0)]) == []
+    assert memory.members_memory([]) is None
 
 
 def test_a_discarded_copy_that_exits_at_once_is_no_error(
