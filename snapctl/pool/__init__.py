@@ -5,14 +5,13 @@ or a restore in a fresh supervisor).
 Split by the process a module runs in, each layer importing only the ones below it:
 
 - the agent: :mod:`~snapctl.pool.warm` (the :class:`WarmPool`: targets, take, the refill
-  tick) with :mod:`~snapctl.pool.slots`, :mod:`~snapctl.pool.memory`,
+  tick) with :mod:`~snapctl.pool.states`, :mod:`~snapctl.pool.memory`,
   :mod:`~snapctl.pool.verify` and :mod:`~snapctl.pool.targets`; :mod:`~snapctl.pool.serve`
   (serving one request) and :mod:`~snapctl.pool.cancel`, :mod:`~snapctl.pool.events`;
 - a supervisor: :mod:`snapctl.pool.supervisor` (the jobs the spawner's children run);
 - both, below them: :mod:`~snapctl.pool.wire` (the pipe and socket between them, its
   errors), :mod:`~snapctl.pool.spawner` (forks supervisors; their job runner is injected),
-  :mod:`~snapctl.pool.models`, :mod:`~snapctl.pool.records`, :mod:`~snapctl.pool.identity`,
-  :mod:`~snapctl.pool.states`.
+  :mod:`~snapctl.pool.models`, :mod:`~snapctl.pool.records`, :mod:`~snapctl.pool.identity`.
 
 This module is the seam the agent codes against: the models (:mod:`snapctl.pool.models`; the
 requests are :mod:`snapctl.activation.requests`'),
