@@ -19,7 +19,7 @@ from snapctl.criu.lazy.pagemap import PAGE_SIZE
 from snapctl.criu.lazy.tuning import LAZY_DEFAULT_MIN_BYTES
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError
-from snapctl.pool.jobs import check_request
+from snapctl.pool.supervisor.common import check_request
 from snapctl.statedir import StateDir
 from snapctl.statedir.names import NameInUseError
 from tests.images.factories import publish_sample

@@ -1,7 +1,8 @@
 """``snapctl donor`` and ``snapctl bake`` through the agent (``POST /v1/donors``, ``/v1/bakes``),
 without root: the request the CLI sends (the client's directory and environment), strict
 validation, usage errors as in-process, the CLI's choice of path, and the supervisor's job
-(:func:`snapctl.pool.jobs.run_capture`) through its seams. The real capture: test_agent_criu.py.
+(:func:`snapctl.pool.supervisor.jobs.run_capture`) through its seams. The real capture:
+test_agent_criu.py.
 """
 
 from __future__ import annotations

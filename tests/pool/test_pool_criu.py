@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from snapctl.criu import CriuBinary
-from snapctl.pool.parked import PARK_NICENESS
 from snapctl.pool.records import load_parked_records, pool_dir
+from snapctl.pool.supervisor.parked import PARK_NICENESS
 from snapctl.statedir import StateDir
 from tests.activation.criu_helpers import API_KEY, API_KEY_ENV, complete, leftovers
 from tests.agent.helpers import Started, gone, stop_all_clean, until
