@@ -10,7 +10,6 @@ Runs in the agent (in the thread serving the request); the wire it reads is
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 from pathlib import Path
@@ -27,6 +26,7 @@ from snapctl.pool.wire import (
     ParkedHandle,
     SupervisorError,
     capture_payload,
+    order_line,
     relay,
     request_payload,
 )
@@ -113,12 +113,11 @@ def activate_taken(
     its activation's error (:class:`SupervisorError`; the copy was stopped)."""
     if request.count != 1:
         raise ValueError("a parked copy serves one copy request (count 1)")
-    order = {"version": 1, "action": "activate", "request": request_payload(request)}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         try:
             conn.connect(str(handle.socket))
-            conn.sendall(json.dumps(order).encode() + b"\n")
+            conn.sendall(order_line(request))
         except OSError as error:
             raise ParkedCopyUnusableError(
                 f"parked copy {handle.id} does not answer ({error.strerror}); restore instead",

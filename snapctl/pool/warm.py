@@ -49,7 +49,7 @@ from snapctl.pool.spawner import Spawner, SpawnerGoneError
 from snapctl.pool.states import SlotState, check_slot_transition
 from snapctl.pool.targets import PoolTargetsError, load_targets, save_targets
 from snapctl.pool.verify import VERIFY_EVERY_S, ImageWatch
-from snapctl.pool.wire import ParkedHandle, wait_parked
+from snapctl.pool.wire import ParkedHandle, order_line, wait_parked
 from snapctl.statedir import StateDir
 from snapctl.supervision.memory import read_ksm
 from snapctl.supervision.process import ProcessGoneError, is_same_process, same_start, start_time
@@ -635,7 +635,7 @@ def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
         with socket.socket(socket.AF_UNIX) as conn:
             conn.settimeout(timeout_s)
             conn.connect(record.socket)
-            conn.sendall(b'{"version":1,"action":"discard"}\n')
+            conn.sendall(order_line(None))
             while conn.recv(4096):
                 pass
     except OSError:

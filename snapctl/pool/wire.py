@@ -19,12 +19,12 @@ import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from snapctl.activation.requests import BakeRequest, CopyRequest
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError, wire_outcome
 from snapctl.phases import HostPhase
-from snapctl.pool.models import ParkedRecord
+from snapctl.pool.models import ActivationOrder, ParkedRecord
 
 # on_progress(lane, step): lane "" for a single copy, "copy N" for one of --count N.
 LaneProgress = Callable[[str, str], None]
@@ -128,6 +128,16 @@ def request_payload(request: CopyRequest) -> dict[str, Any]:
     payload = request.model_dump(mode="json")
     payload["api_key"] = None if request.api_key is None else request.api_key.get_secret_value()
     return payload
+
+
+def order_line(request: CopyRequest | None) -> bytes:
+    """The one :class:`ActivationOrder` a parked copy's socket takes, as its line: activate it
+    for ``request`` (its API key included, see :func:`request_payload`), or (None) discard it."""
+    action: Literal["activate", "discard"] = "discard" if request is None else "activate"
+    order = ActivationOrder(action=action, request=request).model_dump(mode="json")
+    if request is not None:
+        order["request"] = request_payload(request)
+    return json.dumps(order).encode() + b"\n"
 
 
 def capture_payload(request: BakeRequest) -> dict[str, Any]:

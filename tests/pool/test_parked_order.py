@@ -12,6 +12,7 @@ from snapctl.activation.requests import CopyRequest
 from snapctl.errors import ExitStatus
 from snapctl.pool.models import ActivationOrder, ParkedRecord
 from snapctl.pool.supervisor import parked
+from snapctl.pool.wire import order_line
 
 
 def _parked(monkeypatch: pytest.MonkeyPatch, delivered: bool, detach: bool) -> dict[str, Any]:
@@ -51,3 +52,14 @@ def test_a_foreground_report_that_reached_no_one_stops_the_copy(
 ) -> None:
     seen = _parked(monkeypatch, delivered=False, detach=False)
     assert seen == {"supervised": False, "stopped": 1, "status": ExitStatus.ERROR}
+
+
+def test_an_order_line_is_what_the_parked_copy_reads_the_api_key_included() -> None:
+    request = CopyRequest(image="/images/one", api_key_env="KEY", api_key="secret")
+    activate = ActivationOrder.model_validate_json(order_line(request))
+    assert activate.action == "activate" and activate.request is not None
+    assert activate.request.api_key is not None
+    assert activate.request.api_key.get_secret_value() == "secret"
+    discard = ActivationOrder.model_validate_json(order_line(None))
+    assert (discard.action, discard.request) == ("discard", None)
+    assert order_line(None).endswith(b"\n") and order_line(None).count(b"\n") == 1
