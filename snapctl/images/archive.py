@@ -6,7 +6,9 @@ matches its manifest. Import reads the manifest first, then checks each member's
 size and sha256 while unpacking into a staging directory beside the target, which is renamed
 into place only when everything matched: on any failure nothing usable appears. Only plain
 files, directories and hard links to earlier members are accepted; absolute names, ``..``,
-duplicates, symlinks, device nodes and links leading outside are refused.
+duplicates, symlinks, device nodes, sparse members and links leading outside are refused.
+What an import may write is bounded before it writes: the manifest's sizes must fit in the
+space free at the destination, and no member may yield more bytes than it declares.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import stat
 import struct
 import tarfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Literal
 
@@ -294,6 +297,13 @@ class _BytesReader:
 
 # --- import -----------------------------------------------------------------------------------
 
+FreeBytes = Callable[[Path], int]
+
+
+def free_bytes_at(path: Path) -> int:
+    """Bytes free to this process on the filesystem holding ``path``."""
+    return shutil.disk_usage(path).free
+
 
 def parse_manifest(data: bytes, where: Path) -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
@@ -313,21 +323,49 @@ def _kind(member: tarfile.TarInfo) -> str:
         return "a device node"
     if member.isfifo():
         return "a fifo"
-    if member.issparse():
-        return "a sparse file"
     return f"of tar type {member.type!r}"
+
+
+def _is_sparse(member: tarfile.TarInfo) -> bool:
+    """A GNU sparse member in any form: old GNU (type ``S``) or PAX (``GNU.sparse.*``), even
+    one tarfile does not decode. tarfile counts them as regular files and expands their holes
+    to zeros, so a few bytes of archive would write a dense file of whatever size they say."""
+    return (
+        member.issparse()
+        or member.type == tarfile.GNUTYPE_SPARSE
+        or any(key.startswith("GNU.sparse") for key in member.pax_headers)
+    )
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+    """``tar``'s members, a header tarfile cannot decode (a GNU sparse map that is not numbers)
+    raising ``tarfile.ReadError``, as every other damage does, not ``ValueError``."""
+    while True:
+        try:
+            member = tar.next()
+        except ValueError as error:
+            raise tarfile.ReadError(f"unreadable member header: {error}") from error
+        if member is None:
+            return
+        yield member
+
+
+def _amount(size: int) -> str:
+    return f"{size:,} bytes ({size / (1 << 20):.1f} MiB)"
 
 
 class _Unpacker:
     """Checks and writes one archive's members into a staging directory."""
 
-    def __init__(self, archive: Path, root: Path) -> None:
+    def __init__(self, archive: Path, root: Path, free_bytes: FreeBytes) -> None:
         self.archive = archive
         self.root = root
+        self.free_bytes = free_bytes
         self.manifest: Manifest | None = None
         self.manifest_bytes = b""
         self.seen: set[str] = set()
         self.written: set[str] = set()  # regular files written (hard-link targets)
+        self.group_files: dict[int, str] = {}  # the one file written of each hard-link group
         self.linked: set[str] = set()  # hard links made to them
         # Applied in ``finish``: a read-only directory must still take the files inside it.
         self.directory_modes: dict[str, int] = {}
@@ -340,6 +378,9 @@ class _Unpacker:
     def member(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         name = member.name
         self.current = name
+        if _is_sparse(member):
+            raise self.refuse(f"member {name!r} is a sparse file (only files, directories and "
+                              "hard links are accepted)")  # fmt: skip
         if self.manifest is None:
             if name != MANIFEST_NAME or not member.isreg():
                 raise self.refuse(f"first member is {name!r}, not {MANIFEST_NAME}")
@@ -353,6 +394,7 @@ class _Unpacker:
             except ArchiveError as error:
                 raise self.refuse(error.message) from error
             self.seen.add(name)
+            self._check_space(self.manifest)
             return
         if not is_safe_relative(name):
             raise self.refuse(f"member {name!r} is not a plain relative path")
@@ -368,6 +410,29 @@ class _Unpacker:
         else:
             raise self.refuse(f"member {name} is {_kind(member)} (only files, directories "
                               "and hard links are accepted)")  # fmt: skip
+
+    def _check_space(self, manifest: Manifest) -> None:
+        """Refuse, before any file is written, an image the destination has no room for: its
+        files as the manifest declares them, a hard-link group once, and the manifest."""
+        groups: dict[int, int] = {}
+        needed = len(self.manifest_bytes)
+        for name, entry in sorted(manifest.files.items()):
+            if entry.size < 0:
+                raise self.refuse(f"manifest lists {name} with a negative size")
+            if entry.link_group is None:
+                needed += entry.size
+            else:
+                groups[entry.link_group] = max(entry.size, groups.get(entry.link_group, 0))
+        needed += sum(groups.values())
+        free = self.free_bytes(self.root)
+        if needed > free:
+            where = self.root.parent
+            raise NoSpaceError(
+                f"cannot import {self.archive.name}, nothing was published: its image needs "
+                f"{_amount(needed)} and {where} has {_amount(free)} free (free space there, "
+                "or import to another directory)",
+                phase=HostPhase.IMAGE, path=where,
+            )  # fmt: skip
 
     def _parent(self, name: str) -> None:
         # Every directory below root was made by us and no symlink is ever created, so
@@ -397,17 +462,29 @@ class _Unpacker:
 
     def _file(self, tar: tarfile.TarFile, member: tarfile.TarInfo) -> None:
         name = member.name
-        size, sha256, _ = self._expected(name)
+        size, sha256, group = self._expected(name)
         if member.size != size:
             raise self.refuse(f"member {name} has {member.size} bytes, the manifest {size}")
+        if group is not None:
+            # The space check counted the group once: its other names must be hard links.
+            first = self.group_files.setdefault(group, name)
+            if first != name:
+                raise self.refuse(f"member {name} is a second copy of hard-link group {group} "
+                                  f"(it must be a hard link to {first})")  # fmt: skip
         self._parent(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self.root / name, flags, 0o600)
         digest = hashlib.sha256()
         source = tar.extractfile(member)
         assert source is not None
+        written = 0
         with os.fdopen(fd, "wb") as target:
             while chunk := source.read(CHUNK):
+                # tarfile bounds a member's reader by its size; what the space check counted
+                # holds only while that is so, hence checked before the chunk is written.
+                written += len(chunk)
+                if written > size:
+                    raise self.refuse(f"member {name} holds more than its {size} bytes")
                 digest.update(chunk)
                 target.write(chunk)
             # Only the rwx bits, owned by whoever imports: another host's uid/gid and its
@@ -462,10 +539,13 @@ def import_image(
     cache_dir: Path | None = None,
     progress: ByteProgress | None = None,
     claims: Path | None = None,
+    free_bytes: FreeBytes = free_bytes_at,
 ) -> ArchiveReport:
     """Unpack ``archive`` into the image directory ``to``, verifying while streaming; publish
     by rename only when every member and the archive's seal matched. ``progress`` counts
-    compressed bytes; ``claims`` is where the staging directory is claimed (ImageStaging)."""
+    compressed bytes; ``claims`` is where the staging directory is claimed (ImageStaging);
+    ``free_bytes`` says how many bytes are free where the staging directory is, which the
+    image the manifest declares must fit in (checked before any file is unpacked)."""
     archive, to = archive.absolute(), to.absolute()
     started = time.monotonic()
     try:
@@ -477,7 +557,7 @@ def import_image(
         seal = os.pread(raw.fileno(), SEAL_BYTES, max(0, size - SEAL_BYTES))
         sealed = seal[:8] == _seal(b"\0" * 32)[:8] and seal[8 : 8 + len(SEAL_LABEL)] == SEAL_LABEL
         staging = ImageStaging(to, force=force, claims=claims)
-        unpacker = _Unpacker(archive, staging.dir)
+        unpacker = _Unpacker(archive, staging.dir, free_bytes)
         # Unsealed, the whole file is streamed: a hostile member is named before the seal is.
         body = _SealedBody(raw, size - SEAL_BYTES if sealed else size, progress)
         try:
@@ -485,7 +565,7 @@ def import_image(
                 decompressor = zstandard.ZstdDecompressor()
                 with decompressor.stream_reader(body) as stream:  # type: ignore[arg-type]
                     with tarfile.open(fileobj=stream, mode="r|") as tar:
-                        for member in tar:
+                        for member in _members(tar):
                             unpacker.member(tar, member)
                     # Read to the end: zstd checks the frame's checksum only there.
                     while stream.read(CHUNK):
