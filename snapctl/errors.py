@@ -12,7 +12,7 @@ drawing lists every class, under its base, with its code)::
     ├── WaitTimeoutError               1  errors: a bounded wait expired (a TimeoutError too)
     ├── ProcessExitedError             1  errors: the process waited on is gone
     ├── CanaryMismatchError            5  errors: a canary result differs from its oracle
-    ├── NoSpaceError                   7  errors: a disk filled up (ENOSPC): where, how much free
+    ├── NoSpaceError                   7  errors: a disk filled up, or would: where, how much free
     ├── ProcessGoneError               1  supervision.process: a recorded PID is gone or reused
     ├── InvalidNameError               2  statedir.names: a --name outside the pattern
     ├── NameInUseError                 6  statedir.names: another activation has the name
@@ -256,7 +256,8 @@ def wire_outcome(error: BaseException) -> dict[str, Any]:
 
 
 class NoSpaceError(SnapctlError):
-    """A disk filled up (ENOSPC) while snapctl wrote to it; says where and how much is free."""
+    """A disk filled up (ENOSPC) while snapctl wrote to it, or what an import or a pull would
+    write does not fit; says where and how much is free."""
 
     exit_status = ExitStatus.UNAVAILABLE
 
