@@ -59,7 +59,7 @@ class CopyRequest(StrictModel):
     count: int = Field(default=1, ge=1, le=64)
     timeout_s: float = DEFAULT_TIMEOUT_S
     native: Literal["none", "cuda-checkpoint"] = "none"
-    criu_path: str | None = None
+    criu_path: str | None = Field(default=None, pattern=r"^/")
     server_argv: tuple[str, ...] | None = None
     detach: bool = False
 

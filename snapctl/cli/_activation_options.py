@@ -44,6 +44,53 @@ class CommonOptions:
     as_json: bool
 
 
+class ServerCommand(click.Command):
+    """A command whose trailing ``SERVER_CMD`` is the server's own command line.
+
+    The command's options come first; ``--``, or the first argument that is not an option,
+    starts the server's command, which runs on as given (its own options included). An option
+    the command does not know before that is a usage error naming it, never a program to run.
+    """
+
+    allow_interspersed_args = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault(
+            "epilog",
+            "SERVER_CMD follows the options, after -- (needed when it begins with an option): "
+            "from there on every argument is the server's.",
+        )
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as error:
+            raise _snapctl_option_error(error, ctx) from None
+
+
+def _snapctl_option_error(error: click.NoSuchOption, ctx: click.Context) -> click.NoSuchOption:
+    """``error``, or, for an option of ``snapctl`` itself (``--no-agent``), the same refusal
+    saying where that option goes."""
+    parent = ctx.parent
+    if parent is None:
+        return error
+    names = {
+        name
+        for param in parent.command.params
+        if isinstance(param, click.Option) and not param.is_eager
+        for name in (*param.opts, *param.secondary_opts)
+    }
+    if error.option_name not in names:
+        return error
+    return click.NoSuchOption(
+        error.option_name,
+        message=f"No such option {error.option_name!r}: it is snapctl's own, given before the "
+        f"command ({parent.command_path} {error.option_name} {ctx.info_name} ...).",
+        ctx=ctx,
+    )
+
+
 def parse_publish(value: str | None) -> tuple[str, int] | None:
     """``[ADDR:]PORT`` → (address, port); the address defaults to 127.0.0.1 (an IPv6 one may
     be bracketed: ``[::1]:8000``)."""

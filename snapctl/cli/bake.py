@@ -9,6 +9,7 @@ import click
 
 from snapctl.cli._activation_options import (
     CommonOptions,
+    ServerCommand,
     capture_options,
     shared_options,
     validated_request,
@@ -16,7 +17,7 @@ from snapctl.cli._activation_options import (
 from snapctl.phases import HostPhase
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+@click.command(cls=ServerCommand)
 @capture_options
 @shared_options(exclude=frozenset({"name", "publish", "expose", "detach"}))
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)

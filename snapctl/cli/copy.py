@@ -9,6 +9,7 @@ import click
 
 from snapctl.cli._activation_options import (
     CommonOptions,
+    ServerCommand,
     activation_options,
     usage_error,
     validated_request,
@@ -28,7 +29,7 @@ class LazyOption(click.Option):
         return super().get_help_record(ctx)
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+@click.command(cls=ServerCommand)
 @click.option(
     "--image",
     "image_source",

@@ -9,6 +9,7 @@ import click
 
 from snapctl.cli._activation_options import (
     CommonOptions,
+    ServerCommand,
     activation_options,
     capture_options,
     check_publish_option,
@@ -18,7 +19,7 @@ from snapctl.cli.serving import serve
 from snapctl.progress import Progress
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+@click.command(cls=ServerCommand)
 @capture_options
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)

@@ -10,7 +10,11 @@ import click
 from click.core import ParameterSource
 
 from snapctl.activation.timeouts import READY_TIMEOUT_S, SERVER_TIMEOUT_S
-from snapctl.cli._activation_options import startup_timeout_options, timeout_option
+from snapctl.cli._activation_options import (
+    ServerCommand,
+    startup_timeout_options,
+    timeout_option,
+)
 from snapctl.cli.output import emit_json, json_option, note, stderr, stdout
 from snapctl.qualification.faultmodes import FAULT_MODES, FaultMode
 
@@ -133,7 +137,7 @@ _lazy_help = (
 )
 
 
-@click.command(context_settings={"ignore_unknown_options": True})
+@click.command(cls=ServerCommand)
 @_image_option
 @click.option("--runs", show_default="donor,criu-restore-fault,copy-1,copy-2,fault,stale,"
               "criu-dump-fault; lazy-fault too with --lazy",

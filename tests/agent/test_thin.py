@@ -84,12 +84,24 @@ DECLINED = [
     ["--help"],
     ["--", "python", "server.py"],
     ["server.py"],
+    ["--no-agent"],
+    ["--", "python", "-m", "server", "--json", "--detach"],
 ]
 
 
 @pytest.mark.parametrize("extra", DECLINED)
 def test_it_declines_what_it_does_not_fully_understand(extra: list[str], image: Path) -> None:
     assert parse_fast_copy(["copy", "--image", str(image), "--detach", "--json", *extra]) is None
+
+
+@pytest.mark.parametrize("unknown", ["--no-agent", "--traceback", "--no-such", "-x"])
+def test_an_option_copy_does_not_know_is_declined_and_the_full_cli_refuses_it(
+    unknown: str, image: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["copy", "--image", str(image), unknown, "--detach", "--json"]
+    assert parse_fast_copy(args) is None
+    assert full_main(args) == ExitStatus.USAGE
+    assert f"No such option '{unknown}'" in capsys.readouterr().err
 
 
 NAMES = ["a", "Z9", "a.b-c_1", "x" * 64, "x" * 65, "", "-a", ".a", "_a", "a/b", "a b", "é",
