@@ -23,6 +23,7 @@ from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, Activatio
 from snapctl.progress import Progress
 from snapctl.statedir import ActivationRecord, StateDir
 from snapctl.supervision.leftovers import TMP_GRACE_S
+from snapctl.supervision.logs import bound_log
 from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
 from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
 
@@ -30,6 +31,10 @@ from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, s
 def run_until_stopped(session: Session, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
     """Serve until the tree exits, or SIGINT/SIGTERM arrives; then stop and audit."""
     return run_all_until_stopped([session], stop_timeout_s)[0]
+
+
+# The supervising loop looks at each server's log size every this many rounds.
+LOG_CHECK_ROUNDS = 5
 
 
 def run_all_until_stopped(
@@ -47,10 +52,14 @@ def run_all_until_stopped(
             signals.started()
             return run_all_until_stopped(sessions, stop_timeout_s, signals.requested)
     results: dict[int, tuple[str, CleanupAudit]] = {}
+    rounds = 0
     while not stop.is_set() and len(results) < len(sessions):
         for index, session in enumerate(sessions):
             if index not in results and not session.alive():
                 results[index] = session.stop(stop_timeout_s)
+            elif index not in results and rounds % LOG_CHECK_ROUNDS == 0:
+                bound_log(session.dirs.server_log)
+        rounds += 1
         stop.wait(0.2)
     for index, session in enumerate(sessions):
         if index not in results:
