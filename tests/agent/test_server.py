@@ -37,7 +37,9 @@ from snapctl.supervision.memory import KsmStatus
 from tests.agent.conftest import FakePool, FakeSpawner, RunningAgent, make_report
 from tests.images.factories import publish_sample
 
-HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client"}
+# What the CLI's fast path never imports (the agent's HTTP server, aiohttp, included).
+HEAVY = {"click", "pydantic", "rich", "psutil", "pyroute2", "watchdog", "prometheus_client",
+         "aiohttp"}  # fmt: skip
 
 
 def ready_parked(running_agent: RunningAgent, tmp_path: Path) -> tuple[Path, ParkedHandle]:
@@ -70,7 +72,7 @@ def raw(where: Path | int, request: bytes) -> tuple[int, bytes]:
 
 
 def metrics_of(path: Path) -> bytes:
-    status, body = raw(path, b"GET /metrics HTTP/1.1\r\nConnection: close\r\n\r\n")
+    status, body = raw(path, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert status == 200
     return body
 
@@ -170,6 +172,25 @@ def test_malformed_requests_are_refused_with_the_reason(
     assert running_agent.spawner.jobs == []
 
 
+@pytest.mark.parametrize(
+    ("depth", "status", "reason"),
+    [(100, 422, "image: holds NUL"), (1000, 400, "not a JSON object"),
+     (200000, 400, "not a JSON object")],
+)  # fmt: skip
+def test_a_deeply_nested_body_is_refused_never_a_failure(
+    running_agent: RunningAgent, depth: int, status: int, reason: str
+) -> None:
+    """A string holding NUL sends the body to the NUL check, which must not recurse (nor
+    the JSON parser) past its depth: a refusal, whatever the nesting."""
+    nested = b"[" * depth + b"]" * depth
+    got, answer = post(running_agent.socket, "/v1/copies",
+                       b'{"image": "/x\\u0000", "a": ' + nested + b"}")  # fmt: skip
+    assert (got, answer["status"]) == (status, ExitStatus.USAGE) and reason in answer["error"]
+    got, answer = post(running_agent.socket, "/v1/copies", nested)
+    assert got in (400, 422) and answer["status"] == ExitStatus.USAGE, answer
+    assert running_agent.spawner.jobs == []
+
+
 def test_a_refused_body_is_not_echoed(running_agent: RunningAgent) -> None:
     body = json.dumps({"image": "/x", "api_key": 12345678, "count": "secret-value"}).encode()
     got, answer = post(running_agent.socket, "/v1/copies", body)
@@ -177,11 +198,12 @@ def test_a_refused_body_is_not_echoed(running_agent: RunningAgent) -> None:
 
 
 def test_oversized_and_chunked_bodies_are_refused(running_agent: RunningAgent) -> None:
-    status, _ = raw(running_agent.socket, b"POST /v1/copies HTTP/1.1\r\nContent-Length: "
-                    b"99999999\r\nConnection: close\r\n\r\n")  # fmt: skip
+    status, _ = raw(running_agent.socket, b"POST /v1/copies HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Length: 99999999\r\nConnection: close\r\n\r\n")  # fmt: skip
     assert status == 413
-    status, _ = raw(running_agent.socket, b"POST /v1/copies HTTP/1.1\r\nTransfer-Encoding: "
-                    b"chunked\r\nConnection: close\r\n\r\n0\r\n\r\n")  # fmt: skip
+    status, _ = raw(running_agent.socket, b"POST /v1/copies HTTP/1.1\r\nHost: x\r\n"
+                    b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+                    b"0\r\n\r\n")  # fmt: skip
     assert status == 411
 
 
@@ -473,8 +495,8 @@ def test_no_secret_reaches_the_agent_s_log(
         assert code == 0
         port = next(a for a in agent.addresses if isinstance(a, tuple))[1]
         for bearer in (token, "wrong-" + token):
-            request = (f"GET /v1/nowhere?token={bearer} HTTP/1.1\r\nConnection: close\r\n"
-                       f"Authorization: Bearer {bearer}\r\n\r\n")  # fmt: skip
+            request = (f"GET /v1/nowhere?token={bearer} HTTP/1.1\r\nHost: x\r\nConnection: "
+                       f"close\r\nAuthorization: Bearer {bearer}\r\n\r\n")  # fmt: skip
             status, _ = raw(port, request.encode())
             assert status in (401, 404)
     finally:
@@ -507,8 +529,8 @@ def test_the_tcp_listener_needs_the_token(tmp_path: Path) -> None:
         port = next(a for a in agent.addresses if isinstance(a, tuple))[1]
 
         def get(headers: str) -> int:
-            return raw(port, f"GET /v1/version HTTP/1.1\r\nConnection: close\r\n{headers}"
-                             "\r\n".encode())[0]  # fmt: skip
+            return raw(port, f"GET /v1/version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                             f"{headers}\r\n".encode())[0]  # fmt: skip
 
         assert get("") == 401
         assert get("Authorization: Bearer wrong\r\n") == 401
@@ -687,11 +709,15 @@ def test_a_socket_path_that_is_not_a_socket_is_never_removed(tmp_path: Path) -> 
     assert precious.read_text() == "data"
 
 
-def test_a_refusal_before_the_body_closes_the_connection(running_agent: RunningAgent) -> None:
-    """The unread body of a refused request must not be read as the next request."""
-    smuggled = b"GET /v1/version HTTP/1.1\r\n\r\n"
-    request = (b"POST /v1/copies HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Length: "
-               + str(len(smuggled)).encode() + b"\r\n\r\n" + smuggled)  # fmt: skip
+def test_a_body_framed_two_ways_is_refused_and_nothing_in_it_is_answered(
+    running_agent: RunningAgent,
+) -> None:
+    """A Content-Length beside a chunked Transfer-Encoding: two readings of one request, the
+    classic smuggling; refused, and the connection closed, its body never read as a request."""
+    smuggled = b"GET /v1/version HTTP/1.1\r\nHost: x\r\n\r\n"
+    request = (b"POST /v1/copies HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+               b"Content-Length: " + str(len(smuggled)).encode() + b"\r\n\r\n"
+               + smuggled)  # fmt: skip
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(10)
         sock.connect(str(running_agent.socket))
@@ -699,7 +725,8 @@ def test_a_refusal_before_the_body_closes_the_connection(running_agent: RunningA
         answers = b""
         while chunk := sock.recv(65536):
             answers += chunk
-    assert answers.count(b"HTTP/1.") == 1 and b" 411 " in answers
+    assert answers.count(b"HTTP/1.") == 1 and b" 400 " in answers
+    assert running_agent.spawner.jobs == []
 
 
 def test_a_parked_copy_that_cannot_be_used_is_discarded(
