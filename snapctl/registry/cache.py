@@ -4,13 +4,18 @@ resume, and pulled images with the references they were pulled by.
 ```
 STATE/cache/blobs/sha256/HEX           a blob whose bytes matched its digest
 STATE/cache/blobs/sha256/HEX.partial   the first bytes of one being downloaded
-STATE/cache/images/sha256-HEX16/       an image pulled by a manifest of that digest
-STATE/cache/images/sha256-HEX16.pull.json   which references named it (``PullRecord``)
+STATE/cache/images/sha256-HEX/         an image pulled by a manifest of that digest (all of it)
+STATE/cache/images/sha256-HEX.pull.json     which references named it (``PullRecord``)
 ```
 
 A blob enters the cache only by a rename after its digest matched, so a blob present is a blob
 verified; a partial holds only bytes received in order, and its digest is checked when it is
 complete. Nothing unverified is ever kept once a pull fails on it.
+
+A pulled image is named by the whole sha256 of its manifest and reused only when its record
+names that same digest: a shorter name would let two manifests share one entry. Entries that
+earlier versions named by 16 hex digits are never taken for a digest: they are listed, and
+removed like any image, but a pull by reference makes its own.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -27,6 +33,7 @@ from snapctl.protocol.atomic import fsync_directory, replace_file
 from snapctl.statedir import StateDir
 
 PIECE = 4 << 20
+_MANIFEST_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 
 
 class PullRecord(StrictModel):
@@ -101,8 +108,18 @@ def pulled_root(state: StateDir) -> Path:
 
 
 def pulled_image(state: StateDir, manifest_digest: str) -> Path:
-    """Where the image of a manifest digest is kept once pulled."""
-    return pulled_root(state) / f"sha256-{manifest_digest.removeprefix('sha256:')[:16]}"
+    """Where the image of a manifest digest (``sha256:`` and 64 hex digits) is kept once
+    pulled: named by the whole digest."""
+    if not _MANIFEST_DIGEST.fullmatch(manifest_digest):
+        raise ValueError(f"not a sha256 manifest digest: {manifest_digest!r}")
+    return pulled_root(state) / f"sha256-{manifest_digest.removeprefix('sha256:')}"
+
+
+def pulled_record(image: Path, manifest_digest: str) -> PullRecord | None:
+    """The record of ``image`` if it says the image was pulled by exactly that manifest
+    digest (else None: not this image, or no record of what it is)."""
+    record = read_record(image)
+    return record if record is not None and record.manifest_digest == manifest_digest else None
 
 
 def record_path(image: Path) -> Path:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from snapctl.images.manifest import is_safe_relative
 from snapctl.models import StrictModel
+from snapctl.registry.chunks import MAX_CHUNK
 
 OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
 ARTIFACT_TYPE: Final = "application/vnd.snapctl.image.v1"
@@ -75,15 +76,21 @@ class OciManifest(BaseModel):
 
 
 class Chunk(StrictModel):
-    """One content-defined piece of a large file."""
+    """One content-defined piece of a large file (never above the cutter's largest)."""
 
     digest: str = Field(pattern=DIGEST_PATTERN)
-    size: int = Field(gt=0)
+    size: int = Field(gt=0, le=MAX_CHUNK)
 
 
 class StoredFile(StrictModel):
     """Where one image file's bytes are: a range of the small-files blob, a list of chunks,
-    or (a hard link) another file of the image."""
+    or (a hard link) another file of the image.
+
+    A file's chunks are its bytes in order, one after the other: adding up to its size is
+    covering ``[0, size)`` exactly once. A chunk may appear any number of times (a run of
+    zero pages is one chunk, repeated), so what a file costs to write is its size, not the
+    size of its distinct chunks: :meth:`ImageConfig.written_bytes` is what a pull bounds.
+    """
 
     name: str
     size: int = Field(ge=0)
@@ -128,13 +135,31 @@ class ImageConfig(StrictModel):
         names = [f.name for f in self.files]
         if len(set(names)) != len(names):
             raise ValueError("a file is listed twice")
-        for name in (d.name for d in self.directories):
+        directories = [d.name for d in self.directories]
+        if len(set(directories)) != len(directories):
+            raise ValueError("a directory is listed twice")
+        for name in directories:
             if not is_safe_relative(name):
                 raise ValueError(f"directory name {name!r} is not a plain path inside the image")
+        # The small files are the small-files blob, one after the other in the files' order
+        # (as a push concatenates them): each of its bytes is written once.
+        end = 0
         for stored in self.files:
-            if stored.offset is not None and stored.offset + stored.size > self.small_files_size:
+            if stored.offset is None:
+                continue
+            if stored.offset + stored.size > self.small_files_size:
                 raise ValueError(f"{stored.name}: outside the small-files blob")
+            if stored.offset != end:
+                raise ValueError(f"{stored.name}: the small files do not follow one another in "
+                                 "the small-files blob")  # fmt: skip
+            end += stored.size
+        if end != self.small_files_size:
+            raise ValueError("the small files do not fill the small-files blob")
         return self
+
+    def written_bytes(self) -> int:
+        """The bytes a pull writes for the files (a hard link writes none)."""
+        return sum(f.size for f in self.files if f.link_to is None)
 
     def chunk_digests(self) -> dict[str, int]:
         """Every chunk blob the image needs -> its size (first appearance order)."""

@@ -3,11 +3,14 @@ streams, published by one rename as ``image import`` publishes.
 
 Order: the OCI manifest (its sha256 must be the digest asked for, when one was), the config
 blob and the image's ``manifest.json`` (each against its digest; the config must describe
-exactly the files, sizes and sha256 of the manifest), then every blob the image lacks here
-(in parallel, each hashed as it arrives and kept in the cache only if it matches; a partial
-download is resumed with a range request), then the files, assembled in a staging directory
-beside the target and each hashed against the manifest. Any mismatch: a clear error, the
-staging directory removed, nothing published, nothing unverified kept.
+exactly the files, sizes and sha256 of the manifest, its hard links and only directories an
+image may have), the space the files will take (refused before anything is fetched when the
+disk lacks it), then every blob the image lacks here (in parallel, each hashed as it arrives
+and kept in the cache only if it matches; a partial download is resumed with a range
+request), then the files, assembled in a staging directory beside the target and each hashed
+against the manifest, and the staged tree checked as a copy's verification checks it. Any
+mismatch: a clear error, the staging directory removed, nothing published, nothing unverified
+kept.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,18 +30,24 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from snapctl.images.manifest import Manifest
+from snapctl.errors import NoSpaceError, is_no_space
+from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
 from snapctl.images.store import (
     MAX_MANIFEST_BYTES,
+    ImageError,
     ImageStaging,
+    check_image_tree,
+    is_image_directory,
     is_verified,
+    listed_directories,
     load_manifest,
     manifest_problem,
     record_verified,
 )
+from snapctl.phases import HostPhase
 from snapctl.progress import ByteProgress
 from snapctl.registry import layout
-from snapctl.registry.cache import BlobCache, pulled_image, write_record
+from snapctl.registry.cache import BlobCache, pulled_image, pulled_record, write_record
 from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
 from snapctl.registry.workingsets import WorkingSetsTransfer, learned_sets, pull_working_sets
 from snapctl.statedir import StateDir
@@ -45,6 +55,8 @@ from snapctl.statedir import StateDir
 M = TypeVar("M", bound=BaseModel)
 DEFAULT_JOBS = 8
 PIECE = 4 << 20
+# Bytes free on the filesystem holding a path (an existing one): a seam for tests.
+FreeSpace = Callable[[Path], int]
 
 
 class TransferReport(BaseModel):
@@ -153,14 +165,100 @@ def _check_agreement(reference: Reference, oci: layout.OciManifest,
                 or placed[stored.link_to].link_to is not None
                 or entry.link_group is None
                 or target.link_group != entry.link_group
+                or (target.size, target.sha256) != (entry.size, entry.sha256)
             ):
                 raise BlobMismatchError(f"{reference}: {name} is a hard link the manifest "
                                         "does not record")  # fmt: skip
+    _check_link_groups(reference, placed, manifest)
+    _check_directories(reference, config, manifest)
     layers = {layer.digest: layer.size for layer in oci.layers}
     needed = {**config.chunk_digests(), config.small_files_digest: config.small_files_size}
     for digest, size in needed.items():
         if layers.get(digest) != size:
             raise BlobMismatchError(f"{reference}: blob {digest} is not a layer of that size")
+
+
+def _link_groups(files: dict[str, FileEntry]) -> dict[int, set[str]]:
+    groups: dict[int, set[str]] = {}
+    for name, entry in files.items():
+        if entry.link_group is not None:
+            groups.setdefault(entry.link_group, set()).add(name)
+    return groups
+
+
+def _check_link_groups(reference: Reference, placed: dict[str, layout.StoredFile],
+                       manifest: Manifest) -> None:  # fmt: skip
+    """Every hard-link group of the manifest must arrive as one stored file and links to it
+    (a copy's verification compares the inodes with the groups: a group of one name, or
+    one stored twice, would be published as an image that never verifies)."""
+    for group, names in sorted(_link_groups(manifest.files).items()):
+        stored = [name for name in names if placed[name].link_to is None]
+        if len(names) < 2 or len(stored) != 1:
+            raise BlobMismatchError(f"{reference}: hard-link group {group} of manifest.json "
+                                    "is not one file and its links in the config")  # fmt: skip
+
+
+def _check_directories(reference: Reference, config: layout.ImageConfig,
+                       manifest: Manifest) -> None:  # fmt: skip
+    """The rules ``image import`` applies: a directory of the config must be one an image
+    may have (its own, one holding a listed file, a saved /dev/shm's), never a listed file;
+    and no listed file may be another's directory."""
+    listed = listed_directories(manifest)
+    both = sorted({*manifest.files, MANIFEST_NAME} & listed)
+    if both:
+        raise BlobMismatchError(f"{reference}: manifest.json lists {both[0]} both as a file "
+                                "and as a directory")  # fmt: skip
+    for directory in config.directories:
+        name = directory.name
+        if name in manifest.files or not is_image_directory(name, listed):
+            raise BlobMismatchError(f"{reference}: the config lists a directory {name} that "
+                                    "holds no file of manifest.json")  # fmt: skip
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes available on the filesystem of ``path`` (what ``df`` shows as available)."""
+    return shutil.disk_usage(path).free
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists."""
+    for where in (path, *path.parents):
+        if where.exists():
+            return where
+    return Path("/")
+
+
+def _require_space(remote: Remote, to: Path, cache: BlobCache, missing: dict[str, int],
+                   free_space: FreeSpace) -> None:  # fmt: skip
+    """Refuse, before any blob is fetched or any file written, a pull whose files (each the
+    size the config declares, however often its chunks repeat) and missing blobs do not fit
+    in the space free where they go."""
+    files = remote.config.written_bytes() + len(remote.manifest_bytes)
+    blobs = sum(missing.values())
+    target, store = _existing(to.parent), _existing(cache.root)
+    if target.stat().st_dev == store.stat().st_dev:
+        needs = [(to.parent, target, files + blobs)]
+    else:
+        needs = [(to.parent, target, files), (cache.root, store, blobs)]
+    for where, existing, need in needs:
+        free = free_space(existing)
+        if need > free:
+            raise NoSpaceError(
+                f"cannot pull {remote.reference}: it needs {-(-need >> 20)} MiB at {where}, "
+                f"{free >> 20} MiB free (free space there, or choose another directory); "
+                "nothing was fetched or published", phase=HostPhase.IMAGE, path=where,
+            )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _out_of_space(where: Path, what: str) -> Iterator[None]:
+    """Say where a write that ran out of space was, as every other writer of images does."""
+    try:
+        yield
+    except OSError as error:
+        if is_no_space(error):
+            raise NoSpaceError.at(where, what, phase=HostPhase.IMAGE) from error
+        raise
 
 
 class _Fetcher:
@@ -271,23 +369,29 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
             path = root / stored.name
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             digest = hashlib.sha256()
+            written = 0
             with os.fdopen(os.open(path, flags, 0o600), "wb") as out:
                 if stored.offset is not None:
                     small_handle.seek(stored.offset)
-                    data = small_handle.read(stored.size)
-                    digest.update(data)
-                    out.write(data)
+                    while written < stored.size:
+                        data = small_handle.read(min(PIECE, stored.size - written))
+                        if not data:
+                            break
+                        digest.update(data)
+                        out.write(data)
+                        written += len(data)
                 # Each chunk was hashed on arrival; the file's sha256 below covers the bytes
                 # again, so one damaged on disk since is caught there (and then dropped).
                 for chunk in stored.chunks or []:
                     data = cache.path(chunk.digest).read_bytes()
                     digest.update(data)
                     out.write(data)
+                    written += len(data)
                 # Only the rwx bits, and owned by whoever pulls: the uid/gid and setuid/setgid/
                 # sticky bits of another host mean nothing here (only our restore reads these
                 # files) and would hand them, or their privileges, to whoever has those ids.
                 os.fchmod(out.fileno(), stored.mode & 0o777)
-            if digest.hexdigest() != stored.sha256:
+            if written != stored.size or digest.hexdigest() != stored.sha256:
                 _drop_damaged(cache, stored, remote.config.small_files_digest)
                 raise BlobMismatchError(f"image file {stored.name} of {remote.reference} does "
                                         "not match its sha256 in the manifest (a damaged cached "
@@ -298,6 +402,29 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
             os.link(root / stored.link_to, root / stored.name, follow_symlinks=False)
     for directory in sorted(remote.config.directories, key=lambda d: d.name, reverse=True):
         os.chmod(root / directory.name, directory.mode & 0o777)
+
+
+def _check_staged(remote: Remote, root: Path) -> None:
+    """What a copy's verification (``verify_image``) checks, of the staged tree: exactly the
+    manifest's files, in directories an image may have, nothing else, and each name sharing
+    an inode with exactly the names its hard-link group has. Every file's bytes were hashed
+    against the manifest as they were written (a link's are its target's, recorded with the
+    same sha256), so what is published and recorded verified is what verifies."""
+    try:
+        check_image_tree(root, remote.manifest)
+    except ImageError as error:
+        raise BlobMismatchError(f"{remote.reference}: the pulled files are not the image "
+                                f"manifest.json describes ({error.message}): nothing was "
+                                "published") from error  # fmt: skip
+    inodes: dict[tuple[int, int], set[str]] = {}
+    for name in remote.manifest.files:
+        st = (root / name).lstat()
+        inodes.setdefault((st.st_dev, st.st_ino), set()).add(name)
+    shared = sorted(sorted(names) for names in inodes.values() if len(names) > 1)
+    expected = sorted(sorted(names) for names in _link_groups(remote.manifest.files).values())
+    if shared != expected:
+        raise BlobMismatchError(f"{remote.reference}: the pulled files do not share inodes as "
+                                "manifest.json records: nothing was published")  # fmt: skip
 
 
 def _drop_damaged(cache: BlobCache, stored: layout.StoredFile, small_digest: str) -> None:
@@ -323,12 +450,14 @@ def pull_image(
     remote: Remote | None = None,
     claims: Path | None = None,
     views: Path | None = None,
+    free_space: FreeSpace = free_bytes,
 ) -> PullReport:
     """Pull ``client.reference`` into the image directory ``to`` (see the module docstring).
 
     ``total`` is told the bytes the pull will account for, before any arrives; ``claims`` is
     where the staging directory is claimed for ``snapctl gc`` (see ImageStaging); ``views``
-    (``STATE/views``) adopts the working sets attached to the image (:mod:`.workingsets`).
+    (``STATE/views``) adopts the working sets attached to the image (:mod:`.workingsets`);
+    ``free_space`` says how many bytes are free where the files and blobs go.
     """
     started = time.monotonic()
     to = to.absolute()
@@ -336,19 +465,25 @@ def pull_image(
     needed = {**remote.config.chunk_digests(),
               remote.config.small_files_digest: remote.config.small_files_size}  # fmt: skip
     missing = {d: s for d, s in needed.items() if not cache.has(d)}
+    _require_space(remote, to, cache, missing, free_space)
     if total is not None:
         total(sum(missing.values()))
     fetcher = _Fetcher(client, cache, progress)
     staging = ImageStaging(to, force=force, claims=claims)
+    what = f"cannot pull {remote.reference}, nothing was published"
     try:
-        _fetch_all(fetcher, missing, jobs)
-        _assemble(remote, cache, staging.dir)
+        with _out_of_space(cache.root, what):
+            _fetch_all(fetcher, missing, jobs)
+        with _out_of_space(staging.dir, what):
+            _assemble(remote, cache, staging.dir)
+        _check_staged(remote, staging.dir)
         final = staging.publish(remote.manifest)
     except BaseException:
         staging.abort()
         raise
     if verified_cache is not None:
-        record_verified(final, remote.manifest, verified_cache)  # every hash was checked
+        # Every file hashed as written, and the tree checked: all that verify_image checks.
+        record_verified(final, remote.manifest, verified_cache)
     adopted = (pull_working_sets(client, final, views, remote.manifest_digest)
                if views is not None else WorkingSetsTransfer())  # fmt: skip
     report = _report(remote, final, fetcher, len(needed) - len(missing), started)
@@ -384,9 +519,11 @@ def pull_cached(
     jobs: int = DEFAULT_JOBS,
     progress: ByteProgress | None = None,
     total: Callable[[int], None] | None = None,
+    free_space: FreeSpace = free_bytes,
 ) -> PullReport:
     """Pull into the local image cache (``copy --image REF``): an image already pulled by
-    that manifest digest, and still verified, is used as it is."""
+    exactly that manifest digest (its entry's name and its record say so), with that
+    manifest, and still verified, is used as it is."""
     from snapctl.registry.cache import blob_cache
 
     started = time.monotonic()
@@ -394,15 +531,15 @@ def pull_cached(
     remote = describe(client, cache)
     target = pulled_image(state, remote.manifest_digest)
     now = datetime.now(UTC).isoformat(timespec="seconds")
-    if target.is_dir():
+    if target.is_dir() and pulled_record(target, remote.manifest_digest) is not None:
         try:
             present = load_manifest(target)
         except Exception:
             present = None
         if (
             present is not None
-            and present.image_id == remote.manifest.image_id
-            and (is_verified(target, present, state.verified))
+            and present == remote.manifest
+            and is_verified(target, present, state.verified)
         ):
             write_record(target, manifest_digest=remote.manifest_digest,
                          image_id=present.image_id, reference=str(client.reference),
@@ -416,7 +553,8 @@ def pull_cached(
             return report.model_copy(update={"working_sets": adopted})
     report = pull_image(client, target, cache=cache, verified_cache=state.verified,
                         force=target.exists(), jobs=jobs, progress=progress, total=total,
-                        remote=remote, claims=state.claims, views=state.views)  # fmt: skip
+                        remote=remote, claims=state.claims, views=state.views,
+                        free_space=free_space)  # fmt: skip
     write_record(target, manifest_digest=remote.manifest_digest, image_id=report.image_id,
                  reference=str(client.reference), pulled=now)  # fmt: skip
     return report

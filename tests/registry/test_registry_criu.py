@@ -77,7 +77,8 @@ def test_push_then_copy_from_the_reference_serves_the_donors_answers(
         assert complete(copy["published"]) == reference_answer
     finally:
         snapctl(elsewhere, "stop", "c")
-    pulled = elsewhere / "cache" / "images" / f"sha256-{pushed['manifest_digest'][7:23]}"
+    hex_digest = pushed["manifest_digest"].removeprefix("sha256:")
+    pulled = elsewhere / "cache" / "images" / f"sha256-{hex_digest}"  # the whole digest
     assert (pulled / "manifest.json").is_file()
     rows = json.loads(snapctl(elsewhere, "images", "--json"))
     assert [(r["reference"], r["verified"]) for r in rows] == [(ref, True)]
