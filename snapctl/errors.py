@@ -55,6 +55,11 @@ drawing lists every class, under its base, with its code)::
     ├── RegistryError                  1  registry.client: refused, or outside the API
     │   ├── RegistryUnreachableError   7  registry.client: the registry cannot be reached
     │   └── BlobMismatchError          5  registry.client: a blob does not match its digest
+    ├── SigningKeyError                2  trust.errors: a key file unusable, or a wrong passphrase
+    │   └── KeyExistsError             6  trust.errors: image keygen would overwrite a key
+    ├── PolicyFormatError              2  trust.errors: a trust policy is not containers-policy.json
+    ├── PolicyRefusedError             5  trust.errors: the trust policy refused an image
+    ├── SignatureStoreError            1  trust.errors: no image to sign, or a .sig not cosign's
     ├── QualificationError             1  qualification.suite: cannot be set up
     ├── QualificationFailed            5  qualification.suite: a qualification check failed
     ├── StartupCaptureError            1  launcher: in the server, error.json written

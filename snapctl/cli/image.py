@@ -299,3 +299,127 @@ def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
         emit_json(report)
     else:
         render_pull(report)
+
+
+# --- signatures and the trust policy (snapctl.trust) ----------------------------------------
+
+
+def key_passphrase(*, confirm: bool) -> bytes:
+    """The key's passphrase: ``SNAPCTL_KEY_PASSWORD`` when set (empty is allowed, as cosign
+    allows it), else asked for on the terminal (twice for a new key)."""
+    import os
+
+    from snapctl.trust.keys import PASSWORD_ENV
+
+    given = os.environ.get(PASSWORD_ENV)
+    if given is not None:
+        return given.encode()
+    entered: str = click.prompt(
+        "Passphrase for the new private key" if confirm else "Passphrase for the private key",
+        hide_input=True, confirmation_prompt="Enter it again" if confirm else False,
+        err=True,
+    )  # fmt: skip
+    return entered.encode()
+
+
+@image.command("keygen")
+@click.argument("prefix", type=click.Path(dir_okay=False, path_type=Path))
+@json_option
+def keygen(prefix: Path, as_json: bool) -> None:
+    """Make a signing key pair in cosign's formats: PREFIX.key and PREFIX.pub.
+
+    PREFIX.key is the private key (ECDSA P-256), encrypted as cosign encrypts it, mode 0600;
+    PREFIX.pub is the public key (PEM), mode 0644. Neither may exist. The passphrase comes
+    from SNAPCTL_KEY_PASSWORD, else it is asked for twice. cosign reads both files, and
+    snapctl reads cosign's.
+    """
+    from snapctl.cli.output import emit_json, stdout
+    from snapctl.trust.keys import fingerprint, generate, read_public_keys
+
+    pair = generate(prefix, key_passphrase(confirm=True))
+    record = {"private_key": str(pair.private.absolute()),
+              "public_key": str(pair.public.absolute()),
+              "key": fingerprint(read_public_keys(pair.public)[0])}  # fmt: skip
+    if as_json:
+        emit_json(record)
+        return
+    stdout().print(
+        f"private key {record['private_key']} (encrypted, keep it secret)\n"
+        f"public key  {record['public_key']} (key {record['key']}: give it to whoever "
+        "verifies)", markup=False, highlight=False,
+    )  # fmt: skip
+
+
+@image.command("sign")
+@click.argument("reference")
+@click.option(
+    "--key", "key_path", required=True,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Private key file (cosign's, or made by image keygen).",
+)  # fmt: skip
+@plain_http_option
+@json_option
+def sign(reference: str, key_path: Path, plain_http: bool, as_json: bool) -> None:
+    """Sign an image in a registry (REGISTRY/REPOSITORY:TAG or @DIGEST), as cosign does.
+
+    The signature names the image's manifest digest and the reference as given; it is stored
+    in the same repository under the tag sha256-<digest>.sig, where cosign, Podman, CRI-O and
+    snapctl's trust policy find it. The passphrase comes from SNAPCTL_KEY_PASSWORD, else it is
+    asked for.
+    """
+    from snapctl.cli.output import emit_json, stdout
+    from snapctl.registry.client import Reference, RegistryClient
+    from snapctl.trust.keys import load_private_key
+    from snapctl.trust.sign import sign_image
+
+    key = load_private_key(key_path, key_passphrase(confirm=False))
+    client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
+    try:
+        signed = sign_image(client, key)
+    finally:
+        client.close()
+    if as_json:
+        emit_json(signed.record())
+        return
+    done = "signed" if signed.added else "already signed by this key:"
+    stdout().print(
+        f"{done} {signed.reference} ({signed.manifest_digest})\n"
+        f"  signed for {signed.signed_identity} with key {signed.key}\n"
+        f"  stored at {signed.signature_reference} ({signed.signatures} "
+        f"signature{'' if signed.signatures == 1 else 's'})",
+        markup=False, highlight=False,
+    )  # fmt: skip
+
+
+@image.command("verify")
+@click.argument("reference")
+@click.option(
+    "--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Trust policy, containers-policy.json(5) [default: /etc/containers/policy.json, "
+         "else every image is accepted].",
+)  # fmt: skip
+@plain_http_option
+@json_option
+def verify(reference: str, policy_path: Path | None, plain_http: bool, as_json: bool) -> None:
+    """Check an image in a registry against the trust policy, as a pull would.
+
+    Prints the rule that accepted it; a refusal names the rule and why, and exits 5.
+    """
+    from snapctl.cli.output import emit_json, stdout
+    from snapctl.registry.client import Reference, RegistryClient
+    from snapctl.trust.policy import load_policy, verify_pull
+    from snapctl.trust.store import resolve
+
+    policy = load_policy(policy_path)
+    parsed = Reference.parse(reference)
+    client = RegistryClient(parsed, plain_http=plain_http)
+    try:
+        verdict = verify_pull(policy, parsed, resolve(client), client)
+    finally:
+        client.close()
+    if as_json:
+        emit_json(verdict.record())
+        return
+    note = f"\n  note: {verdict.note}" if verdict.note else ""
+    stdout().print(f"{verdict.reference}: {verdict.line()}{note}", markup=False,
+                   highlight=False)  # fmt: skip
