@@ -231,8 +231,9 @@ def test_the_tcp_listener_refuses_captures(tmp_path: Path) -> None:
         body = json.dumps({"image": "/i", "cwd": str(tmp_path), "environ": {}}).encode()
         for target in ("/v1/donors", "/v1/bakes"):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-                sock.sendall(f"POST {target} HTTP/1.1\r\nConnection: close\r\nAuthorization: "
-                             f"Bearer {'t' * 32}\r\nContent-Length: {len(body)}\r\n\r\n"
+                sock.sendall(f"POST {target} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\n"
+                             f"Authorization: Bearer {'t' * 32}\r\n"
+                             f"Content-Length: {len(body)}\r\n\r\n"
                              .encode() + body)  # fmt: skip
                 head, _, answer = _read_all(sock).partition(b"\r\n\r\n")
             assert int(head.split()[1]) == 403, answer

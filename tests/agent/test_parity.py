@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -57,6 +58,10 @@ class FakeSession:
 
     def alive(self) -> bool:
         return False
+
+    @property
+    def dirs(self) -> SimpleNamespace:  # its log, which the supervising loop keeps bounded
+        return SimpleNamespace(server_log=Path("/nonexistent/server.log"))
 
     def stop(self, stop_timeout_s: float = 10.0) -> tuple[str, CleanupAudit]:
         return self.how, CleanupAudit(**self.audit)
