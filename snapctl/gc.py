@@ -13,6 +13,8 @@ from snapctl.activation.supervise import (
     sweep_creating,
     sweep_stale_records,
 )
+from snapctl.cgroups import sweep_cgroups
+from snapctl.cgroups.sweep import GRACE_S as CGROUP_GRACE_S
 from snapctl.pool.records import sweep_parked
 from snapctl.statedir import StateDir
 from snapctl.supervision.leftovers import sweep_claims, sweep_records
@@ -32,11 +34,18 @@ class GarbageReport(BaseModel):
         return all(entry.audit.clean for entry in self.activations)
 
 
-def collect_garbage(state: StateDir, stop_timeout_s: float = 10.0) -> GarbageReport:
+def collect_garbage(
+    state: StateDir, stop_timeout_s: float = 10.0, cgroup_grace_s: float = CGROUP_GRACE_S
+) -> GarbageReport:
     """Everything ``snapctl gc`` does: orphaned activations first (which drops their records),
-    then what killed processes left elsewhere, only where no live process owns it."""
+    then what killed processes left elsewhere, only where no live process owns it: last, the
+    empty snapctl cgroups of activations that no longer exist here."""
     activations = collect_orphans(state, stop_timeout_s)
     removed = sweep_creating(state) + sweep_stale_records(state)
     removed += sweep_claims(state.claims) + sweep_records(state.records)
     removed += sweep_parked(state)
+    live = {r.activation_id for r in state.load_records()}
+    if state.activations.is_dir():
+        live.update(path.name for path in state.activations.iterdir())
+    removed += sweep_cgroups(live, grace_s=cgroup_grace_s)
     return GarbageReport(activations=activations, removed=removed)

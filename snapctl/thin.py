@@ -56,6 +56,8 @@ def copy_request_body(
     native: str = "none",
     criu_path: str | None = None,
     detach: bool = False,
+    memory_bytes: int | None = None,
+    cpus: float | None = None,
 ) -> dict[str, Any]:
     """The agent's ``CopyRequest`` (:mod:`snapctl.activation.requests`) for these options. The
     API key travels as its value: the agent's environment is not the caller's."""
@@ -76,6 +78,8 @@ def copy_request_body(
         "criu_path": None if criu_path is None else absolute(criu_path),
         "server_argv": list(server_argv) or None,
         "detach": detach,
+        "memory_bytes": memory_bytes,
+        "cpus": cpus,
     }
 
 

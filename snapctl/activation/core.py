@@ -14,6 +14,7 @@ from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.session import Session
 from snapctl.activation.states import SessionState
 from snapctl.activation.tools import REAL_TOOLS, Tools
+from snapctl.cgroups import Limits, create_cgroup
 from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest
 from snapctl.images.lock import ImageHold
@@ -94,6 +95,9 @@ def new_session(
         session.host, session.port = options.host, options.port
     try:
         tools.sandbox.create_dirs(dirs)
+        session.cgroup = create_cgroup(
+            activation_id, options.limits if options is not None else Limits()
+        )
     except BaseException:
         session.stop(failed=True)
         raise

@@ -24,6 +24,7 @@ from snapctl.activation.core import (
     new_session,
     reserve_session_name,
 )
+from snapctl.activation.environment import server_environment
 from snapctl.activation.launch import (
     LaunchOptions,
     fixture_command,
@@ -140,6 +141,7 @@ def capture(
             files=hash_tree(staging.dir),
             identity=identity,
             capture_facts=facts,
+            server_env_names=sorted(server_env),
         )
         published = staging.publish(manifest)
         timings["publish"] = clock() - started
@@ -263,7 +265,9 @@ def start_donor(
             progress("preparing the bundled fixture model")
             argv, cwd = fixture_command(options, state)
         argv = [*argv, "--snapshot-config", snapshot_config_arg(options.server_timeout_s)]
-        env = dict(os.environ)
+        # The defaults and what the caller named, not the caller's whole environment: the
+        # image holds the tree's memory, the environment included, wherever it travels.
+        env = server_environment(options, os.environ)
         if options.api_key and not options.server_argv:
             env["FIXTURE_API_KEY"] = options.api_key
         # Where a snapctl-aware server states its memory policy and first digests.
@@ -271,7 +275,9 @@ def start_donor(
         progress("launching the server in fresh namespaces")
         session.advance(SessionState.LAUNCHING)
         started = tools.clock()
-        session.launched(*tools.sandbox.launch(argv, cwd, session.dirs, options, env))
+        session.launched(
+            *tools.sandbox.launch(argv, cwd, session.dirs, options, env, cgroup=session.cgroup)
+        )
         progress("waiting for capture-ready.json")
         ready = tools.sandbox.wait_capture_ready(
             session.dirs, session.tree, options.ready_timeout_s
@@ -284,7 +290,7 @@ def start_donor(
         captured = capture(
             session, ready, staging=staging, criu=criu, native=native,
             server_argv=argv, server_cwd=cwd, options=options, timings=timings,
-            server_env=os.environ, tools=tools, facts=facts,
+            server_env=env, tools=tools, facts=facts,
         )  # fmt: skip
         session.image = captured.image
         session.advance(SessionState.PARKED)

@@ -26,6 +26,7 @@ from snapctl.activation.timeouts import (
     ready_timeout_hint,
     server_timeout_hint,
 )
+from snapctl.cgroups import ActivationCgroup, Limits
 from snapctl.errors import ExitStatus, ProcessExitedError, SnapctlError, WaitTimeoutError
 from snapctl.logtail import log_tail, text_tail
 from snapctl.namespaces.hostview import PrivatePathError, host_binds
@@ -61,6 +62,10 @@ class LaunchOptions:
     port: int = DEFAULT_PORT
     lo_addresses: list[str] = field(default_factory=list)
     api_key_env: str | None = None
+    # The server's environment beyond its defaults: ``--env``/``--env-file`` as resolved, and
+    # ``--inherit-env`` (see snapctl.activation.environment).
+    env: dict[str, str] = field(default_factory=dict)
+    inherit_env: bool = False
     # Each step's wall-clock limit (dump, handshake, probe), except the wait for capture-ready.
     timeout_s: float = DEFAULT_TIMEOUT_S
     server_timeout_s: float = SERVER_TIMEOUT_S
@@ -70,6 +75,8 @@ class LaunchOptions:
     fixture_kv_mb: int = 8
     # Identity fields a copy may differ in (``--allow-mismatch``); see images.identity.compare.
     allow_mismatch: tuple[str, ...] = ()
+    # The activation's cgroup limits (``--memory``, ``--cpus``); see snapctl.cgroups.
+    limits: Limits = field(default_factory=Limits)
 
     @property
     def api_key(self) -> str | None:
@@ -155,8 +162,10 @@ def launch_in_sandbox(
     dirs: ActivationDirs,
     options: LaunchOptions,
     env: dict[str, str],
+    cgroup: ActivationCgroup | None = None,
 ) -> tuple[subprocess.Popen[bytes], PinnedProcess]:
-    """Start ``argv`` as PID 1 (and session leader) of new pid/net/ipc/uts/mount namespaces.
+    """Start ``argv`` as PID 1 (and session leader) of new pid/net/ipc/uts/mount namespaces,
+    inside ``cgroup`` from before unshare forks (so every process of the tree is born there).
 
     A bare program name is looked up on ``env``'s PATH here: the sandbox's init execs a path.
     """
@@ -183,9 +192,10 @@ def launch_in_sandbox(
     spec_path.chmod(0o600)
     launcher_log = (dirs.logs / "launcher.log").open("ab")
     try:
+        command = ["unshare", "--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "--",
+                   sys.executable, "-m", SANDBOX_INIT_MODULE, str(spec_path)]  # fmt: skip
         unshare = subprocess.Popen(
-            ["unshare", "--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "--",
-             sys.executable, "-m", SANDBOX_INIT_MODULE, str(spec_path)],
+            command if cgroup is None else cgroup.enter_argv(command),
             stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=launcher_log,
             close_fds=True, start_new_session=True, cwd=str(repo_root()),
         )  # fmt: skip

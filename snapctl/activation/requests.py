@@ -19,6 +19,8 @@ from snapctl.activation.timeouts import (
     SERVER_TIMEOUT_S,
     positive_seconds,
 )
+from snapctl.cgroups import Limits
+from snapctl.cgroups.limits import MIN_MEMORY_BYTES
 from snapctl.models import StrictModel
 from snapctl.statedir.names import NAME_PATTERN
 
@@ -62,6 +64,9 @@ class CopyRequest(StrictModel):
     criu_path: str | None = Field(default=None, pattern=r"^/")
     server_argv: tuple[str, ...] | None = None
     detach: bool = False
+    # The copy's cgroup limits (``--memory``, ``--cpus``; see snapctl.cgroups): None is none.
+    memory_bytes: int | None = Field(default=None, ge=MIN_MEMORY_BYTES)
+    cpus: float | None = Field(default=None, ge=0.01)
 
     _seconds = field_validator("timeout_s")(positive_seconds)
 
@@ -76,13 +81,16 @@ class CopyRequest(StrictModel):
             port=self.port,
             api_key_env=self.api_key_env,
             timeout_s=self.timeout_s,
+            limits=Limits(memory_bytes=self.memory_bytes, cpus=self.cpus),
         )
 
 
 class BakeRequest(StrictModel):
     """One ``snapctl bake``, as the CLI parsed it, with the client's working directory and
     environment: the server command runs in them (not the agent's), exactly as in-process
-    (a relative SERVER_CMD or image path, ``VLLM_*`` settings, the identity's env record).
+    (a relative SERVER_CMD or image path, ``VLLM_*`` settings, the identity's env record); the
+    server gets the part of it :func:`snapctl.activation.environment.server_environment`
+    selects, there as in-process.
 
     ``environ`` may hold any secret (the API key ``api_key_env`` names, tokens): every value
     is a :class:`SecretStr`, masked in every dump, and never logged or echoed in a refusal.
@@ -103,6 +111,13 @@ class BakeRequest(StrictModel):
     server_argv: tuple[str, ...] | None = None
     cwd: str = Field(min_length=1, pattern=r"^/")
     environ: dict[str, SecretStr]
+    # What the server gets beyond its minimal environment: ``--env``/``--env-file`` as the
+    # client resolved them, and with ``inherit_env`` the whole of ``environ``.
+    env: dict[str, SecretStr] = {}
+    inherit_env: bool = False
+    # The captured server's cgroup limits (``--memory``, ``--cpus``): None is none.
+    memory_bytes: int | None = Field(default=None, ge=MIN_MEMORY_BYTES)
+    cpus: float | None = Field(default=None, ge=0.01)
 
     _seconds = field_validator("ready_timeout_s", "server_timeout_s", "timeout_s")(positive_seconds)
 
@@ -116,11 +131,14 @@ class BakeRequest(StrictModel):
             lo_addresses=list(self.lo_addresses),
             api_key_env=self.api_key_env,
             timeout_s=self.timeout_s,
+            env={name: value.get_secret_value() for name, value in self.env.items()},
+            inherit_env=self.inherit_env,
             ready_timeout_s=self.ready_timeout_s,
             server_timeout_s=self.server_timeout_s,
+            limits=Limits(memory_bytes=self.memory_bytes, cpus=self.cpus),
         )
 
-    @field_validator("environ")
+    @field_validator("environ", "env")
     @classmethod
     def _settable_environ(cls, environ: dict[str, SecretStr]) -> dict[str, SecretStr]:
         # What os.environ refuses, refused here, before anything starts (the supervisor sets

@@ -9,6 +9,7 @@ streams the rest (:mod:`snapctl.criu.lazy`); the image stays held until every pa
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -181,6 +182,10 @@ def restore_tree(
         **host_mount_sources(manifest.external_mounts),
     }
     progress("restoring with CRIU")
+    if session.cgroup is not None:
+        # CRIU restore enters the copy's cgroup before it forks the tree (restored with
+        # --manage-cgroups=ignore): every process and page of the copy is the cgroup's.
+        criu = dataclasses.replace(criu, command=tuple(session.cgroup.enter_argv([*criu.argv])))
     strategy.restore(session, image, external_dirs, criu=criu, timeout_s=timeout_s, timings=timings)
     pin_restored(session)
     session.remember_tree()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.memory import InPlace, Memory
 from snapctl.activation.states import SessionState, TransitionError, check_transition
+from snapctl.cgroups import ActivationCgroup
 from snapctl.criu.lazy.transfer import LazyTransfer, PagesStatus
 from snapctl.errors import SnapctlError
 from snapctl.images import load_manifest
@@ -131,20 +132,60 @@ def end_stragglers(dirs: ActivationDirs, timeout_s: float) -> list[int]:
         time.sleep(0.02)
 
 
-def remove_activation(dirs: ActivationDirs, left: list[int], timeout_s: float) -> CleanupAudit:
+def remove_activation(
+    dirs: ActivationDirs, left: list[int], timeout_s: float, cgroup: ActivationCgroup | None = None
+) -> CleanupAudit:
     """The end of every stop: end stragglers, then unmount and delete the activation's
-    directories unless a process (``left`` or a straggler) survived; audit what remains.
-    Listeners and /dev/shm files are for the caller to add: only a session knows them."""
+    directories and its cgroup unless a process (``left``, a straggler, one still in the cgroup)
+    survived; audit what remains. Listeners and /dev/shm files are for the caller to add: only
+    a session knows them."""
     left = sorted({*left, *end_stragglers(dirs, timeout_s)})
+    if cgroup is not None:
+        left = sorted({*left, *end_cgroup(cgroup, timeout_s)})
     if not left and dirs.root.exists():
         dirs.remove()
     remains = dirs.root.exists()
+    cgroup_left = cgroup is not None and not cgroup.remove()
     return CleanupAudit(
         processes=left,
         mounts=mounts.mounts_under(dirs.root) if remains else [],
-        directories=[str(dirs.root)] if remains else [],
+        directories=([str(dirs.root)] if remains else [])
+        + ([f"cgroup {cgroup.path}"] if cgroup is not None and cgroup_left else []),
         listeners=[],
     )
+
+
+def end_cgroup(cgroup: ActivationCgroup, timeout_s: float) -> list[int]:
+    """SIGKILL whatever is still in the activation's cgroup (only its own processes are ever
+    there); return the survivors."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pinned = []
+        for pid in cgroup.pids():
+            with contextlib.suppress(ProcessGoneError):
+                process = PinnedProcess(pid)
+                if pid in cgroup.pids():
+                    process.signal(signal.SIGKILL)
+                    pinned.append(process)
+                else:
+                    process.close()
+        for process in pinned:
+            process.wait(max(deadline - time.monotonic(), 0.0))
+            process.close()
+        left = cgroup.pids()
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)
+
+
+def cgroup_fields(cgroup: ActivationCgroup | None) -> dict[str, object]:
+    """An activation record's cgroup fields."""
+    if cgroup is None:
+        return {}
+    return {
+        "cgroup": cgroup.path, "cgroup_dirs": cgroup.record(),
+        "memory_limit_bytes": cgroup.limits.memory_bytes, "cpus": cgroup.limits.cpus,
+    }  # fmt: skip
 
 
 def _port_open(address: tuple[str, int]) -> bool:
@@ -182,6 +223,8 @@ class Session:
     failure: str | None = None
     # The name, held until the record is dropped (see snapctl.statedir.names).
     reservation: NameReservation | None = None
+    # Its own cgroup (None where this host gives none and no limit was asked for).
+    cgroup: ActivationCgroup | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
     _stop_result: tuple[str, CleanupAudit] | None = field(default=None, repr=False)
@@ -305,6 +348,7 @@ class Session:
                 created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 lazy_pages_start_time=None if transfer is None else transfer.daemon.start_time,
                 **self.memory.report_fields(),
+                **cgroup_fields(self.cgroup),
             )
         )
 
@@ -349,7 +393,10 @@ class Session:
         shm_names = self._shm_names()
         # Killing PID 1 ends its namespace, but the kernel reaps the rest asynchronously.
         left = wait_gone(self.tree_pids, stop_timeout_s) + leftover_daemon
-        audit = remove_activation(self.dirs, left, stop_timeout_s)
+        if self.cgroup is not None:
+            # The kernel killed part of the tree for its memory limit: that is why it ended.
+            self.failure = self.failure or self.cgroup.killed_by_memory_limit()
+        audit = remove_activation(self.dirs, left, stop_timeout_s, self.cgroup)
         if self.failure is not None:
             # The logs outlive the activation: say there why it was stopped.
             with contextlib.suppress(OSError):

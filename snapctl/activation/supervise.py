@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from snapctl.activation.session import CleanupAudit, Session, remove_activation
+from snapctl.cgroups import ActivationCgroup
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError, wire_outcome
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
 from snapctl.progress import Progress
@@ -219,9 +220,16 @@ def stop_recorded(
     dirs = ActivationDirs(
         root=state.activations / record.activation_id, logs=state.logs / record.activation_id
     )
-    audit = remove_activation(dirs, left, stop_timeout_s)
+    audit = remove_activation(dirs, left, stop_timeout_s, recorded_cgroup(record))
     state.drop_record(record.name)
     return how, audit
+
+
+def recorded_cgroup(record: ActivationRecord) -> ActivationCgroup | None:
+    """The cgroup an activation record names, or None."""
+    if record.cgroup is None or not record.cgroup_dirs:
+        return None
+    return ActivationCgroup.from_record(record.cgroup, record.cgroup_dirs)
 
 
 class CollectedActivation(BaseModel):
@@ -259,7 +267,8 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
                 tree_root.stop(stop_timeout_s)
                 ended.append(record.root_pid)
         ended += dirs.processes()
-        audit = remove_activation(dirs, [], stop_timeout_s)
+        cgroups = [g for g in map(recorded_cgroup, mine) if g is not None]
+        audit = remove_activation(dirs, [], stop_timeout_s, cgroups[0] if cgroups else None)
         for record in mine:
             state.drop_record(record.name)
         collected.append(

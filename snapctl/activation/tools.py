@@ -19,6 +19,7 @@ from typing import Literal, Protocol
 from snapctl.activation import gate, handshake, launch
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.native import tree_pids
+from snapctl.cgroups import ActivationCgroup
 from snapctl.criu import CriuBinary, read_dump_stats, read_restore_stats
 from snapctl.criu.external import sandbox_external_mounts
 from snapctl.criu.inventory import require_dumpable
@@ -69,7 +70,7 @@ class Sandbox(Protocol):
 
     def launch(
         self, argv: list[str], cwd: Path, dirs: ActivationDirs, options: LaunchOptions,
-        env: dict[str, str],
+        env: dict[str, str], *, cgroup: ActivationCgroup | None = None,
     ) -> tuple[subprocess.Popen[bytes], PinnedProcess]: ...  # fmt: skip
 
     def wait_capture_ready(
@@ -169,9 +170,9 @@ class RealSandbox:
 
     def launch(
         self, argv: list[str], cwd: Path, dirs: ActivationDirs, options: LaunchOptions,
-        env: dict[str, str],
+        env: dict[str, str], *, cgroup: ActivationCgroup | None = None,
     ) -> tuple[subprocess.Popen[bytes], PinnedProcess]:  # fmt: skip
-        return launch.launch_in_sandbox(argv, cwd, dirs, options, env)
+        return launch.launch_in_sandbox(argv, cwd, dirs, options, env, cgroup)
 
     def wait_capture_ready(
         self, dirs: ActivationDirs, root: PinnedProcess, timeout_s: float

@@ -222,11 +222,12 @@ def _enable_controllers(layout: Layout) -> None:
         directory.mkdir(exist_ok=True)
         available = (_read(directory / "cgroup.controllers") or "").split()
         enabled = (_read(directory / "cgroup.subtree_control") or "").split()
-        for controller in V2_CONTROLLERS:
-            if controller in available and controller not in enabled:
-                # Busy (processes in a non-root cgroup): the child simply lacks it.
-                with contextlib.suppress(OSError):
-                    (directory / "cgroup.subtree_control").write_text(f"+{controller}\n")
+        missing = [c for c in V2_CONTROLLERS if c in available and c not in enabled]
+        if missing:
+            # Busy (processes in a non-root cgroup): the child simply lacks them.
+            with contextlib.suppress(OSError):
+                text = " ".join(f"+{c}" for c in missing)
+                (directory / "cgroup.subtree_control").write_text(text + "\n")
 
 
 def create_cgroup(

@@ -42,6 +42,8 @@ class CommonOptions:
     native: str
     detach: bool
     as_json: bool
+    memory_bytes: int | None = None
+    cpus: float | None = None
 
 
 class ServerCommand(click.Command):
@@ -195,7 +197,27 @@ _OPTIONS = {
                            help="Return once ready; a supervisor keeps it running (snapctl stop)."),
     "as_json": click.option("--json", "as_json", is_flag=True,
                             help="Print one JSON record on stdout; no progress output."),
+    "memory_bytes": click.option("--memory", "memory_bytes", metavar="SIZE",
+                                 callback=lambda ctx, param, value: _limit("size", value),
+                                 help="Memory limit of the activation's own cgroup (512m, 4g, "
+                                      "bytes); the kernel kills it past that."),
+    "cpus": click.option("--cpus", metavar="N",
+                         callback=lambda ctx, param, value: _limit("cpus", value),
+                         help="CPU limit of the activation's own cgroup: N CPUs' worth (1.5)."),
 }  # fmt: skip
+
+
+def _limit(kind: str, value: str | None) -> int | float | None:
+    """``--memory``'s bytes or ``--cpus``' CPUs, refused as click's usage error."""
+    from snapctl.cgroups.limits import parse_cpus, parse_size
+
+    if value is None:
+        return None
+    try:
+        return parse_size(value) if kind == "size" else parse_cpus(value)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from error
+
 
 # What an excluded option stands for (a bake never serves: nothing to name, publish or detach).
 _DEFAULTS: dict[str, Any] = {"name": None, "publish": None, "expose": False, "detach": False}

@@ -42,6 +42,12 @@ class LazyOption(click.Option):
     "--plain-http", is_flag=True, help="With a reference: speak HTTP to the registry (no TLS)."
 )
 @click.option(
+    "--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="With a reference: the trust policy, containers-policy.json(5), checked before "
+    "anything is fetched [default: /etc/containers/policy.json, else every image is "
+    "accepted].",
+)  # fmt: skip
+@click.option(
     "--count",
     default=1,
     show_default=True,
@@ -61,8 +67,8 @@ class LazyOption(click.Option):
 @click.option("--lazy/--no-lazy", default=None, cls=LazyOption)
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
-def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[str, ...],
-         lazy: bool | None, server_cmd: tuple[str, ...],
+def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: int,
+         allow_mismatch: tuple[str, ...], lazy: bool | None, server_cmd: tuple[str, ...],
          common: CommonOptions) -> None:  # fmt: skip
     """Restore a copy of an image and serve it.
 
@@ -102,7 +108,8 @@ def copy(image_source: str, plain_http: bool, count: int, allow_mismatch: tuple[
         )  # fmt: skip
     except CopyUsageError as error:
         raise usage_error(error) from error
-    image = published or image_path(image_source, plain_http=plain_http, quiet=common.as_json)
+    image = published or image_path(image_source, plain_http=plain_http, quiet=common.as_json,
+                                    policy_path=policy_path)  # fmt: skip
     body = copy_request(str(image), count, allow_mismatch, lazy, server_cmd, common)
     request = validated_request(CopyRequest, body)
     options = request.launch_options()
@@ -136,7 +143,8 @@ def copy_request(
         server_argv=server_cmd, name=common.name, publish=common.publish,
         expose=common.expose, host=common.host, port=common.port,
         api_key_env=common.api_key_env, timeout_s=common.timeout_s, native=common.native,
-        criu_path=common.criu_path, detach=common.detach,
+        criu_path=common.criu_path, detach=common.detach, memory_bytes=common.memory_bytes,
+        cpus=common.cpus,
     )  # fmt: skip
 
 
@@ -184,18 +192,24 @@ def start_many(
     return require_all(results, time.monotonic() - started)
 
 
-def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:
-    """The image directory ``--image`` names: itself, or a reference pulled into the cache."""
-    from snapctl.cli.image import transfer_progress, working_sets_line
+def image_path(source: str, *, plain_http: bool, quiet: bool,
+               policy_path: Path | None = None) -> Path:  # fmt: skip
+    """The image directory ``--image`` names: itself, or a reference pulled into the cache
+    once the trust policy (``policy_path``, else the system's) accepts it."""
+    from snapctl.cli.image import policy_line, transfer_progress, working_sets_line
     from snapctl.cli.output import note
     from snapctl.registry.source import is_reference, pull_for_copy, require_image
     from snapctl.statedir import StateDir
+    from snapctl.trust.policy import load_policy
 
     if not is_reference(source):
         return require_image(source)
+    policy = load_policy(policy_path)
+    if policy.note:
+        note(policy.note, quiet=quiet)
     with transfer_progress("pull", None, quiet=quiet) as (advance, set_total):
-        report = pull_for_copy(source, StateDir(), plain_http=plain_http, progress=advance,
-                               total=set_total)  # fmt: skip
+        report = pull_for_copy(source, StateDir(), plain_http=plain_http, policy=policy,
+                               progress=advance, total=set_total)  # fmt: skip
     if report.already_pulled:
         note(f"{source}: image {report.image_id[:12]} already pulled", quiet=quiet)
     else:
@@ -203,4 +217,6 @@ def image_path(source: str, *, plain_http: bool, quiet: bool) -> Path:
              quiet=quiet)  # fmt: skip
     if report.working_sets.processes or report.working_sets.error:
         note(working_sets_line(report).strip(), quiet=quiet)
+    if policy.note is None:
+        note(policy_line(report).strip(), quiet=quiet)
     return Path(report.image)

@@ -26,6 +26,7 @@ from snapctl.thin import HeldSignals, relay_report, stop_interrupted
 
 if TYPE_CHECKING:
     from snapctl.cli._activation_options import CommonOptions
+    from snapctl.cli._server_env import ServerEnv
     from snapctl.thin import LaneProgress
 
 
@@ -95,12 +96,14 @@ def namespace(value: Any) -> Any:
 def capture_request(
     image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
     server_timeout_s: float, server_cmd: tuple[str, ...], common: CommonOptions, *,
-    donor: bool,
+    donor: bool, server_env: ServerEnv | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The agent's ``DonorRequest`` (``donor``) or ``BakeRequest`` (see
     :mod:`snapctl.pool.models`) for these options: paths made absolute, and this process's
     working directory and whole environment, where the server command runs (the agent's are
-    not the caller's; the API key ``--api-key-env`` names travels among them)."""
+    not the caller's; the API key ``--api-key-env`` names travels among them), and what the
+    server gets of it beyond its defaults (``server_env``: ``--env``, ``--env-file``,
+    ``--inherit-env``), which it applies where it launches the server."""
     request: dict[str, Any] = {
         "image": str(image.absolute()),
         "force": force,
@@ -116,6 +119,10 @@ def capture_request(
         "server_argv": list(server_cmd) or None,
         "cwd": os.getcwd(),
         "environ": dict(os.environ),
+        "env": {} if server_env is None else dict(server_env.given),
+        "inherit_env": server_env is not None and server_env.inherit,
+        "memory_bytes": common.memory_bytes,
+        "cpus": common.cpus,
     }
     if donor:
         request.update({

@@ -106,6 +106,9 @@ def restore_args(
 ) -> list[str]:
     args = ["--work-dir", str(work_dir), "--restore-detached", "--root", "/"]
     args += ["--pidfile", str(pidfile), *TREE_OPTIONS]
+    # The tree stays in the cgroup ``criu restore`` runs in (the copy's own, see
+    # snapctl.cgroups), not moved into the cgroups the image recorded (the donor's).
+    args.append("--manage-cgroups=ignore")
     if lazy:
         args.append("--lazy-pages")
     for key, directory in external_dirs.items():

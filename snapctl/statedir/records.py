@@ -34,6 +34,12 @@ class ActivationRecord(BaseModel):
     pages_complete: bool | None = None
     pages_complete_s: float | None = None
     pages_complete_at: str | None = None
+    # Its cgroup (snapctl.cgroups): the path as /proc/PID/cgroup names it, its directory in
+    # each hierarchy, and the limits set there (None: none).
+    cgroup: str | None = None
+    cgroup_dirs: dict[str, str] = {}
+    memory_limit_bytes: int | None = None
+    cpus: float | None = None
 
 
 class StopOutcome(BaseModel):

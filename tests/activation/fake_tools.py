@@ -14,6 +14,7 @@ from typing import Literal
 
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.tools import RealImageChecks, Tools
+from snapctl.cgroups import ActivationCgroup
 from snapctl.criu import CriuBinary
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
 from snapctl.criu.stats import DumpStats
@@ -105,7 +106,7 @@ class FakeSandbox:
 
     def launch(
         self, argv: list[str], cwd: Path, dirs: ActivationDirs, options: LaunchOptions,
-        env: dict[str, str],
+        env: dict[str, str], *, cgroup: ActivationCgroup | None = None,
     ) -> tuple[subprocess.Popen[bytes], PinnedProcess]:  # fmt: skip
         self.steps("launch")
         launcher = subprocess.Popen(["true"])

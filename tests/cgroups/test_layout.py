@@ -1,0 +1,103 @@
+"""Cgroups on fake trees under tmp_path (no root): both layouts, limits, usage, OOM kills,
+removal and gc's sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from snapctl.cgroups import CgroupError, Limits, create_cgroup, detect_layout, sweep_cgroups
+from snapctl.cgroups.limits import format_size, parse_cpus, parse_size
+
+V1_SELF = "9:name=systemd:/\n8:pids:/\n4:memory:/machine/abc\n1:cpu,cpuacct:/\n0::/\n"
+
+
+def v1_tree(root: Path) -> Path:
+    for controller in ("memory", "cpu", "pids"):
+        (root / controller).mkdir(parents=True)
+        (root / controller / "cgroup.procs").write_text("")
+    (root / "unified").mkdir()
+    (root / "unified" / "cgroup.controllers").write_text("")
+    return root
+
+
+def v2_tree(root: Path) -> Path:
+    root.mkdir(parents=True)
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    return root
+
+
+def test_sizes_and_cpus() -> None:
+    assert parse_size("512m") == 512 << 20 and parse_size("4g") == 4 << 30
+    assert parse_size("1.5g") == 3 << 29 and parse_size("67108864") == 64 << 20
+    assert format_size(512 << 20) == "512m" and format_size(4 << 30) == "4g"
+    assert parse_cpus("1.5") == 1.5
+    for bad in ("lots", "1m", "-1g"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    with pytest.raises(ValueError):
+        parse_cpus("0")
+    assert Limits(memory_bytes=512 << 20, cpus=2).describe() == "--memory 512m --cpus 2"
+
+
+def test_v1_hybrid_layout(tmp_path: Path) -> None:
+    layout = detect_layout(v1_tree(tmp_path / "cg"), V1_SELF)
+    assert layout is not None and layout.version == 1
+    assert layout.parents["memory"] == tmp_path / "cg/memory/machine/abc/snapctl"
+    assert layout.parents["cpu"] == tmp_path / "cg/cpu/snapctl"
+    group = create_cgroup("copy-1", Limits(memory_bytes=512 << 20, cpus=1.5), layout=layout)
+    assert group is not None and group.path == "/machine/abc/snapctl/copy-1"
+    memory, cpu = group.dirs["memory"], group.dirs["cpu"]
+    assert (memory / "memory.limit_in_bytes").read_text() == f"{512 << 20}\n"
+    assert (cpu / "cpu.cfs_quota_us").read_text() == "150000\n"
+    assert (cpu / "cpu.cfs_period_us").read_text() == "100000\n"
+    assert group.memory_limit_bytes() == 512 << 20
+    (memory / "memory.usage_in_bytes").write_text("1234\n")
+    (memory / "cgroup.procs").write_text("10\n11\n")
+    assert group.memory_bytes() == 1234 and group.pids() == [10, 11]
+    (memory / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 0\n")
+    assert group.killed_by_memory_limit() is None
+    (memory / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    assert group.killed_by_memory_limit() == "killed by its memory limit (--memory 512m)"
+    argv = group.enter_argv(["criu", "restore"])
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[-2:] == ["criu", "restore"]
+    assert str(memory / "cgroup.procs") in argv
+
+
+def test_v2_layout_enables_controllers(tmp_path: Path) -> None:
+    root = v2_tree(tmp_path / "cg")
+    layout = detect_layout(root, "0::/system.slice/snapctl-agent.service\n")
+    assert layout is not None and layout.version == 2
+    assert layout.parents["unified"] == root / "system.slice/snapctl"
+    group = create_cgroup("copy-2", Limits(memory_bytes=1 << 30, cpus=0.5), layout=layout)
+    assert group is not None and group.path == "/system.slice/snapctl/copy-2"
+    assert "+memory" in (root / "cgroup.subtree_control").read_text()
+    directory = group.dirs["unified"]
+    assert (directory / "memory.max").read_text() == f"{1 << 30}\n"
+    assert (directory / "cpu.max").read_text() == "50000 100000\n"
+    (directory / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert group.usage().oom_kills == 1
+    (directory / "memory.max").write_text("max\n")
+    assert group.memory_limit_bytes() is None
+
+
+def test_no_hierarchy(tmp_path: Path) -> None:
+    tmp_path.joinpath("empty").mkdir()
+    assert detect_layout(tmp_path / "empty", "0::/\n") is None
+    assert create_cgroup("copy-3", Limits(), root=tmp_path / "empty") is None
+    with pytest.raises(CgroupError):
+        create_cgroup("copy-3", Limits(cpus=1), root=tmp_path / "empty")
+
+
+def test_sweep_keeps_live_and_busy(tmp_path: Path) -> None:
+    layout = detect_layout(v1_tree(tmp_path / "cg"), V1_SELF)
+    assert layout is not None
+    for name in ("copy-live", "copy-busy", "copy-dead"):
+        assert create_cgroup(name, Limits(), layout=layout) is not None
+    (layout.parents["memory"] / "copy-busy" / "cgroup.procs").write_text("99\n")
+    # A fake tree's directories hold files, so rmdir fails there: only what was tried counts.
+    removed = sweep_cgroups({"copy-live"}, layout=layout, grace_s=0.0)
+    assert all("copy-live" not in r and "copy-busy" not in r for r in removed)
+    assert sweep_cgroups(set(), layout=layout) == []  # all made just now
