@@ -12,7 +12,8 @@ library's functions serve instead.
 from __future__ import annotations
 
 import io
-from _socket import AF_UNIX, SHUT_WR, SOCK_STREAM
+import sys
+from _socket import AF_UNIX, SHUT_WR, SO_PEERCRED, SOCK_STREAM, SOL_SOCKET
 from _socket import socket as Socket
 
 TYPE_CHECKING = False  # not typing's: see snapctl.errors
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-__all__ = ["SHUT_WR", "Socket", "dumps", "loads", "reader", "unix_socket"]
+__all__ = ["SHUT_WR", "Socket", "dumps", "loads", "peer_credentials", "reader", "unix_socket"]
 
 _WHITESPACE = " \t\n\r"  # JSON's own, as json.decoder skips it
 
@@ -28,6 +29,19 @@ _WHITESPACE = " \t\n\r"  # JSON's own, as json.decoder skips it
 def unix_socket() -> Socket:
     """A new unix stream socket (close-on-exec, as ``socket.socket`` makes it)."""
     return Socket(AF_UNIX, SOCK_STREAM)
+
+
+def peer_credentials(sock: Socket) -> tuple[int, int, int]:
+    """The (pid, uid, gid) of the process that made the other end of the connected unix
+    socket ``sock`` (for a listening server: whoever called ``listen``), as the kernel
+    recorded them (``SO_PEERCRED``: a ``struct ucred`` of three native 32-bit integers, read
+    without ``struct``)."""
+    raw = sock.getsockopt(SOL_SOCKET, SO_PEERCRED, 12)
+    if len(raw) != 12:
+        raise OSError(f"SO_PEERCRED gave {len(raw)} bytes, not a struct ucred")
+    pid, uid, gid = (raw[at : at + 4] for at in (0, 4, 8))
+    return (int.from_bytes(pid, sys.byteorder, signed=True),
+            int.from_bytes(uid, sys.byteorder), int.from_bytes(gid, sys.byteorder))  # fmt: skip
 
 
 class _SocketStream(io.RawIOBase):

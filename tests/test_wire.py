@@ -8,6 +8,7 @@ import json
 import math
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -193,3 +194,19 @@ def test_reader_reads_lines_and_sizes_as_makefile_does(tmp_path: Path) -> None:
     finally:
         server.join(10)
         listener.close()
+
+
+def test_peer_credentials_are_the_peer_s_pid_uid_and_gid() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock = wire.Socket(fileno=ours.detach())
+        try:
+            got = wire.peer_credentials(sock)
+            assert got == (os.getpid(), os.getuid(), os.getgid())
+            # As the struct module reads the same struct ucred.
+            raw = theirs.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            assert got == struct.unpack("3i", raw)
+        finally:
+            sock.close()
+    finally:
+        theirs.close()

@@ -87,6 +87,7 @@ class AgentClient:
                     "(snapctl agent) or run in-process (--no-agent)",
                     path=os.fspath(self.path),
                 ) from error
+            _check_peer(sock, self.path)
         sock.settimeout(read_timeout_s)
         return sock
 
@@ -191,7 +192,9 @@ def _chunks(reader: io.BufferedReader) -> Iterator[bytes]:
 
 def connect(socket_path: str | os.PathLike[str] | None = None) -> AgentClient | None:
     """A client of the agent on ``socket_path`` (default ``STATE/agent.sock``), or None when no
-    agent answers there (no socket, or a stale one: the CLI then runs in-process)."""
+    agent answers there (no socket, or a stale one: the CLI then runs in-process).
+    :class:`~snapctl.agent.errors.AgentUnavailableError` when a process of another user than
+    root or this one answers (see :func:`_check_peer`)."""
     path = socket_path or default_socket()
     sock = wire.unix_socket()
     try:
@@ -199,7 +202,34 @@ def connect(socket_path: str | os.PathLike[str] | None = None) -> AgentClient | 
     except OSError:
         sock.close()
         return None
+    _check_peer(sock, path)
     return AgentClient(path, sock)
+
+
+def _check_peer(sock: wire.Socket, path: str | os.PathLike[str]) -> None:
+    """Refuse (closing ``sock``) an agent socket served by anyone but root or this user,
+    before anything is sent: requests carry secrets (a capture's whole environment, a copy's
+    API key) and their answers decide what the CLI does. It fails the command rather than
+    running it in-process as when no agent answers: another user's socket where the agent's
+    should be is a mistake or an attack, which a quiet fallback would hide."""
+    try:
+        pid, uid, _ = wire.peer_credentials(sock)
+    except OSError as error:
+        sock.close()
+        raise _unavailable(
+            f"cannot tell who serves the agent socket {path} ({error}): nothing was sent; "
+            "run in-process (--no-agent)", path=os.fspath(path),
+        ) from error  # fmt: skip
+    if uid in (0, os.geteuid()):
+        return
+    sock.close()
+    raise _unavailable(
+        f"refusing the agent socket {path}: it is served by uid {uid} (pid {pid}), neither "
+        f"root nor this user (uid {os.geteuid()}), and nothing was sent to it; remove that "
+        "socket or point $SNAPCTL_AGENT_SOCKET/$SNAPCTL_STATE_DIR at the real agent's, or run "
+        "in-process (--no-agent)",
+        path=os.fspath(path),
+    )
 
 
 __all__ = ["AgentClient", "Hangup", "connect"]

@@ -56,7 +56,8 @@ class ListenError(SnapctlError):
 
 
 class TokenFileError(SnapctlError):
-    """The TCP listener's token file is missing, empty, or readable by other users."""
+    """The TCP listener's token file is missing, empty, not root's (or the agent's user's), or
+    open to other users."""
 
     exit_status = ExitStatus.USAGE
 
@@ -73,15 +74,31 @@ class AgentOptions:
 
 
 def read_token(path: Path) -> bytes:
-    """The bearer token: the file's first line, from a file only its owner can read."""
+    """The bearer token: the first line of a regular file owned by root or the agent's user
+    that no one else may read or write (its owner and mode are those of the file read)."""
     try:
-        mode = path.stat().st_mode
-        lines = path.read_bytes().splitlines()
-        token = lines[0].strip() if lines else b""
+        # Non-blocking: a FIFO put there is refused below, not waited on.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as file:
+            info = os.fstat(fd)
+            data = file.read() if stat.S_ISREG(info.st_mode) else b""
     except OSError as error:
         raise TokenFileError(f"cannot read the token file: {error.strerror}", path=path) from error
-    if mode & 0o077:
-        raise TokenFileError("the token file is readable by other users: chmod 600 it", path=path)
+    if not stat.S_ISREG(info.st_mode):
+        raise TokenFileError(f"the token file {path} is not a regular file", path=path)
+    if info.st_uid not in (0, os.geteuid()):
+        raise TokenFileError(
+            f"the token file {path} is owned by uid {info.st_uid}, who can read or replace the "
+            f"token: chown it to root (or uid {os.geteuid()}, the agent's) and chmod 600 it",
+            path=path,
+        )
+    if info.st_mode & 0o077:
+        raise TokenFileError(
+            f"the token file {path} is open to other users (mode "
+            f"{stat.S_IMODE(info.st_mode):04o}): chmod 600 it", path=path,
+        )  # fmt: skip
+    lines = data.splitlines()
+    token = lines[0].strip() if lines else b""
     if len(token) < 16:
         raise TokenFileError("the token file must hold a token of at least 16 characters",
                              path=path)  # fmt: skip
