@@ -37,13 +37,14 @@ drawing lists every class, under its base, with its code)::
     ├── AgentUnavailableError          7  agent.errors: no agent answers, or it stopped
     ├── AgentRunningError              6  agent.daemon: another agent owns the state directory
     ├── ListenError                    7  agent.daemon: cannot listen where asked
-    ├── TokenFileError                 2  agent.daemon: the --token-file is unusable
+    ├── TokenFileError                 2  agent.daemon: the --token-file is unusable or unsafe
     ├── BadRequestError                2  agent.service: a request refused before it started
     ├── NotFoundError                  1  agent.service: the activation named is unknown
     ├── CriuError              by action  criu.run: dump/pre-dump 3, restore/lazy-pages 4, else 1
     ├── CriuNotFound                   7  criu.locate: no usable CRIU binary
     ├── UndumpableError                3  criu.inventory: the tree holds what CRIU cannot dump
     ├── HostMountMissing               7  criu.external: a host mount the image needs is absent
+    ├── CgroupError                    7  cgroups.group: an activation's cgroup cannot be made
     ├── PagemapError                   1  criu.pagemap: a pagemap image cannot be read
     ├── StatsFormatError               1  criu.stats: a CRIU stats image cannot be decoded
     ├── ImageError                     5  images.store: an image is missing or fails a check

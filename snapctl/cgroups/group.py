@@ -17,7 +17,7 @@ from pathlib import Path
 
 from snapctl.cgroups.layout import CGROUP_ROOT, UNIFIED, V2_CONTROLLERS, Layout, detect_layout
 from snapctl.cgroups.limits import CPU_PERIOD_US, Limits
-from snapctl.errors import SnapctlError
+from snapctl.errors import ExitStatus, SnapctlError
 
 # v1 reports "no limit" as the largest page-aligned signed 64-bit value, or close to it.
 V1_UNLIMITED = 1 << 62
@@ -32,6 +32,8 @@ _ENTER_SCRIPT = (
 
 class CgroupError(SnapctlError):
     """An activation's cgroup could not be made, limited or entered."""
+
+    exit_status = ExitStatus.UNAVAILABLE
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ def _address(
 @click.option(
     "--token-file",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="The bearer token for --listen: its first line, a file only its owner can read.",
+    help="The bearer token for --listen: its first line, a regular file owned by root (or the "
+    "agent's user) with no access for group or others (chmod 600).",
 )
 @click.option(
     "--metrics-listen",
