@@ -143,8 +143,9 @@ def cold_start(python: Path, model: Path, work: Path, results: VllmResults, say:
 
 def launch_options(python: Path, model: Path) -> LaunchOptions:
     return LaunchOptions(
-        server_argv=server_argv(python, model), timeout_s=TIMEOUT_S, server_timeout_s=TIMEOUT_S
-    )
+        server_argv=server_argv(python, model), timeout_s=TIMEOUT_S, server_timeout_s=TIMEOUT_S,
+        env=dict(SERVER_ENV),
+    )  # fmt: skip
 
 
 class BareBeside(RealCriu):

@@ -7,6 +7,7 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from snapctl.activation.environment import restorer_environment
 from snapctl.activation.launch import LaunchOptions, redact_argv, snapshot_config_arg
 from snapctl.images.identity.compare import IdentityMismatchError, require_match
 from snapctl.images.identity.host import current_identity
@@ -69,7 +70,8 @@ def check_identity(
         current = current_identity(
             criu_version=criu_version,
             argv=expected_argv(options) or recorded.argv,
-            env=os.environ if env is None else env,
+            # What a capture here would have given its server, not all of this environment.
+            env=restorer_environment(os.environ if env is None else env, recorded.env),
             files=[record.path for record in recorded.files],
             cache_dir=file_hash_cache(state),
             env_salt=recorded.env_salt,

@@ -14,15 +14,17 @@ from snapctl.cli._activation_options import (
     shared_options,
     validated_request,
 )
+from snapctl.cli._server_env import ServerEnv, server_env_options
 from snapctl.phases import HostPhase
 
 
 @click.command(cls=ServerCommand)
 @capture_options
+@server_env_options
 @shared_options(exclude=frozenset({"name", "publish", "expose", "detach"}))
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
-         server_timeout_s: float, server_cmd: tuple[str, ...],
+         server_timeout_s: float, server_cmd: tuple[str, ...], server_env: ServerEnv,
          common: CommonOptions) -> None:  # fmt: skip
     """Capture a server into an image without ever serving it.
 
@@ -40,7 +42,8 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
         from snapctl.cli.remote import bake_through_agent, capture_request, namespace
 
         request = capture_request(image, force, lo_addresses, ready_timeout_s,
-                                  server_timeout_s, server_cmd, common, donor=False)  # fmt: skip
+                                  server_timeout_s, server_cmd, common, donor=False,
+                                  server_env=server_env)  # fmt: skip
         record = bake_through_agent(client, request, as_json=common.as_json)
         if common.as_json:
             from snapctl.plain import emit_json as emit_record
@@ -61,7 +64,7 @@ def bake(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
     body = capture_request(image, force, lo_addresses, ready_timeout_s, server_timeout_s,
-                           server_cmd, common, donor=False)  # fmt: skip
+                           server_cmd, common, donor=False, server_env=server_env)  # fmt: skip
     options = validated_request(BakeRequest, body).launch_options()
     before = published_identity(image)
     # SIGTERM as SIGINT: either interrupts the bake, whose cleanup stops what it launched.

@@ -15,16 +15,18 @@ from snapctl.cli._activation_options import (
     check_publish_option,
     validated_request,
 )
+from snapctl.cli._server_env import ServerEnv, server_env_options
 from snapctl.cli.serving import serve
 from snapctl.progress import Progress
 
 
 @click.command(cls=ServerCommand)
 @capture_options
+@server_env_options
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout_s: float,
-          server_timeout_s: float, server_cmd: tuple[str, ...],
+          server_timeout_s: float, server_cmd: tuple[str, ...], server_env: ServerEnv,
           common: CommonOptions) -> None:  # fmt: skip
     """Capture a server and keep the original serving.
 
@@ -38,7 +40,8 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
         from snapctl.cli.remote import capture_request, donor_through_agent
 
         request = capture_request(image, force, lo_addresses, ready_timeout_s,
-                                  server_timeout_s, server_cmd, common, donor=True)  # fmt: skip
+                                  server_timeout_s, server_cmd, common, donor=True,
+                                  server_env=server_env)  # fmt: skip
         donor_through_agent(client, request, as_json=common.as_json, detach=common.detach)
         return
     from snapctl.activation.donor import start_donor
@@ -51,7 +54,7 @@ def donor(image: Path, force: bool, lo_addresses: tuple[str, ...], ready_timeout
     from snapctl.cli.remote import capture_request
 
     body = capture_request(image, force, lo_addresses, ready_timeout_s, server_timeout_s,
-                           server_cmd, common, donor=True)  # fmt: skip
+                           server_cmd, common, donor=True, server_env=server_env)  # fmt: skip
     options = validated_request(DonorRequest, body).launch_options()
     criu = find_criu(common.criu_path)
     native = native_step(common.native)

@@ -69,6 +69,18 @@ def byte_progress(label: str, total: int, *, quiet: bool) -> Iterator[Callable[[
         yield advance
 
 
+def warn_secret_env(directory: Path) -> None:
+    """On stderr (not in --json's record), whatever the output: the names in the image's
+    server's environment that look secret, whose values its memory carries along."""
+    from snapctl.activation.environment import secret_env_warning
+    from snapctl.cli.output import stderr
+    from snapctl.images import load_manifest
+
+    warning = secret_env_warning(load_manifest(directory), str(directory))
+    if warning is not None:
+        stderr().print(warning, style="yellow", markup=False, highlight=False)
+
+
 def render(report: ArchiveReport) -> None:
     """The human form of an export or import report."""
     from snapctl.cli.output import stdout
@@ -114,6 +126,7 @@ def export(directory: Path, out: Path, force: bool, level: int, threads: int,
     from snapctl.images.archive import export_image
     from snapctl.images.manifest import MANIFEST_NAME
 
+    warn_secret_env(directory)
     # The progress bar counts what export hashes: every file, the manifest included.
     total = load_manifest(directory).total_bytes + (directory / MANIFEST_NAME).stat().st_size
     with byte_progress("export", total, quiet=as_json) as progress:
@@ -245,6 +258,7 @@ def push(directory: Path, reference: str, plain_http: bool, jobs: int, as_json: 
     from snapctl.statedir import StateDir
 
     parsed = Reference.parse(reference)
+    warn_secret_env(directory)
     client = RegistryClient(parsed, plain_http=plain_http)
     total = load_manifest(directory).total_bytes + (directory / MANIFEST_NAME).stat().st_size
     try:

@@ -114,6 +114,7 @@ def _summary(image: str, manifest: Manifest, verify: bool, sets: str | None) -> 
         ("kernel", manifest.kernel),
         ("server", " ".join(manifest.server_argv)),
         ("cwd", manifest.server_cwd),
+        ("environment", _environment(manifest)),
         ("binds", f"{manifest.host or '(server default)'}:{manifest.port}"),
         ("native step", manifest.native_step),
         ("memory policy", _memory_policy(manifest)),
@@ -125,6 +126,20 @@ def _summary(image: str, manifest: Manifest, verify: bool, sets: str | None) -> 
     ]:
         table.add_row(label, value)
     return table
+
+
+def _environment(manifest: Manifest) -> str:
+    """The names (never the values) of the server's environment, which the image holds."""
+    from snapctl.activation.environment import captured_names, secret_looking
+
+    names, complete = captured_names(manifest)
+    secrets = secret_looking(names)
+    flagged = f"; looking secret: {' '.join(secrets)}" if secrets else ""
+    if not complete:
+        return ("not recorded: captured with the caller's whole environment, in the image's "
+                f"memory; its identity records {' '.join(names) or 'none'}{flagged}")  # fmt: skip
+    return (f"{len(names)} variables, in the image's memory (names only): {' '.join(names)}"
+            f"{flagged}")  # fmt: skip
 
 
 def _memory_policy(manifest: Manifest) -> str:

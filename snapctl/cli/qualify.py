@@ -15,6 +15,7 @@ from snapctl.cli._activation_options import (
     startup_timeout_options,
     timeout_option,
 )
+from snapctl.cli._server_env import ServerEnv, server_env_options
 from snapctl.cli.output import emit_json, json_option, note, stderr, stdout
 from snapctl.qualification.faultmodes import FAULT_MODES, FaultMode
 
@@ -77,6 +78,7 @@ def _run(
     retained_mb: int | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
     server_timeout_s: float = SERVER_TIMEOUT_S,
+    server_env: ServerEnv | None = None,
 ) -> None:
     from snapctl.activation.launch import LaunchOptions
     from snapctl.activation.native import native_step
@@ -92,6 +94,8 @@ def _run(
             timeout_s=timeout_s,
             ready_timeout_s=ready_timeout_s,
             server_timeout_s=server_timeout_s,
+            env={} if server_env is None else dict(server_env.given),
+            inherit_env=server_env is not None and server_env.inherit,
         ),
         criu=find_criu(criu_path),
         native=native_step(native),
@@ -150,6 +154,7 @@ _lazy_help = (
               help="Retained memory of the bundled fixture the donor launches (default 16; "
                    "256 when a lazy run is planned).")  # fmt: skip
 @startup_timeout_options
+@server_env_options
 @_with_common
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def qualify(image: Path | None, runs: str | None, fault_mode: str, lazy: bool,

@@ -81,6 +81,9 @@ class Manifest(StrictModel):
     # What the server stated about its capture (memory policy, the first load's digests);
     # None where it stated nothing (a server that does not know snapctl's facts file).
     capture_facts: CaptureFacts | None = None
+    # The names (never the values) of the environment the server was launched with, which its
+    # memory, and so the image, holds; None in images captured before they were recorded.
+    server_env_names: list[str] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:

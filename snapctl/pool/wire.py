@@ -146,4 +146,5 @@ def capture_payload(request: BakeRequest) -> dict[str, Any]:
     payload = request.model_dump(mode="json")
     payload["environ"] = {name: value.get_secret_value() for name, value in
                           request.environ.items()}  # fmt: skip
+    payload["env"] = {name: value.get_secret_value() for name, value in request.env.items()}
     return payload

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from snapctl.activation.core import new_session
+from snapctl.activation.environment import server_environment
 from snapctl.activation.handshake import probe_http_ready
 from snapctl.activation.launch import (
     LaunchError,
@@ -159,7 +160,7 @@ def start_reference(
     """Launch the ordinary server and wait for its first HTTP 200; return it and that time."""
     state.ensure()
     session = new_session(state, "reference", None, options=options)
-    env = dict(os.environ)
+    env = server_environment(options, os.environ)  # the donor's, exactly
     if options.api_key and not options.server_argv:
         # Exactly as start_donor gives the key to the bundled fixture.
         env["FIXTURE_API_KEY"] = options.api_key

@@ -144,7 +144,8 @@ def test_restorer_environment_and_another_machine_never_refuse(
 ) -> None:
     image = imported_with_identity(baked, tmp_path, host_id="f" * 32, hostname="host-a")
     monkeypatch.setenv("FOO", "1")  # FOO=1 snapctl copy --image IMG
-    monkeypatch.setenv("HF_HOME", "/elsewhere/secret-path")
+    monkeypatch.setenv("VLLM_USE_V1", "1")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/elsewhere/secret-path")
 
     steps: list[str] = []
     session, report = start_copy(
@@ -155,7 +156,10 @@ def test_restorer_environment_and_another_machine_never_refuse(
     assert report.published and get(report.published, "/v1/models")[0] == 200
     shown = next(step for step in steps if step.startswith("differs, does not refuse"))
     assert "host_id: image ffffffff..." in shown and "hostname: image host-a" in shown
-    assert "FOO is set here but was not at capture" in shown and "HF_HOME" in shown
+    assert "VLLM_USE_V1 is set here but was not at capture" in shown
+    assert "VLLM_CACHE_ROOT" in shown
+    # Compared is what a capture here would have given its server: FOO it would not have.
+    assert "FOO" not in shown
     assert "secret-path" not in shown and "waived" not in " ".join(steps)
     stop_clean(running[-1])
     # The waivers older scripts pass are still accepted.

@@ -37,12 +37,15 @@ def test_the_server_gets_its_own_limit_from_server_timeout(
 
 
 def test_donor_and_copy_of_a_keyed_server_serve_without_api_key_env(
-    tmp_path: Path, state: StateDir, criu_binary: CriuBinary, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, state: StateDir, criu_binary: CriuBinary
 ) -> None:
-    # The server requires a key snapctl is not told about (--api-key-env not given).
-    monkeypatch.setenv("FIXTURE_API_KEY", API_KEY)
+    # The server requires a key snapctl is not told about (--api-key-env not given): it is
+    # given as any other variable (--env FIXTURE_API_KEY=...).
     image = tmp_path / "image"
-    donor, report = launch_donor(image, state, criu_binary, publish=PUBLISH, api_key_env=None)
+    donor, report = launch_donor(
+        image, state, criu_binary, publish=PUBLISH, api_key_env=None,
+        env={"FIXTURE_API_KEY": API_KEY},
+    )  # fmt: skip
     try:
         assert report.published
         assert get(report.published, "/health", key=None)[0] == 200

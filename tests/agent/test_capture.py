@@ -82,17 +82,20 @@ def test_donor_through_the_agent_carries_the_client_s_directory_and_environment(
     assert request["environ"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert request["environ"]["TEST_KEY"] == "s3cret"
     assert request["api_key_env"] == "TEST_KEY"
+    # Which of it the server gets is chosen there, as in-process (none named here).
+    assert request["env"] == {} and request["inherit_env"] is False
     metrics = metrics_of(running_agent.socket)
     assert b'snapctl_captures_total{kind="donor"} 1.0' in metrics
 
 
 def test_a_capture_request_s_environment_is_masked_in_every_dump() -> None:
-    request = DonorRequest.model_validate_json(
-        json.dumps({"image": "/i", "cwd": "/", "environ": {"KEY": "s3cret"}})
-    )
+    body = {"image": "/i", "cwd": "/", "environ": {"KEY": "s3cret"}, "env": {"GIVEN": "s3cret"}}
+    request = DonorRequest.model_validate_json(json.dumps(body))
     assert "s3cret" not in request.model_dump_json() and "s3cret" not in repr(request)
     assert "s3cret" not in json.dumps(request.model_dump(mode="json"))
     assert capture_payload(request)["environ"] == {"KEY": "s3cret"}
+    assert capture_payload(request)["env"] == {"GIVEN": "s3cret"}
+    assert request.launch_options().env == {"GIVEN": "s3cret"}
 
 
 def test_bake_through_the_agent_prints_what_it_prints_in_process(

@@ -24,6 +24,8 @@ VLLM_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+# How a capture gives the server those (it gets only what --env names, and VLLM_*).
+VLLM_ENV_OPTIONS = tuple(arg for name in VLLM_ENV for arg in ("--env", name))
 
 KV_CACHE_BYTES = 64 * 2**20
 

@@ -15,7 +15,7 @@ from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
 from tests.agent.helpers import AgentProcess, cli, fill_pool
 from tests.qualification.criu_helpers import assert_nothing_left
-from tests.vllm.conftest import VLLM_ENV, RealVllm
+from tests.vllm.conftest import VLLM_ENV, VLLM_ENV_OPTIONS, RealVllm
 from tests.vllm.test_vllm_criu import API_KEY, _snapctl
 from tests.vllm.test_vllm_pool_criu import completion
 
@@ -29,7 +29,7 @@ def test_vllm_copies_through_the_agent_fresh_and_from_the_pool_answer_alike(
     image = tmp_path / "image"
     shm_before = set(os.listdir(HOST_SHM))
     baked = _snapctl(
-        ["--no-agent", "bake", "--json", "--image", str(image), "--api-key-env",
+        ["--no-agent", "bake", "--json", "--image", str(image), *VLLM_ENV_OPTIONS, "--api-key-env",
          "SNAPCTL_VLLM_KEY", "--timeout", "600", "--", *vllm.serve_command("--api-key", API_KEY)],
         state, 1200,
     )  # fmt: skip

@@ -24,7 +24,7 @@ from snapctl.qualification.report import Report
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
 from tests.qualification.criu_helpers import assert_nothing_left
-from tests.vllm.conftest import ROOT, VLLM_ENV, RealVllm
+from tests.vllm.conftest import ROOT, VLLM_ENV, VLLM_ENV_OPTIONS, RealVllm
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm]
 
@@ -58,6 +58,7 @@ def bake(served: RealVllm, state: StateDir, image: Path, *server_options: str) -
     """``snapctl bake`` of the bridge serving ``served`` with the test's API key."""
     baked = _snapctl(
         ["bake", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
+         *VLLM_ENV_OPTIONS,
          "--timeout", "600", "--", *served.serve_command("--api-key", API_KEY, *server_options)],
         state, 1200,
     )  # fmt: skip
@@ -67,6 +68,7 @@ def bake(served: RealVllm, state: StateDir, image: Path, *server_options: str) -
 def _qualify(vllm: RealVllm, state: StateDir, image: Path, *extra: str) -> tuple[int, Report]:
     done = _snapctl(
         ["qualify", "--json", "--image", str(image), "--api-key-env", "SNAPCTL_VLLM_KEY",
+         *VLLM_ENV_OPTIONS,
          "--timeout", "600", *extra, "--", *vllm.serve_command("--api-key", API_KEY)],
         state, QUALIFY_TIMEOUT_S,
     )  # fmt: skip
