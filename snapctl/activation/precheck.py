@@ -49,8 +49,9 @@ def check_copy_start(
 ) -> Path | None:
     """Refuse, in this order: an unknown or unwaivable ``--allow-mismatch`` name, a ``--name``
     that cannot be numbered ``--count`` times, a name in use, a ``--publish`` that cannot be
-    bound (or ``--expose`` without it), an ``image`` that is no image directory; then note
-    each waiver that waives nothing.
+    bound (or ``--expose`` without it), an ``image`` that is no image directory, or one that
+    someone other than root can change (:func:`~snapctl.registry.source.require_image`); then
+    note each waiver that waives nothing.
 
     ``state`` None: names are checked but not looked up (where the start's own reservation
     is the next step anyway). Returns the image directory, or None when ``image`` is a

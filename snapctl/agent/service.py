@@ -140,7 +140,8 @@ class AgentService:
     def inspect(self, image: str, verify: bool) -> dict[str, Any]:
         from snapctl.images.catalog import inspect_record
 
-        return inspect_record(self._published_image(image, "IMAGE"), verify, self.state)
+        image_dir = self._published_image(image, "IMAGE", restore=False)
+        return inspect_record(image_dir, verify, self.state)
 
     # pool ------------------------------------------------------------------------------------
 
@@ -198,13 +199,15 @@ class AgentService:
         except CopyUsageError as error:
             raise BadRequestError(error.message, usage=error.option) from error
 
-    def _published_image(self, text: str, option: str) -> Path:
+    def _published_image(self, text: str, option: str, *, restore: bool = True) -> Path:
+        """The image directory ``text`` names; one the pool restores (``restore``) only if
+        no one but root can change it, as a copy's (``require_image``)."""
         from snapctl.registry.source import require_image
 
         path = Path(text)
         if not path.is_absolute():
             raise BadRequestError(f"{text} is not an absolute path", usage=option)
-        return require_image(text).absolute()
+        return require_image(text, restore=restore).absolute()
 
     # donor / bake ----------------------------------------------------------------------------
 

@@ -23,6 +23,11 @@ jobs_option = click.option(
     "--jobs", default=8, show_default=True, type=click.IntRange(1, 64),
     help="Blobs transferred at once.",
 )  # fmt: skip
+policy_option = click.option(
+    "--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Trust policy, containers-policy.json(5) [default: /etc/containers/policy.json, "
+         "else every image is accepted].",
+)  # fmt: skip
 
 
 @click.group()
@@ -232,9 +237,17 @@ def render_pull(report: PullReport) -> None:
         f"({report.mb_per_s:.1f} MB/s)\n  fetched {report.blobs_fetched} blobs "
         f"({report.bytes_fetched / 1e6:.1f} MB, {report.bytes_resumed / 1e6:.1f} MB resumed), "
         f"{report.blobs_cached} were in the cache\n  image  {report.image}\n"
-        f"  digest {report.manifest_digest}\n{working_sets_line(report)}",
+        f"  digest {report.manifest_digest}\n{working_sets_line(report)}{policy_line(report)}",
         markup=False, highlight=False,
     )  # fmt: skip
+
+
+def policy_line(report: PullReport) -> str:
+    """Which rule of the trust policy accepted the pulled image ("" when none was asked)."""
+    if report.verdict is None:
+        return ""
+    return (f"\n  policy: accepted by {report.verdict['scope']} "
+            f"({report.verdict['requirement']}) of {report.verdict['policy']}")  # fmt: skip
 
 
 @image.command("push")
@@ -282,21 +295,28 @@ def push(directory: Path, reference: str, plain_http: bool, jobs: int, as_json: 
 @click.option(
     "--force", is_flag=True, help="Replace an existing image (not while a copy holds it)."
 )
+@policy_option
 @plain_http_option
 @jobs_option
 @json_option
-def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
-         as_json: bool) -> None:  # fmt: skip
+def pull(reference: str, to: Path, force: bool, policy_path: Path | None, plain_http: bool,
+         jobs: int, as_json: bool) -> None:  # fmt: skip
     """Pull an image from an OCI registry, verifying every blob, and publish it atomically.
 
-    Blobs already in the local cache, and partial downloads, are not fetched again.
+    The trust policy is checked once the image's manifest digest is known, before any blob
+    is fetched: an image it refuses is never published (exit 5). Blobs already in the local
+    cache, and partial downloads, are not fetched again.
     """
-    from snapctl.cli.output import emit_json
+    from snapctl.cli.output import emit_json, note
     from snapctl.registry.cache import blob_cache
     from snapctl.registry.client import Reference, RegistryClient
     from snapctl.registry.pull import pull_image
     from snapctl.statedir import StateDir
+    from snapctl.trust.policy import load_policy
 
+    policy = load_policy(policy_path)
+    if policy.note:
+        note(policy.note, quiet=as_json)
     state = StateDir()
     state.ensure()
     client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
@@ -305,7 +325,7 @@ def pull(reference: str, to: Path, force: bool, plain_http: bool, jobs: int,
             report = pull_image(
                 client, to, cache=blob_cache(state), verified_cache=state.verified,
                 force=force, jobs=jobs, progress=advance, total=set_total, claims=state.claims,
-                views=state.views,
+                views=state.views, policy=policy,
             )  # fmt: skip
     finally:
         client.close()
@@ -407,11 +427,7 @@ def sign(reference: str, key_path: Path, plain_http: bool, as_json: bool) -> Non
 
 @image.command("verify")
 @click.argument("reference")
-@click.option(
-    "--policy", "policy_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Trust policy, containers-policy.json(5) [default: /etc/containers/policy.json, "
-         "else every image is accepted].",
-)  # fmt: skip
+@policy_option
 @plain_http_option
 @json_option
 def verify(reference: str, policy_path: Path | None, plain_http: bool, as_json: bool) -> None:

@@ -54,7 +54,7 @@ def inspect(source: str, verify: bool, brief: bool, plain_http: bool, as_json: b
     if client is None:
         from snapctl.images.catalog import inspect_record
 
-        image = require_image(source)
+        image = require_image(source, restore=False)
         record = inspect_record(image, verify, StateDir())
     else:
         query = f"?image={quote(str(Path(source).absolute()))}" + ("&verify=1" if verify else "")

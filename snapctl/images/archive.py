@@ -451,7 +451,9 @@ class _Unpacker:
         self._parent(member.name)
         if not path.is_dir():
             path.mkdir(mode=0o700)
-        self.directory_modes[member.name] = stat.S_IMODE(member.mode) & 0o777
+        # The sticky bit too: it only narrows who may remove entries, and a saved /dev/shm is
+        # writable by all (mode 1777) and safe only with it (images.ownership).
+        self.directory_modes[member.name] = stat.S_IMODE(member.mode) & 0o1777
 
     def _expected(self, name: str) -> tuple[int, str, int | None]:
         assert self.manifest is not None

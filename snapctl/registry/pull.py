@@ -1,16 +1,17 @@
 """``snapctl image pull`` and ``inspect REF``: an image from a registry, verified while it
 streams, published by one rename as ``image import`` publishes.
 
-Order: the OCI manifest (its sha256 must be the digest asked for, when one was), the config
-blob and the image's ``manifest.json`` (each against its digest; the config must describe
-exactly the files, sizes and sha256 of the manifest, its hard links and only directories an
-image may have), the space the files will take (refused before anything is fetched when the
-disk lacks it), then every blob the image lacks here (in parallel, each hashed as it arrives
-and kept in the cache only if it matches; a partial download is resumed with a range
-request), then the files, assembled in a staging directory beside the target and each hashed
-against the manifest, and the staged tree checked as a copy's verification checks it. Any
-mismatch: a clear error, the staging directory removed, nothing published, nothing unverified
-kept.
+Order: the OCI manifest (its sha256 must be the digest asked for, when one was), the trust
+policy when one is given (:mod:`snapctl.trust.policy`: a refusal ends the pull before any of the
+image's blobs is read), the config blob and the image's ``manifest.json`` (each against its
+digest; the config must describe exactly the files, sizes and sha256 of the manifest, its hard
+links and only directories an image may have), the space the files will take (refused before
+anything is fetched when the disk lacks it), then every blob the image lacks here (in parallel,
+each hashed as it arrives and kept in the cache only if it matches; a partial download is
+resumed with a range request), then the files, assembled in a staging directory beside the
+target and each hashed against the manifest, and the staged tree checked as a copy's
+verification checks it. Any mismatch: a clear error, the staging directory removed, nothing
+published, nothing unverified kept.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -52,9 +53,14 @@ from snapctl.registry.client import BlobMismatchError, Reference, RegistryClient
 from snapctl.registry.workingsets import WorkingSetsTransfer, learned_sets, pull_working_sets
 from snapctl.statedir import StateDir
 
+if TYPE_CHECKING:
+    from snapctl.trust.policy import Policy
+    from snapctl.trust.verdict import Verdict
+
 M = TypeVar("M", bound=BaseModel)
 DEFAULT_JOBS = 8
 PIECE = 4 << 20
+DIRECTORY_BITS = 0o1777  # rwx and sticky: never setuid or setgid
 # Bytes free on the filesystem holding a path (an existing one): a seam for tests.
 FreeSpace = Callable[[Path], int]
 
@@ -86,6 +92,7 @@ class PullReport(TransferReport):
     bytes_fetched: int  # bytes received from the registry
     bytes_resumed: int  # bytes of partial downloads that were not fetched again
     already_pulled: bool = False
+    verdict: dict[str, Any] | None = None  # the trust policy's (None: no policy was asked)
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class Remote:
     config: layout.ImageConfig
     manifest: Manifest
     manifest_bytes: bytes
+    verdict: Verdict | None = None  # the trust policy's, when one was asked
 
 
 def _digest(data: bytes) -> str:
@@ -120,9 +128,13 @@ def _parse(model: type[M], data: bytes, what: str) -> M:
         raise BlobMismatchError(f"{what}: {manifest_problem(error)}") from error
 
 
-def describe(client: RegistryClient, cache: BlobCache) -> Remote:
+def describe(client: RegistryClient, cache: BlobCache, policy: Policy | None = None) -> Remote:
     """Read and check the OCI manifest, the config and the image's manifest.json (no page
-    data). The small blobs are kept in the cache only once all three agree."""
+    data). The small blobs are kept in the cache only once all three agree.
+
+    With a trust ``policy``, the image must pass it (:func:`snapctl.trust.policy.verify_pull`,
+    :class:`~snapctl.trust.errors.PolicyRefusedError` otherwise) as soon as its manifest's
+    digest is known, before any of its blobs is read; None: no policy is asked."""
     reference = client.reference
     oci_bytes = client.get_manifest(layout.OCI_MANIFEST, layout.MAX_OCI_MANIFEST_BYTES)
     digest = _digest(oci_bytes)
@@ -130,6 +142,11 @@ def describe(client: RegistryClient, cache: BlobCache) -> Remote:
         raise BlobMismatchError(
             f"the manifest of {reference} has sha256 {digest}, not the digest asked for"
         )
+    verdict = None
+    if policy is not None:
+        from snapctl.trust.policy import verify_pull
+
+        verdict = verify_pull(policy, reference, digest, client)
     oci = _parse(layout.OciManifest, oci_bytes, f"{reference} is not a snapctl image")
     config_bytes = _small_blob(client, cache, oci.config, layout.MAX_CONFIG_BYTES, "the config")
     config = _parse(layout.ImageConfig, config_bytes, f"the config of {reference} is not valid")
@@ -141,7 +158,7 @@ def describe(client: RegistryClient, cache: BlobCache) -> Remote:
     _check_agreement(reference, oci, config, manifest)
     cache.put(oci.config.digest, config_bytes)
     cache.put(first.digest, manifest_bytes)
-    return Remote(reference, digest, oci, config, manifest, manifest_bytes)
+    return Remote(reference, digest, oci, config, manifest, manifest_bytes, verdict)
 
 
 def _check_agreement(reference: Reference, oci: layout.OciManifest,
@@ -400,8 +417,10 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
         if stored.link_to is not None:
             (root / stored.name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.link(root / stored.link_to, root / stored.name, follow_symlinks=False)
+    # A directory keeps its sticky bit too: it only narrows who may remove entries, and a
+    # saved /dev/shm is writable by all (mode 1777) and safe only with it (images.ownership).
     for directory in sorted(remote.config.directories, key=lambda d: d.name, reverse=True):
-        os.chmod(root / directory.name, directory.mode & 0o777)
+        os.chmod(root / directory.name, directory.mode & DIRECTORY_BITS)
 
 
 def _check_staged(remote: Remote, root: Path) -> None:
@@ -451,17 +470,20 @@ def pull_image(
     claims: Path | None = None,
     views: Path | None = None,
     free_space: FreeSpace = free_bytes,
+    policy: Policy | None = None,
 ) -> PullReport:
     """Pull ``client.reference`` into the image directory ``to`` (see the module docstring).
 
     ``total`` is told the bytes the pull will account for, before any arrives; ``claims`` is
     where the staging directory is claimed for ``snapctl gc`` (see ImageStaging); ``views``
     (``STATE/views``) adopts the working sets attached to the image (:mod:`.workingsets`);
-    ``free_space`` says how many bytes are free where the files and blobs go.
+    ``free_space`` says how many bytes are free where the files and blobs go; ``policy`` is
+    the trust policy the image must pass first (:func:`describe`; a ``remote`` given was
+    described with it).
     """
     started = time.monotonic()
     to = to.absolute()
-    remote = remote or describe(client, cache)
+    remote = remote or describe(client, cache, policy)
     needed = {**remote.config.chunk_digests(),
               remote.config.small_files_digest: remote.config.small_files_size}  # fmt: skip
     missing = {d: s for d, s in needed.items() if not cache.has(d)}
@@ -509,6 +531,7 @@ def _report(remote: Remote, final: Path, fetcher: _Fetcher | None, cached: int,
         seconds=round(seconds, 6),
         mb_per_s=round(total / 1e6 / seconds, 3) if seconds > 0 else 0.0,
         already_pulled=already,
+        verdict=None if remote.verdict is None else remote.verdict.record(),
     )
 
 
@@ -520,15 +543,18 @@ def pull_cached(
     progress: ByteProgress | None = None,
     total: Callable[[int], None] | None = None,
     free_space: FreeSpace = free_bytes,
+    policy: Policy | None = None,
 ) -> PullReport:
     """Pull into the local image cache (``copy --image REF``): an image already pulled by
     exactly that manifest digest (its entry's name and its record say so), with that
-    manifest, and still verified, is used as it is."""
+    manifest, and still verified, is used as it is. Either way the manifest is read from the
+    registry first and the image must pass the trust ``policy`` (:func:`describe`), so one
+    pulled before is used for this reference only if the policy accepts it now."""
     from snapctl.registry.cache import blob_cache
 
     started = time.monotonic()
     cache = blob_cache(state)
-    remote = describe(client, cache)
+    remote = describe(client, cache, policy)
     target = pulled_image(state, remote.manifest_digest)
     now = datetime.now(UTC).isoformat(timespec="seconds")
     if target.is_dir() and pulled_record(target, remote.manifest_digest) is not None:

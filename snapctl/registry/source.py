@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from snapctl.images.catalog import ImageSummary, list_images, summarize
 from snapctl.images.store import ImageError
@@ -13,6 +14,9 @@ from snapctl.registry.client import Reference, RegistryClient
 from snapctl.registry.pull import DEFAULT_JOBS, PullReport, Remote, describe, pull_cached
 from snapctl.registry.workingsets import AttachedSets, attached
 from snapctl.statedir import StateDir
+
+if TYPE_CHECKING:
+    from snapctl.trust.policy import Policy
 
 
 def is_reference(text: str) -> bool:
@@ -24,10 +28,17 @@ def is_reference(text: str) -> bool:
     return "." in host or ":" in host or host == "localhost"
 
 
-def require_image(text: str) -> Path:
-    """A local image directory, or an error naming both readings of ``text``."""
+def require_image(text: str, *, restore: bool = True) -> Path:
+    """A local image directory, or an error naming both readings of ``text``. With
+    ``restore`` (a copy or the pool will restore it as root: every caller but ``inspect``),
+    only one that no one but root, or the user snapctl runs as, can change
+    (:func:`~snapctl.images.ownership.check_image_owner`)."""
     path = Path(text)
     if path.is_dir():
+        if restore:
+            from snapctl.images.ownership import check_image_owner
+
+            check_image_owner(path)
         return path
     raise ImageError(
         f"{text} is neither an image directory nor a registry reference "
@@ -41,17 +52,27 @@ def pull_for_copy(
     state: StateDir,
     *,
     plain_http: bool,
+    policy: Policy | None = None,
     jobs: int = DEFAULT_JOBS,
     progress: Callable[[int], None] | None = None,
     total: Callable[[int], None] | None = None,
 ) -> PullReport:
-    """Pull ``reference`` into the local image cache (or find it there, pulled and verified)."""
+    """Pull ``reference`` into the local image cache (or find it there, pulled and verified),
+    once the trust ``policy`` accepts it (None: the system's, see
+    :func:`~snapctl.trust.policy.load_policy`); a pulled image is checked as a local one is
+    (:func:`require_image`) before it is used."""
+    from snapctl.trust.policy import load_policy
+
+    policy = policy or load_policy(None)
     state.ensure()
     client = RegistryClient(Reference.parse(reference), plain_http=plain_http)
     try:
-        return pull_cached(client, state, jobs=jobs, progress=progress, total=total)
+        report = pull_cached(client, state, policy=policy, jobs=jobs, progress=progress,
+                             total=total)  # fmt: skip
     finally:
         client.close()
+    require_image(report.image)
+    return report
 
 
 def describe_remote(

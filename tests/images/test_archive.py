@@ -76,7 +76,7 @@ def test_round_trip_keeps_files_modes_and_hard_links(
     assert report.archive_bytes == archive.stat().st_size and report.mb_per_s > 0
     a, b = (target / "shm" / "sem.x").stat(), (target / "shm" / "link_remap.7").stat()
     assert a.st_ino == b.st_ino and a.st_mode & 0o777 == 0o640
-    assert stat.S_IMODE((target / "shm" / "sub").stat().st_mode) == 0o777  # no sticky bit
+    assert stat.S_IMODE((target / "shm" / "sub").stat().st_mode) == 0o1777  # sticky kept
     assert is_verified(target, manifest, cache)  # every hash was checked while unpacking
     assert leftovers(target.parent) == []
 
@@ -341,7 +341,7 @@ def test_an_import_keeps_no_foreign_owner_and_no_special_mode_bits(
     tmp_path: Path, source: Path
 ) -> None:
     # Members that say another host's uid/gid and setuid/setgid/sticky: the imported files
-    # belong to the importer, with only their rwx bits.
+    # belong to the importer, with only their rwx bits; a directory keeps its sticky bit.
     crafted: list[tuple[tarfile.TarInfo, bytes]] = [
         (_info("shm/sub", tarfile.DIRTYPE), b""),
         *genuine_members(source, instead={}),
@@ -356,4 +356,4 @@ def test_an_import_keeps_no_foreign_owner_and_no_special_mode_bits(
     for info, _ in sorted(crafted, key=lambda member: member[0].isdir()):  # files first
         st = (tmp_path / "image" / info.name).lstat()
         assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), info.name
-        assert stat.S_IMODE(st.st_mode) == (0o777 if info.isdir() else 0o755), info.name
+        assert stat.S_IMODE(st.st_mode) == (0o1777 if info.isdir() else 0o755), info.name
