@@ -2,11 +2,11 @@
 
 A captured tree's memory holds its environment, and an image carries that memory wherever it is
 pushed or exported. So a server does not inherit the caller's whole environment: it gets the
-variables every process needs (:data:`BASE_NAMES`, the locale's ``LC_*``), the settings of the
-software snapctl is built for (``VLLM_*`` and ``CUDA_VISIBLE_DEVICES``; a name among them that
-looks secret, such as ``VLLM_API_KEY``, only when named), the variable ``--api-key-env`` names
-(the server reads its key there), and what ``--env NAME[=VALUE]`` and ``--env-file FILE`` give;
-``--inherit-env`` gives it the caller's whole environment instead (today's risk, named).
+variables every process needs (:data:`BASE_NAMES`, the locale's ``LC_*``), vLLM's settings
+(``VLLM_*``, except a name that looks secret, such as ``VLLM_API_KEY``: that one only when
+named), the variable ``--api-key-env`` names (the server reads its key there), and what
+``--env NAME[=VALUE]`` and ``--env-file FILE`` give; ``--inherit-env`` gives it the caller's
+whole environment instead, with the risk its help names.
 
 ``--env`` and ``--env-file`` follow podman's rules: the files are read first, in order, then
 each ``--env``, a later one replacing an earlier one; a line or option ``NAME=VALUE`` sets
@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 BASE_NAMES = frozenset(
     {"PATH", "HOME", "LANG", "LANGUAGE", "TERM", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES"}
 )
-BASE_PREFIXES = ("LC_", "VLLM_")
+BASE_PREFIXES = ("LC_",)
+# Settings of the server snapctl is built for, passed unless the name looks secret.
+SETTINGS_PREFIXES = ("VLLM_",)
 # A name holding one of these words (any case) looks like it holds a secret.
 SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
 _WHITESPACE = re.compile(r"\s")
@@ -53,9 +55,9 @@ def secret_looking(names: Iterable[str]) -> list[str]:
 
 def passes_by_default(name: str) -> bool:
     """Whether a server gets the caller's ``name`` without being told (see the module)."""
-    if name in BASE_NAMES or name.startswith("LC_"):
+    if name in BASE_NAMES or name.startswith(BASE_PREFIXES):
         return True
-    return name.startswith(BASE_PREFIXES) and not looks_secret(name)
+    return name.startswith(SETTINGS_PREFIXES) and not looks_secret(name)
 
 
 def check_name(name: str) -> str:

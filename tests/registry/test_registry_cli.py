@@ -56,6 +56,23 @@ def test_push_inspect_pull_and_list(registry_server: RegistryServer, tmp_path: P
         True]  # fmt: skip
 
 
+def test_push_warns_when_the_image_s_server_had_a_secret_looking_variable(
+    registry_server: RegistryServer, tmp_path: Path
+) -> None:
+    publish_sample(tmp_path / "image", server_env_names=["HF_TOKEN", "PATH", "VLLM_USE_V1"])
+    ref = f"{registry_server.address}/cli/keyed:v1"
+
+    result = CliRunner().invoke(
+        snapctl, ["image", "push", str(tmp_path / "image"), ref, "--plain-http", "--json"]
+    )
+
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["reference"] == ref  # the record alone on stdout
+    warning = " ".join(result.stderr.split())
+    assert "server was launched with HF_TOKEN in its environment" in warning
+    assert "PATH" not in warning and "VLLM_USE_V1" not in warning
+
+
 def test_pull_without_plain_http_names_the_fix(
     registry_server: RegistryServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
