@@ -10,12 +10,13 @@ from pydantic import BaseModel, ConfigDict
 from snapctl.activation.supervise import (
     CollectedActivation,
     collect_orphans,
+    starting_names,
     sweep_creating,
     sweep_stale_records,
 )
 from snapctl.cgroups import sweep_cgroups
 from snapctl.cgroups.sweep import GRACE_S as CGROUP_GRACE_S
-from snapctl.pool.records import sweep_parked
+from snapctl.pool.records import load_parked_records, sweep_parked
 from snapctl.statedir import StateDir
 from snapctl.supervision.leftovers import sweep_claims, sweep_records
 
@@ -28,6 +29,9 @@ class GarbageReport(BaseModel):
 
     activations: list[CollectedActivation]
     removed: list[str]
+    # Names reserved by a live start that has no record yet: not garbage, left alone (``snapctl
+    # stop NAME`` stops one); a warm pool's parked copies are not listed.
+    starting: list[str] = []
 
     @property
     def clean(self) -> bool:
@@ -48,4 +52,8 @@ def collect_garbage(
     if state.activations.is_dir():
         live.update(path.name for path in state.activations.iterdir())
     removed += sweep_cgroups(live, grace_s=cgroup_grace_s)
-    return GarbageReport(activations=activations, removed=removed)
+    parked = frozenset(
+        record.supervisor_pid for _, record in load_parked_records(state) if record is not None
+    )
+    starting = starting_names(state, exclude_pids=parked)
+    return GarbageReport(activations=activations, removed=removed, starting=starting)

@@ -9,15 +9,18 @@ its detached supervisor. Then: leftovers (processes, mounts, /dev/shm files, net
 directories, .tmp records, activations), one ``gc --json``, leftovers again, every image
 verified (no corrupt or half-published one), and every few kills a fresh copy that must serve.
 
+A stop round (:meth:`Driver.stop_once`) kills only the command of a detached start, named, at
+a random instant, then runs ``snapctl stop NAME`` right after and one ``gc``: whatever the
+start had reached, nothing may be left (no process, record, reservation or mount).
+
 The driver makes itself a child subreaper and reaps nothing until gc has run, as a PID 1 that
-never reaps would: a killed supervisor stays a zombie (issue 21, defect 2), and everything a
-killed command left running is reparented here, so "processes left" is exactly the driver's
-living descendants.
+never reaps would: a killed supervisor stays a zombie, and everything a killed command left
+running is reparented here, so "processes left" is exactly the driver's living descendants.
 
 ``tests/test_chaos_criu.py`` runs a short, seeded round in CI; for the measurement run it
 longer (as root, from the repository root)::
 
-    .venv/bin/python -m tests.chaos --kills 200 --seed 21 --out chaos.json
+    .venv/bin/python -m tests.chaos --kills 200 --stops 40 --seed 21 --out chaos.json
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ COMMANDS = (
     Command("image import", ("image", "import", "{archive}", "--to", "{image}"), True, False),
 )
 KILL_MODES = ("process", "group", "process+supervisor")
+STOP_MODE = "process, then stop NAME"
 LEFTOVER_GLOBS = (".*.staging-*", ".*.replaced-*")
 
 
@@ -95,6 +99,9 @@ class Kill:
     after_gc_detail: list[str] = field(default_factory=list)
     corrupt_images: list[str] = field(default_factory=list)
     next_copy: str | None = None  # None: not tried this time; "ok" or why it failed
+    # A stop round's ``snapctl stop NAME``: how it stopped, "no activation" (the command was
+    # killed before anything was started under the name), or why it failed; None otherwise.
+    stop: str | None = None
 
 
 class Driver:
@@ -109,6 +116,8 @@ class Driver:
         self.rng = random.Random(seed)
         self.next_copy_every = next_copy_every
         self.windows: dict[str, float] = {}
+        # A detached start's time from its name's reservation to its report (calibrated).
+        self.start_spans: dict[str, float] = {}
         self.kills: list[Kill] = []
         self.shm_baseline = set(os.listdir("/dev/shm"))
         # What this process ran before the round (a test session's fixtures: a registry, say)
@@ -155,14 +164,30 @@ class Driver:
         for command in COMMANDS:
             if command.name == "bake":
                 continue
-            image = self.images / f"calibrate-{command.name.replace(' ', '-')}"
-            started = time.monotonic()
-            out = self.must(*self.argv(command, image, detach=command.detachable))
-            self.windows[command.name] = time.monotonic() - started
+            label = f"calibrate-{command.name.replace(' ', '-')}"
+            argv = self.argv(command, self.images / label, detach=command.detachable)
             if command.detachable:
-                record = json.loads(out)
-                self.must("stop", record["name"])
+                argv += ["--name", label]
+            started = time.monotonic()
+            process = self.spawn(*argv)
+            reserved = self.wait_reserved(label, process, 180) if command.detachable else None
+            out, err = process.communicate(timeout=180)
+            if process.returncode != 0:
+                raise RuntimeError(f"snapctl {' '.join(argv)}: {process.returncode}: {err!r}")
+            self.windows[command.name] = time.monotonic() - started
+            if reserved is not None:
+                self.start_spans[command.name] = time.monotonic() - reserved
+                self.must("stop", json.loads(out)["name"])
         self.reap()
+
+    def wait_reserved(self, name: str, process: subprocess.Popen[bytes], limit_s: float) -> float:
+        """When ``name`` was reserved (its lock file exists), or when the command exited or
+        ``limit_s`` passed without that."""
+        lock = self.state / "records" / f"{name}.lock"
+        deadline = time.monotonic() + limit_s
+        while not lock.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return time.monotonic()
 
     # -- one kill ---------------------------------------------------------------------------
 
@@ -214,6 +239,50 @@ class Driver:
         kill.corrupt_images = self.corrupt_images()
         if (index + 1) % self.next_copy_every == 0:
             kill.next_copy = self.next_copy()
+        self.reap()
+        self.clear(after)
+        return kill
+
+    def stop_once(self, index: int) -> Kill:
+        """Kill a named detached start's command (alone: its supervisor goes on) at a random
+        instant between its name's reservation and a little past its calibrated report
+        (before the reservation nothing has started: the kill rounds cover that), stop the
+        activation by name right after, then run one gc. The stop runs in a CLI process that
+        started beforehand, so that it comes right after the kill, not a Python start later
+        (the fixture's starts are short)."""
+        command = self.rng.choice([c for c in COMMANDS if c.detachable])
+        name = f"stop-{index}"
+        image = self.images / f"kill-{index}"
+        argv = [*self.argv(command, image, detach=True), "--name", name]
+        stop_cli = WarmCli(self.env)
+        started = time.monotonic()
+        process = self.spawn(*argv)
+        self.wait_reserved(name, process, self.windows[command.name] * 4)
+        span = self.start_spans[command.name] * 1.15
+        exited = _sleep_unless_exited(process, self.rng.uniform(0.0, span))
+        delay = time.monotonic() - started
+        window = self.window(command, image, process)
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        stopped = stop_cli.run("stop", name, "--json")
+        process.communicate(timeout=60)
+        if stopped.returncode == 0:
+            stop = str(json.loads(stopped.stdout)["stopped"])
+        elif f"no activation named {name!r}" in stopped.stderr:
+            stop = "no activation"
+        else:
+            stop = f"failed ({stopped.returncode}): {stopped.stderr.strip()[-300:]}"
+        before = self.leftovers()
+        gc = self.run("gc", "--json")
+        after = self.leftovers(settle_s=5.0)
+        kill = Kill(
+            index=index, command=command.name, mode=STOP_MODE, detach=True,
+            delay_s=round(delay, 3), window=window, exited_before_kill=exited, hit=not exited,
+            before_gc=_counts(before), after_gc=_counts(after), gc_status=gc.returncode,
+            after_gc_detail=[f"{kind}: {item}" for kind, items in after.items() for item in items],
+            stop=stop,
+        )  # fmt: skip
+        kill.corrupt_images = self.corrupt_images()
         self.reap()
         self.clear(after)
         return kill
@@ -289,6 +358,7 @@ class Driver:
             "tmp_records": sorted(map(str, tmp_records)),
             "activations": _entries(self.state / "activations"),
             "records": [p for p in _entries(records) if p.endswith(".json")],
+            "reservations": [p for p in _entries(records) if p.endswith(".lock")],
         }
 
     def host_shm_leaks(self) -> list[str]:
@@ -367,6 +437,7 @@ class Driver:
             before.update(kill.before_gc)
             after.update(kill.after_gc)
         tried = [k for k in self.kills if k.next_copy is not None]
+        stops = Counter(k.stop for k in self.kills if k.stop is not None)
         dirty_before = [k for k in self.kills if any(k.before_gc.values())]
         dirty_after = [k for k in self.kills if any(k.after_gc.values())]
         return {
@@ -383,23 +454,50 @@ class Driver:
             "supervised_survivors": sum(k.supervised_survivors for k in self.kills),
             "gc_killed_supervised": sum(k.gc_killed_supervised for k in self.kills),
             "corrupt_images": sum(len(k.corrupt_images) for k in self.kills),
+            "stops": dict(stops),
+            "stop_failures": sum(n for stop, n in stops.items() if stop.startswith("failed")),
             "next_copies": len(tried),
             "next_copy_failures": sum(1 for k in tried if k.next_copy != "ok"),
             "calibrated_windows_s": {k: round(v, 2) for k, v in self.windows.items()},
+            "calibrated_start_spans_s": {k: round(v, 2) for k, v in self.start_spans.items()},
         }
 
-    def run_round(self, kills: int, *, final_copy: bool = True) -> dict[str, Any]:
+    def run_round(self, kills: int, *, stops: int = 0, final_copy: bool = True) -> dict[str, Any]:
         _become_subreaper(True)
         try:
             self.setup()
             for index in range(kills):
                 self.kills.append(self.kill_once(index))
+            for index in range(kills, kills + stops):
+                self.kills.append(self.stop_once(index))
             if final_copy:
                 self.kills[-1].next_copy = self.kills[-1].next_copy or self.next_copy()
         finally:
             self.reap()
             _become_subreaper(False)
         return {"summary": self.summary(), "kills": [asdict(k) for k in self.kills]}
+
+
+class WarmCli:
+    """A snapctl CLI process that has done its imports and waits for its argv on stdin, then
+    runs it as ``snapctl`` does (:func:`snapctl.entry.main`)."""
+
+    CODE = (
+        "import json, sys\n"
+        "from snapctl.entry import main\n"
+        "import snapctl.cli, snapctl.activation.supervise, snapctl.gc\n"
+        "raise SystemExit(main(json.loads(sys.stdin.readline())))\n"
+    )
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.CODE], env=env, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        )  # fmt: skip
+
+    def run(self, *args: str, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        out, err = self.process.communicate(json.dumps(args) + "\n", timeout=timeout_s)
+        return subprocess.CompletedProcess(list(args), self.process.returncode, out, err)
 
 
 def _cli(*args: str) -> list[str]:
@@ -457,6 +555,9 @@ def _become_subreaper(on: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=200)
+    parser.add_argument("--stops", type=int, default=0,
+                        help="stop rounds after the kills: a detached start's command killed, "
+                             "then stop NAME")  # fmt: skip
     parser.add_argument("--seed", type=int, default=21)
     parser.add_argument("--next-copy-every", type=int, default=4)
     parser.add_argument("--out", type=Path, help="write every kill and the summary here (JSON)")
@@ -465,14 +566,15 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root or Path(tempfile.mkdtemp(prefix="snapctl-chaos-"))
     driver = Driver(root, args.seed, next_copy_every=args.next_copy_every)
     started = time.monotonic()
-    result = driver.run_round(args.kills)
+    result = driver.run_round(args.kills, stops=args.stops)
     result["summary"]["seconds"] = round(time.monotonic() - started, 1)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result["summary"], indent=2))
-    clean = not result["summary"]["kills_with_leftovers_after_gc"]
-    ok = clean and not result["summary"]["corrupt_images"]
-    return 0 if ok and not result["summary"]["next_copy_failures"] else 1
+    summary = result["summary"]
+    clean = not summary["kills_with_leftovers_after_gc"] and not summary["stop_failures"]
+    ok = clean and not summary["corrupt_images"]
+    return 0 if ok and not summary["next_copy_failures"] else 1
 
 
 if __name__ == "__main__":

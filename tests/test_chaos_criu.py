@@ -1,6 +1,8 @@
 """Chaos in CI: SIGKILL of snapctl and/or its detached supervisor at random (seeded) instants
 of donor, bake, copy, copy --lazy and image import, then one gc: nothing may be left, no image
-corrupt or half-published, and the next copy must serve (the driver is ``tests.chaos``)."""
+corrupt or half-published, and the next copy must serve; and a detached start's command killed
+at a random instant, then ``stop NAME`` right after and one gc: nothing may be left either
+(the driver is ``tests.chaos``)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,12 @@ from tests.chaos import Driver
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(420)]
 
 KILLS = 30  # about 2 s each here: bounded well under the suite's budget
+STOPS = 8  # longer than a kill: a tree stopped while it launches waits out its SIGTERM
 SEED = 21
 
 
 def test_one_gc_after_any_kill_leaves_nothing(tmp_path: Path, criu_binary: object) -> None:
-    result = Driver(tmp_path, SEED, next_copy_every=5).run_round(KILLS)
+    result = Driver(tmp_path, SEED, next_copy_every=5).run_round(KILLS, stops=STOPS)
     summary, kills = result["summary"], result["kills"]
     dirty = [(k["command"], k["mode"], k["window"], k["after_gc_detail"]) for k in kills
              if k["after_gc"]]  # fmt: skip
@@ -31,3 +34,8 @@ def test_one_gc_after_any_kill_leaves_nothing(tmp_path: Path, criu_binary: objec
     # one): most kills hit a running command, and gc had leftovers to remove.
     assert summary["kills_that_hit"] >= KILLS // 2
     assert summary["kills_with_leftovers_before_gc"] >= 3
+    # stop NAME right after a detached start's command was killed: it stopped the start
+    # wherever it was (or found nothing, when the kill came before anything started).
+    stops = [k["stop"] for k in kills if k["stop"] is not None]
+    assert len(stops) == STOPS and summary["stop_failures"] == 0, stops
+    assert summary["stops"].get("interrupted while starting", 0) >= 1, stops

@@ -89,7 +89,7 @@ def _check_names(name: str | None, count: int, state: StateDir | None) -> None:
     if state is None:
         return
     for each in names:
-        state.reserve_name(each).release()  # NameInUseError, as the start would raise
+        state.check_name_free(each)  # NameInUseError, as the start would raise
 
 
 def check_publish_target(publish: tuple[str, int] | None, expose: bool, count: int) -> None:

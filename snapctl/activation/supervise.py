@@ -1,5 +1,6 @@
 """Keeping an activation running: in the foreground until Ctrl-C or the server exits, or in
-a detached supervisor process that outlives the command; and stopping one from its record."""
+a detached supervisor process that outlives the command; and stopping one from its record, or
+while it starts, from its name's reservation."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -22,10 +24,18 @@ from snapctl.cgroups import ActivationCgroup
 from snapctl.errors import ExitStatus, RelayedError, SnapctlError, wire_outcome
 from snapctl.namespaces.layout import CREATING_SUFFIX, ActivationDirs, ActivationOwner
 from snapctl.progress import Progress
-from snapctl.statedir import ActivationRecord, StateDir
+from snapctl.statedir import ActivationRecord, StateDir, UnknownActivationError
+from snapctl.statedir.names import LOCK_SUFFIX, NAME_PATTERN, ReservationHolder, boot_id
+from snapctl.supervision import clock
 from snapctl.supervision.leftovers import TMP_GRACE_S
 from snapctl.supervision.logs import bound_log
-from snapctl.supervision.process import PinnedProcess, ProcessGoneError, is_same_process
+from snapctl.supervision.process import (
+    DEAD_STATES,
+    PinnedProcess,
+    ProcessGoneError,
+    is_same_process,
+    same_start,
+)
 from snapctl.supervision.signals import STOP_SIGNALS, StopSignals, forward_to, stop_all_tracked
 
 
@@ -99,6 +109,7 @@ def detach(
     read_fd, write_fd = os.pipe()
     # Installed before the fork, so the supervisor has them from its first instruction.
     signals = StopSignals().install()
+    command = os.getpid()
     pid = os.fork()
     if pid:
         os.close(write_fd)
@@ -125,6 +136,11 @@ def detach(
     def progress_for(lane: str) -> Progress:
         return lambda step: send({"lane": lane, "progress": step})
 
+    if os.getppid() != command:
+        # The command was killed before this start reserved its name, so nothing could find
+        # and stop it (snapctl stop NAME): it does not start. Killed from here on, it is
+        # found by its name's reservation, taken first thing.
+        os._exit(ExitStatus.INTERRUPTED)
     try:
         try:
             supervised, report = start(progress_for)
@@ -232,6 +248,150 @@ def recorded_cgroup(record: ActivationRecord) -> ActivationCgroup | None:
     return ActivationCgroup.from_record(record.cgroup, record.cgroup_dirs)
 
 
+# A process writes itself into a name's lock file right after it locked it; a lock file that
+# names no live process is looked at again for this long before the name is taken for unused.
+HOLDER_WRITE_WAIT_S = 0.5
+# An interrupted start stops what it started with its own timeouts (its tree: SIGTERM, the
+# default stop wait, then SIGKILL; a tree still being launched may wait out all of it): the
+# holder of its name gets this long on top of ``stop``'s timeout before it is killed.
+START_CLEANUP_S = 15.0
+
+
+def pin_holder(holder: ReservationHolder) -> PinnedProcess | None:
+    """The process that reserved a name, pinned by pidfd, while it still runs (this boot,
+    the same start: never another process that was given its PID); else None."""
+    if holder.boot_id != boot_id():
+        return None
+    try:
+        pinned = PinnedProcess(holder.pid)
+    except ProcessGoneError:
+        return None
+    try:
+        # Read after the pidfd exists: if the start still matches, the pidfd is the holder's.
+        status, ticks = clock.read_stat(holder.pid)
+    except (FileNotFoundError, ProcessLookupError):
+        status, ticks = "X", -1
+    if ticks != holder.start_ticks or status in DEAD_STATES:
+        pinned.close()
+        return None
+    return pinned
+
+
+def live_holder(state: StateDir, name: str) -> PinnedProcess | None:
+    """The live process that holds ``name``'s reservation, pinned; None when none does."""
+    holder = state.name_holder(name)
+    return None if holder is None else pin_holder(holder)
+
+
+def _record_named(state: StateDir, name: str) -> ActivationRecord | None:
+    try:
+        return state.find_record(name)
+    except UnknownActivationError:
+        return None
+
+
+def stop_named(
+    state: StateDir, name: str, stop_timeout_s: float = 10.0
+) -> tuple[str, str, CleanupAudit]:
+    """``snapctl stop NAME``: stop the activation ``name`` names and audit; return its name,
+    how it stopped and the audit. A recorded one is stopped from its record
+    (:func:`stop_recorded`); one still starting, before it has a record, is found by its
+    name's reservation and stopped there (:func:`stop_starting`). Neither:
+    :class:`UnknownActivationError`."""
+    deadline = time.monotonic() + HOLDER_WRITE_WAIT_S
+    lock = state.records / f"{name}{LOCK_SUFFIX}"
+    while True:
+        record = _record_named(state, name)
+        if record is not None:
+            how, audit = stop_recorded(record, state, stop_timeout_s)
+            return record.name, how, audit
+        holder = live_holder(state, name)
+        if holder is not None:
+            break
+        if not lock.exists() or time.monotonic() >= deadline:
+            raise UnknownActivationError(f"no activation named {name!r} (see snapctl ps)")
+        time.sleep(0.02)  # locked a moment ago and not yet written down, or just released
+    with holder:
+        # Its start may have ended since: then it is recorded, and only that activation stops.
+        record = _record_named(state, name)
+        if record is not None:
+            how, audit = stop_recorded(record, state, stop_timeout_s)
+            return record.name, how, audit
+        how, audit = stop_starting(holder, state, stop_timeout_s)
+    return name, how, audit
+
+
+def stop_starting(
+    holder: PinnedProcess, state: StateDir, stop_timeout_s: float = 10.0
+) -> tuple[str, CleanupAudit]:
+    """Stop a start in progress from the process that reserved its name: SIGTERM, which its
+    :class:`StopSignals` turn into an interrupted start that stops what it started (or, had
+    the start just ended, into the stop of what it serves); SIGKILL if it has not ended
+    ``stop_timeout_s`` after its own cleanup's time (:data:`START_CLEANUP_S`). Then what it
+    left is stopped and removed as ``gc`` would (its records and activations), and audited.
+    A start of several copies is one start: all of them stop."""
+    try:
+        ended = holder.stop(stop_timeout_s + START_CLEANUP_S)
+        how = "killed while starting" if ended == "killed" else "interrupted while starting"
+    except SnapctlError as error:
+        how = error.message  # stuck in the kernel: the audit lists what is left
+    audits = _stop_left_by(state, holder, stop_timeout_s)
+    return how, CleanupAudit(
+        processes=sorted({pid for audit in audits for pid in audit.processes}),
+        mounts=[mount for audit in audits for mount in audit.mounts],
+        directories=[directory for audit in audits for directory in audit.directories],
+        listeners=[listener for audit in audits for listener in audit.listeners],
+        shm_files=[name for audit in audits for name in audit.shm_files],
+    )
+
+
+def _stop_left_by(
+    state: StateDir, holder: PinnedProcess, stop_timeout_s: float
+) -> list[CleanupAudit]:
+    """Stop and remove what the (now dead) process ``holder`` left, and audit each: the
+    records whose supervisor it was, and the activations it owns (``owner.json``)."""
+
+    def its(pid: int, start: float | None) -> bool:
+        return pid == holder.pid and start is not None and same_start(start, holder.start_time)
+
+    audits = [
+        stop_recorded(record, state, stop_timeout_s)[1]
+        for record in state.load_records()
+        if its(record.supervisor_pid, record.supervisor_start_time)
+    ]
+    for root in sorted(state.activations.iterdir()) if state.activations.is_dir() else []:
+        dirs = ActivationDirs(root=root, logs=state.logs / root.name)
+        owner = None if root.name.startswith(".") else dirs.owner()
+        if owner is not None and its(owner.pid, owner.start_time):
+            audits.append(_collect(state, dirs, state.load_records(), stop_timeout_s).audit)
+    for path in sorted(state.activations.glob(f".*{CREATING_SUFFIX}")):
+        with contextlib.suppress(OSError, ValueError):
+            creator = ActivationOwner.model_validate_json((path / "owner.json").read_bytes())
+            if its(creator.pid, creator.start_time):
+                shutil.rmtree(path, ignore_errors=True)
+    return audits
+
+
+def starting_names(state: StateDir, exclude_pids: frozenset[int] = frozenset()) -> list[str]:
+    """Names reserved by a live process that have no record yet: activations still starting
+    (not garbage; ``snapctl stop NAME`` stops them). Holders in ``exclude_pids`` (a warm
+    pool's parked copies) are left out."""
+    if not state.records.is_dir():
+        return []
+    recorded = {path.name.removesuffix(".json") for path in state.records.glob("*.json")}
+    found = []
+    for path in sorted(state.records.glob(f"*{LOCK_SUFFIX}")):
+        name = path.name.removesuffix(LOCK_SUFFIX)
+        if name in recorded or not NAME_PATTERN.fullmatch(name):
+            continue
+        holder = live_holder(state, name)
+        if holder is not None:
+            with holder:
+                if holder.pid not in exclude_pids:
+                    found.append(name)
+    return found
+
+
 class CollectedActivation(BaseModel):
     """One activation ``snapctl gc`` cleaned up after its snapctl process died."""
 
@@ -257,29 +417,34 @@ def collect_orphans(state: StateDir, stop_timeout_s: float = 10.0) -> list[Colle
             continue
         if owner is None and time.time() - root.stat().st_mtime < stop_timeout_s:
             continue  # being created right now: the owner file is written first thing
-        mine = [r for r in records if r.activation_id == root.name]
-        ended = []
-        for record in mine:
-            with (
-                contextlib.suppress(ProcessGoneError),
-                PinnedProcess(record.root_pid, record.root_start_time) as tree_root,
-            ):
-                tree_root.stop(stop_timeout_s)
-                ended.append(record.root_pid)
-        ended += dirs.processes()
-        cgroups = [g for g in map(recorded_cgroup, mine) if g is not None]
-        audit = remove_activation(dirs, [], stop_timeout_s, cgroups[0] if cgroups else None)
-        for record in mine:
-            state.drop_record(record.name)
-        collected.append(
-            CollectedActivation(
-                activation_id=root.name,
-                names=[r.name for r in mine],
-                processes_ended=sorted(set(ended)),
-                audit=audit,
-            )
-        )
+        collected.append(_collect(state, dirs, records, stop_timeout_s))
     return collected
+
+
+def _collect(
+    state: StateDir, dirs: ActivationDirs, records: list[ActivationRecord], stop_timeout_s: float
+) -> CollectedActivation:
+    """Stop and remove one activation whose owner is dead, and drop its records."""
+    mine = [r for r in records if r.activation_id == dirs.root.name]
+    ended = []
+    for record in mine:
+        with (
+            contextlib.suppress(ProcessGoneError),
+            PinnedProcess(record.root_pid, record.root_start_time) as tree_root,
+        ):
+            tree_root.stop(stop_timeout_s)
+            ended.append(record.root_pid)
+    ended += dirs.processes()
+    cgroups = [g for g in map(recorded_cgroup, mine) if g is not None]
+    audit = remove_activation(dirs, [], stop_timeout_s, cgroups[0] if cgroups else None)
+    for record in mine:
+        state.drop_record(record.name)
+    return CollectedActivation(
+        activation_id=dirs.root.name,
+        names=[r.name for r in mine],
+        processes_ended=sorted(set(ended)),
+        audit=audit,
+    )
 
 
 def sweep_creating(state: StateDir) -> list[str]:
@@ -292,12 +457,27 @@ def sweep_creating(state: StateDir) -> list[str]:
                 (path / "owner.json").read_bytes()
             )
         except (OSError, ValueError):
-            owner = None  # killed before its owner file was complete: judged by age
-        if owner.alive() if owner else time.time() - path.stat().st_mtime < TMP_GRACE_S:
+            owner = None  # killed before its owner file was complete
+        if owner.alive() if owner else _creator_may_live(state, path):
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
     return removed
+
+
+def _creator_may_live(state: StateDir, creating: Path) -> bool:
+    """Whether the process making ``creating``, whose owner file is not complete, may still
+    be writing it. An unnamed activation's id is its name, reserved by that very process
+    before it made the directory: its holder says. Else (a named one) it is judged by age."""
+    activation_id = creating.name[1:].removesuffix(CREATING_SUFFIX)
+    holder = state.name_holder(activation_id) if NAME_PATTERN.fullmatch(activation_id) else None
+    if holder is None:
+        return time.time() - creating.stat().st_mtime < TMP_GRACE_S
+    pinned = pin_holder(holder)
+    if pinned is None:
+        return False
+    pinned.close()
+    return True
 
 
 def sweep_stale_records(state: StateDir) -> list[str]:

@@ -1,5 +1,5 @@
 """What the agent does for each API operation: the same functions the in-process CLI calls
-(records for ps, ``stop_recorded``, ``collect_garbage``, the pool's copy paths), returning
+(records for ps, ``stop_named``, ``collect_garbage``, the pool's copy paths), returning
 JSON-ready answers and raising :class:`~snapctl.errors.SnapctlError` on failure.
 
 Copies never run in the agent's process: each is served by a parked copy's supervisor
@@ -87,11 +87,14 @@ class AgentService:
             raise NotFoundError(error.message) from error
 
     def stop(self, name: str, timeout_s: float) -> StopAnswer:
-        from snapctl.activation.supervise import stop_recorded
+        """``snapctl stop``: a recorded activation, or one still starting under ``name``."""
+        from snapctl.activation.supervise import stop_named
 
-        record = self.find(name)
-        how, audit = stop_recorded(record, self.state, timeout_s)
-        return StopAnswer(name=record.name, stopped=how, audit=audit.model_dump())
+        try:
+            stopped, how, audit = stop_named(self.state, name, timeout_s)
+        except UnknownActivationError as error:
+            raise NotFoundError(error.message) from error
+        return StopAnswer(name=stopped, stopped=how, audit=audit.model_dump())
 
     def log_path(self, name: str) -> tuple[Path, Path | None]:
         """An activation's server log, and its record's path while it runs (None: stopped)."""
@@ -147,7 +150,8 @@ class AgentService:
 
     def pool_set(self, target: PoolTarget) -> PoolTarget:
         image = self._published_image(target.image, "--image")
-        return self.pool.set(image, target.size, lazy=target.lazy, max_memory=target.max_memory)
+        return self.pool.set(image, target.size, lazy=target.lazy, max_memory=target.max_memory,
+                             memory_bytes=target.memory_bytes, cpus=target.cpus)  # fmt: skip
 
     def pool_remove(self, image: str) -> PoolTarget:
         return self.pool.remove(Path(image))

@@ -7,7 +7,7 @@ neither rich nor pydantic nor psutil.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import click
@@ -16,9 +16,6 @@ from snapctl.cli._activation_options import check_name_option
 from snapctl.cli.remote import agent_client, call
 from snapctl.plain import PS_COLUMNS, audit_clean, describe_audit, emit_json, print_table
 from snapctl.plain import ps_rows as _ps_rows
-
-if TYPE_CHECKING:
-    from snapctl.statedir import ActivationRecord
 
 
 def json_option(function: Any) -> Any:
@@ -50,30 +47,27 @@ def ps(as_json: bool) -> None:
     print_table(PS_COLUMNS, _ps_rows(rows))
 
 
-def _find(name: str) -> ActivationRecord:
-    from snapctl.statedir import StateDir
-
-    return StateDir().find_record(name)
-
-
 @click.command()
 @click.argument("name", callback=check_name_option)
 @click.option("--timeout", "timeout_s", default=10.0, show_default=True,
               help="Seconds to wait after SIGTERM before SIGKILL.")  # fmt: skip
 @json_option
 def stop(name: str, timeout_s: float, as_json: bool) -> None:
-    """Stop an activation and clean up after it."""
+    """Stop an activation and clean up after it.
+
+    One still starting (its name reserved, no record yet) is interrupted: its start stops
+    what it started.
+    """
     from snapctl.errors import SnapctlError
 
     client = agent_client()
     if client is None:
-        from snapctl.activation.supervise import stop_recorded
+        from snapctl.activation.supervise import stop_named
         from snapctl.statedir import StateDir
 
-        record = _find(name)
-        how, audit = stop_recorded(record, StateDir(), timeout_s)
+        stopped_name, how, audit = stop_named(StateDir(), name, timeout_s)
         answer: dict[str, Any] = {
-            "name": record.name, "stopped": how, "audit": audit.model_dump()
+            "name": stopped_name, "stopped": how, "audit": audit.model_dump()
         }  # fmt: skip
     else:
         answer = call(client, "POST", f"/activations/{quote(name)}/stop", {"timeout_s": timeout_s})
@@ -141,7 +135,7 @@ def gc(timeout_s: float, as_json: bool) -> None:
 
     Also removes what killed snapctl processes left beside images (staging directories, old
     images moved aside) and in the state directory (records' .tmp files), only where no live
-    process owns them.
+    process owns them. Activations still starting are listed and left alone.
     """
     from snapctl.errors import SnapctlError
 
@@ -164,7 +158,11 @@ def gc(timeout_s: float, as_json: bool) -> None:
             )
         for path in report["removed"]:
             click.echo(f"removed {path}")
-        if not report["activations"] and not report["removed"]:
+        # An agent older than this field sends none.
+        for name in report.get("starting", []):
+            click.echo(f"{name}: starting (not garbage, left alone; `snapctl stop {name}` "
+                       "stops it)")  # fmt: skip
+        if not report["activations"] and not report["removed"] and not report.get("starting"):
             click.echo("nothing to clean up")
     dirty = [entry["activation_id"] for entry in report["activations"]
              if not audit_clean(entry["audit"])]  # fmt: skip

@@ -8,7 +8,14 @@ from pathlib import Path
 
 from snapctl.errors import SnapctlError
 from snapctl.protocol.atomic import write_json_atomic
-from snapctl.statedir.names import NameReservation, check_name, reserve_name
+from snapctl.statedir.names import (
+    NameReservation,
+    ReservationHolder,
+    check_name,
+    check_name_free,
+    read_holder,
+    reserve_name,
+)
 from snapctl.statedir.records import ActivationRecord
 
 DEFAULT_STATE_DIR = Path("/var/lib/snapctl")
@@ -80,6 +87,14 @@ class StateDir:
     def reserve_name(self, name: str) -> NameReservation:
         """Reserve ``name`` until the activation stops (see ``snapctl.statedir.names``)."""
         return reserve_name(self.records, name)
+
+    def check_name_free(self, name: str) -> None:
+        """Refuse ``name`` as :meth:`reserve_name` would, reserving nothing."""
+        check_name_free(self.records, name)
+
+    def name_holder(self, name: str) -> ReservationHolder | None:
+        """The process that reserved ``name``, as it wrote itself down (it may be gone)."""
+        return read_holder(self.records, name)
 
     def save_record(self, record: ActivationRecord) -> None:
         payload = record.model_dump(mode="json")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from snapctl.statedir import StateDir
 from snapctl.statedir.names import (
     InvalidNameError,
     NameInUseError,
+    ReservationHolder,
     check_name,
     lock_name,
     numbered_names,
@@ -147,3 +149,53 @@ def test_the_cli_refuses_count_names_that_grow_too_long(tmp_path: Path) -> None:
 @pytest.mark.parametrize("command", ["stop", "logs"])
 def test_stop_and_logs_refuse_a_bad_name(command: str) -> None:
     assert main([command, "../../etc"]) == ExitStatus.USAGE
+
+
+def test_a_reservation_names_its_holder_and_a_look_names_no_one(tmp_path: Path) -> None:
+    state = StateDir(tmp_path)
+    assert state.name_holder("web") is None  # no lock file at all
+    held = state.reserve_name("web")
+    holder = state.name_holder("web")
+    assert holder == ReservationHolder.current() and holder is not None
+    assert holder.pid == os.getpid() and holder.start_ticks > 0 and holder.boot_id
+    with pytest.raises(NameInUseError):
+        state.check_name_free("web")  # refused as a reservation would be
+    held.release()
+    assert state.name_holder("web") is None  # released: the file is gone
+
+    state.check_name_free("web")
+    assert not (state.records / "web.lock").exists()  # the look left nothing behind
+
+
+def test_only_the_live_holder_itself_is_pinned(tmp_path: Path) -> None:
+    from snapctl.activation.supervise import live_holder, pin_holder
+
+    state = StateDir(tmp_path)
+    held = state.reserve_name("web")
+    pinned = live_holder(state, "web")
+    assert pinned is not None and pinned.pid == os.getpid()
+    pinned.close()
+    me = ReservationHolder.current()
+    # The same PID, started at another time or in another boot, is another process.
+    assert pin_holder(ReservationHolder(me.pid, me.start_ticks + 1, me.boot_id)) is None
+    assert pin_holder(ReservationHolder(me.pid, me.start_ticks, "another-boot")) is None
+    assert ReservationHolder.parse("") is None and ReservationHolder.parse("12 x y") is None
+    held.release()
+
+
+def test_a_dead_holder_s_lock_file_names_a_process_that_is_not_pinned(tmp_path: Path) -> None:
+    from snapctl.activation.supervise import live_holder
+
+    state = StateDir(tmp_path)
+    state.ensure()
+    child = multiprocessing.get_context("fork").Process(target=_reserve_and_exit, args=(tmp_path,))
+    child.start()
+    child.join(10)
+    assert child.exitcode == 0
+    holder = state.name_holder("web")
+    assert holder is not None and holder.pid == child.pid  # its lock file stays, naming it
+    assert live_holder(state, "web") is None
+
+
+def _reserve_and_exit(root: Path) -> None:
+    StateDir(root).reserve_name("web")  # never released: the process just ends

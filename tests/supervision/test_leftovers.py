@@ -101,6 +101,7 @@ def test_gc_says_what_it_removed(
     assert report == {
         "activations": [],
         "removed": [str(left[0]), str(state.records / "x.json.tmp")],
+        "starting": [],
     }
     assert main(["gc"]) == 0
     assert capsys.readouterr().out.strip() == "nothing to clean up"
