@@ -42,7 +42,11 @@ _common = [
                       "reference must listen there too)."),
     click.option("--api-key-env", metavar="VAR",
                  help="Variable holding the API key (default SNAPCTL_API_KEY; generated when "
-                      "unset)."),
+                      "unset); the server gets it and must read its key from it (vLLM: "
+                      "VLLM_API_KEY)."),
+    click.option("--no-api-key", "no_api_key", is_flag=True,
+                 help="Qualify a server that takes no API key: none is given to it or sent, "
+                      "and the key checks are skipped (the report says so)."),
     timeout_option,
     click.option("--criu", "criu_path", type=click.Path(dir_okay=False),
                  help="CRIU binary (default: $SNAPCTL_CRIU, /opt/snapctl/criu, PATH)."),
@@ -68,6 +72,7 @@ def _run(
     host: str,
     port: int,
     api_key_env: str | None,
+    no_api_key: bool,
     timeout_s: float,
     criu_path: str | None,
     native: str,
@@ -85,6 +90,8 @@ def _run(
     from snapctl.criu import find_criu
     from snapctl.qualification.suite import Plan, parse_runs, qualify, require_passed
 
+    if no_api_key and api_key_env is not None:
+        raise click.UsageError("--no-api-key qualifies without a key: drop --api-key-env")
     plan = Plan(
         options=LaunchOptions(
             server_argv=list(server_cmd) or None,
@@ -105,6 +112,7 @@ def _run(
         fault_mode=cast(FaultMode, fault_mode),
         lazy=lazy,
         retained_mb=retained_mb,
+        api_key=not no_api_key,
     )
     report = qualify(plan, lambda step: note(f"• {step}", quiet=as_json))
     if as_json:

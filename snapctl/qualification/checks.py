@@ -133,19 +133,36 @@ def check_outputs(
     )
 
 
-def check_auth(auth: Mapping[str, int]) -> Check:
-    """A missing and a wrong API key get 401, the right one 200."""
-    name = "API key enforced"
+AUTH_CHECK = "API key enforced"
+
+
+def check_auth(auth: Mapping[str, int], *, keyless_hint: str = "") -> Check:
+    """A missing and a wrong API key get 401, the right one 200. A server that answers 200
+    without a key was started without one: the evidence says so, then ``keyless_hint`` (how
+    to give it one, or to qualify it without one on purpose)."""
     want = {"missing": 401, "wrong": 401, "right": 200}
     shown = ", ".join(f"{k} key → {auth.get(k, 0) or 'no answer'}" for k in want)
     wrong = [k for k, status in want.items() if auth.get(k) != status]
     if wrong:
         first = wrong[0]
+        why = ""
+        if auth.get("missing") == 200:
+            why = "; the server serves without an API key: it was started without one"
+            why += f". {keyless_hint}" if keyless_hint else ""
         return failed(
-            name, f"{first} key got {auth.get(first, 0) or 'no answer'}, expected "
-            f"{want[first]} ({shown})",
+            AUTH_CHECK, f"{first} key got {auth.get(first, 0) or 'no answer'}, expected "
+            f"{want[first]} ({shown}){why}",
         )  # fmt: skip
-    return passed(name, shown)
+    return passed(AUTH_CHECK, shown)
+
+
+def auth_skipped() -> Check:
+    """The API key checks, skipped because the qualification was asked to run without a key."""
+    return skipped(
+        AUTH_CHECK,
+        "skipped by request (--no-api-key): qualified without an API key, none given to the "
+        "server or sent",
+    )
 
 
 def check_digests_stable(reads: Iterable[DigestRead], baseline: Iterable[DigestRead]) -> Check:

@@ -54,6 +54,8 @@ class Environment(StrictModel):
     image: str
     server_argv: list[str]
     fixture: bool
+    # "checked", or "skipped by request (--no-api-key)": the server was qualified without a key.
+    api_key: str = "checked"
 
 
 class Report(StrictModel):
@@ -86,9 +88,13 @@ class Report(StrictModel):
         return counts
 
 
+API_KEY_SKIPPED = "skipped by request (--no-api-key)"
+
+
 def environment(
-    criu: CriuBinary, native: str, image: Path, image_id: str | None, argv: list[str], fixture: bool
-) -> Environment:
+    criu: CriuBinary, native: str, image: Path, image_id: str | None, argv: list[str],
+    fixture: bool, *, api_key_checked: bool = True,
+) -> Environment:  # fmt: skip
     return Environment(
         snapctl_version=snapctl.__version__,
         criu_version=criu.version,
@@ -102,6 +108,7 @@ def environment(
         image=str(image),
         server_argv=argv,
         fixture=fixture,
+        api_key="checked" if api_key_checked else API_KEY_SKIPPED,
     )
 
 

@@ -137,6 +137,10 @@ class RunContext:
     retained_baseline: tuple[str, RetainedRead] | None = None
     # The control files of the last activation that served: the stale run replays them.
     previous_control: dict[str, dict[str, object]] = field(default_factory=dict)
+    # Whether serving runs check the API key (False: qualified without one, by request), and
+    # how to give a server started without one its key (the check's failure says it).
+    check_api_key: bool = True
+    keyless_hint: str = ""
 
     def captured_digests(self) -> dict[str, str] | None:
         """The first load's parameter digests the image recorded; None where the server
@@ -282,7 +286,10 @@ def _serving_checks(
             else:
                 found.append(checks.check_outputs("prompts", ctx.reference, observation))
                 found.append(checks.check_outputs("concurrency", ctx.reference, observation))
-        found.append(checks.check_auth(observation.auth))
+        if ctx.check_api_key:
+            found.append(checks.check_auth(observation.auth, keyless_hint=ctx.keyless_hint))
+        else:
+            found.append(checks.auth_skipped())
         baseline = ctx.reference.digests if (compare and ctx.reference) else []
         found.append(checks.check_digests_stable(observation.digests, baseline))
         found.append(checks.check_digests_match_model(observation.digests, ctx.model_digests))

@@ -99,6 +99,9 @@ class Plan:
     # The bundled fixture's retained memory (None: LAZY_RETAINED_MB when a lazy run is planned,
     # else the launch default).
     retained_mb: int | None = None
+    # False: qualify without an API key, by request (--no-api-key): none is given to the server
+    # or sent, and the key checks are skipped (the report says so).
+    api_key: bool = True
 
 
 def default_runs(lazy: bool) -> tuple[str, ...]:
@@ -122,8 +125,14 @@ def parse_runs(text: str | None, *, lazy: bool = False) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def api_key(options: LaunchOptions) -> Iterator[None]:
-    """Make sure the runs have an API key: generate one when none is configured."""
+def api_key(options: LaunchOptions, *, required: bool = True) -> Iterator[str]:
+    """Make sure the runs have an API key: generate one when none is configured; yield how a
+    server started without it is given it (see :func:`keyless_hint`). Not ``required``
+    (``--no-api-key``): no key at all."""
+    if not required:
+        options.api_key_env = None
+        yield ""
+        return
     if options.api_key_env is None:
         options.api_key_env = DEFAULT_API_KEY_ENV
     variable = options.api_key_env
@@ -131,10 +140,21 @@ def api_key(options: LaunchOptions) -> Iterator[None]:
     if generated:
         os.environ[variable] = secrets.token_urlsafe(24)
     try:
-        yield
+        yield keyless_hint(variable, generated)
     finally:
         if generated:
             os.environ.pop(variable, None)
+
+
+def keyless_hint(variable: str, generated: bool) -> str:
+    """What the API key check's failure tells about a server started without a key."""
+    where = ", generated for this qualification" if generated else ""
+    return (
+        f"Qualification's key is in ${variable}{where}, which the server gets in its "
+        "environment and must read its key from: name the variable your server reads with "
+        "--api-key-env VAR (vLLM: --api-key-env VLLM_API_KEY), or qualify it without a key "
+        "on purpose with --no-api-key"
+    )
 
 
 def _image_for(plan: Plan, work: Path) -> Path:
@@ -168,10 +188,11 @@ def qualify(plan: Plan, progress: Progress) -> Report:
     try:
         image = _image_for(plan, work)
         artifacts = None if plan.report_dir is None else plan.report_dir.absolute() / "runs"
-        with api_key(plan.options):
+        with api_key(plan.options, required=plan.api_key) as hint:
             ctx = RunContext(
                 options=plan.options, criu=plan.criu, native=plan.native, state=plan.state,
                 image=image, work=work, progress=progress, artifacts=artifacts, lazy=plan.lazy,
+                check_api_key=plan.api_key, keyless_hint=hint,
             )  # fmt: skip
             argv, cwd = _server(plan, image)
             results = _run_all(plan, ctx, argv, cwd)
@@ -187,6 +208,7 @@ def qualify(plan: Plan, progress: Progress) -> Report:
                 image_id,
                 redact_argv(argv),
                 is_fixture(argv),
+                api_key_checked=plan.api_key,
             ),
             runs=results,
             wall_s=round(time.monotonic() - started, 3),

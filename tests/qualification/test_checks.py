@@ -7,6 +7,7 @@ import pytest
 
 from snapctl.criu.lazy.transfer import PagesStatus
 from snapctl.qualification import checks
+from snapctl.qualification.suite import keyless_hint
 from snapctl.qualification.watch import Residue
 from tests.qualification.factories import (
     DIGESTS,
@@ -118,6 +119,28 @@ def test_auth(auth: dict[str, int], message: str) -> None:
     check = checks.check_auth(auth)
 
     assert check.status == "failed" and check.evidence.startswith(message)
+
+
+def test_auth_failure_of_a_server_started_without_a_key_says_so_and_how_to_give_one() -> None:
+    hint = keyless_hint("SNAPCTL_API_KEY", generated=True)
+
+    check = checks.check_auth({"missing": 200, "wrong": 200, "right": 200}, keyless_hint=hint)
+
+    assert check.status == "failed"
+    assert check.evidence.startswith("missing key got 200, expected 401")
+    assert "the server serves without an API key: it was started without one" in check.evidence
+    assert "$SNAPCTL_API_KEY, generated for this qualification" in check.evidence
+    assert "--api-key-env VLLM_API_KEY" in check.evidence and "--no-api-key" in check.evidence
+    # A server that refuses a missing key is not keyless: no such explanation.
+    wrong = checks.check_auth({"missing": 401, "wrong": 200, "right": 200}, keyless_hint=hint)
+    assert "started without" not in wrong.evidence
+
+
+def test_auth_skipped_by_request_says_so() -> None:
+    check = checks.auth_skipped()
+
+    assert (check.name, check.status) == ("API key enforced", "skipped")
+    assert check.evidence.startswith("skipped by request (--no-api-key)")
 
 
 def test_digests_stable_across_run_and_reference() -> None:

@@ -203,3 +203,39 @@ def test_a_fault_that_is_not_injected_fails_the_fail_closed_checks(
     assert checks["fault confined to the activation"].evidence.endswith("no fault")
     assert checks["tree exited by itself"].status == "failed"
     assert checks["nothing left behind"].status == "passed"  # stopped and cleaned up anyway
+
+
+def test_a_server_started_without_a_key_fails_saying_so_unless_no_api_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A server command that takes no key (the fixture given as a command is given none):
+    the key check says the server was started without one and how to give it one; with
+    --no-api-key the qualification passes, and the report says the key checks were skipped."""
+    shm_before = fresh_state(tmp_path, monkeypatch)
+    model = tmp_path / "model"
+    build_model(model, 2.0, seed=3)
+    server = ["--", sys.executable, "-m", "fixtures", "serve", "--model", str(model)]
+
+    status = main(["qualify", "--runs", "donor", "--json", *server])
+
+    report = printed_report(capsys.readouterr().out)
+    assert status == ExitStatus.VERIFY_FAILED
+    failures = report.failures()
+    assert failures and all("API key enforced" in failure for failure in failures), failures
+    assert "missing key got 200, expected 401" in failures[0]
+    assert "it was started without one" in failures[0] and "--api-key-env" in failures[0]
+    assert "--no-api-key" in failures[0] and report.environment.api_key == "checked"
+
+    out = tmp_path / "report"
+    status = main(["qualify", "--runs", "donor", "--no-api-key", "--report", str(out), "--json",
+                   *server])  # fmt: skip
+
+    report = printed_report(capsys.readouterr().out)
+    assert status == ExitStatus.OK, report.failures()
+    assert {_statuses(report)[(run, "API key enforced")] for run in ("reference", "donor")} == {
+        "skipped"
+    }
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["environment"]["api_key"] == "skipped by request (--no-api-key)"
+    assert "skipped by request (--no-api-key)" in (out / "report.md").read_text()
+    assert_nothing_left(StateDir(tmp_path / "state"), shm_before)

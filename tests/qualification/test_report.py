@@ -167,6 +167,32 @@ def test_api_key_is_generated_only_when_none_is_configured(
     assert os.environ["MY_KEY"] == "given"
 
 
+def test_no_api_key_configures_no_key_and_the_report_says_the_checks_were_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SNAPCTL_API_KEY", raising=False)
+    options = LaunchOptions()
+    with api_key(options, required=False) as hint:
+        assert (options.api_key_env, options.api_key, hint) == (None, None, "")
+    assert "SNAPCTL_API_KEY" not in os.environ
+
+    env = environment(CRIU, "none", Path("/img"), None, ["server"], False, api_key_checked=False)
+    run = RunResult(name="donor", kind="donor", checks=[checks.auth_skipped()], wall_s=1.0)
+    report = Report(created="2026-01-01T00:00:00+00:00", environment=env, runs=[run], wall_s=1.0)
+    json_path, md_path = write_report(report, tmp_path / "out")
+    saved = json.loads(json_path.read_text())
+    assert saved["environment"]["api_key"] == "skipped by request (--no-api-key)"
+    assert saved["runs"][0]["checks"][0]["status"] == "skipped"
+    text = md_path.read_text()
+    assert "| api_key | `skipped by request (--no-api-key)` |" in text
+    assert "| donor | API key enforced | skipped | skipped by request (--no-api-key)" in text
+    assert make_report().environment.api_key == "checked"
+
+
+def test_the_cli_refuses_no_api_key_with_api_key_env() -> None:
+    assert main(["qualify", "--no-api-key", "--api-key-env", "K"]) == ExitStatus.USAGE
+
+
 def make_lazy_report() -> Report:
     """A lazy copy whose pages completed after it was ready, and a lazy-fault run."""
     copy = RunResult(

@@ -70,3 +70,32 @@ def test_an_image_that_could_not_be_hashed_before_the_run_fails(tmp_path: Path) 
 
     image = found["image unchanged"]
     assert image.status == "failed" and "before the run" in image.evidence
+
+
+def test_a_keyless_server_s_key_check_says_how_to_give_it_one(tmp_path: Path) -> None:
+    keyless = make_observation().model_copy(
+        update={"auth": {"missing": 200, "wrong": 200, "right": 200}}
+    )
+    served = _Served(observation=keyless, audit=make_audit(), how="terminated")
+    ctx = _context(tmp_path)
+    ctx.keyless_hint = "name it with --api-key-env VAR"
+
+    found = _by_name(_serving_checks(ctx, served, before={}, res=Residue()))
+
+    auth = found["API key enforced"]
+    assert auth.status == "failed" and "started without one" in auth.evidence
+    assert auth.evidence.endswith("name it with --api-key-env VAR")
+
+
+def test_the_key_check_is_skipped_when_qualifying_without_a_key(tmp_path: Path) -> None:
+    keyless = make_observation().model_copy(
+        update={"auth": {"missing": 200, "wrong": 200, "right": 200}}
+    )
+    served = _Served(observation=keyless, audit=make_audit(), how="terminated")
+    ctx = _context(tmp_path)
+    ctx.check_api_key = False
+
+    found = _by_name(_serving_checks(ctx, served, before={}, res=Residue()))
+
+    assert found["API key enforced"].status == "skipped"
+    assert "--no-api-key" in found["API key enforced"].evidence
