@@ -19,16 +19,15 @@ MIN_MEMORY_BYTES = 6 << 20
 CPU_PERIOD_US = 100_000
 
 
-def parse_size(text: str) -> int:
-    """``512m``, ``4g``, ``1.5g``, ``1048576``: bytes. Raises ValueError."""
+def parse_size(text: str, least: int = MIN_MEMORY_BYTES) -> int:
+    """``512m``, ``4g``, ``1.5g``, ``1048576``: bytes, at least ``least`` (the least memory
+    limit unless told). Raises ValueError."""
     match = _SIZE.match(text)
     if match is None:
         raise ValueError(f"{text!r} is not a size (bytes, or a number with b, k, m or g)")
     value = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    if value < MIN_MEMORY_BYTES:
-        raise ValueError(
-            f"{text!r} is less than the least memory limit, {format_size(MIN_MEMORY_BYTES)}"
-        )
+    if value < least:
+        raise ValueError(f"{text!r} is less than the least size here, {format_size(least)}")
     return value
 
 

@@ -207,12 +207,18 @@ _OPTIONS = {
 }  # fmt: skip
 
 
+def cgroup_limit_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``--memory`` and ``--cpus`` alone (``memory_bytes``, ``cpus``): ``pool set``'s limits
+    for each parked copy, spelled as the activation commands spell them."""
+    return _OPTIONS["memory_bytes"](_OPTIONS["cpus"](function))
+
+
 def _limit(kind: str, value: str | None) -> int | float | None:
     """``--memory``'s bytes or ``--cpus``' CPUs, refused as click's usage error."""
-    from snapctl.cgroups.limits import parse_cpus, parse_size
-
     if value is None:
         return None
+    from snapctl.cgroups.limits import parse_cpus, parse_size  # pydantic: only when given
+
     try:
         return parse_size(value) if kind == "size" else parse_cpus(value)
     except ValueError as error:

@@ -2,29 +2,29 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
+from snapctl.cli._activation_options import cgroup_limit_options
 from snapctl.cli.remote import agent_client, call
 from snapctl.plain import emit_json, print_table
 
 if TYPE_CHECKING:
     from snapctl.agent.client import AgentClient
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
 
 def parse_bytes(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """``4G``, ``512M``, ``1048576``: a size in bytes (binary units, an optional ``iB``/``B``)."""
+    """``4G``, ``512M``, ``1048576``: a size in bytes (the cgroup limits' spelling)."""
+    from snapctl.cgroups.limits import parse_size
+
     if value is None:
         return None
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", value)
-    if match is None or float(match[1]) <= 0:
-        raise click.BadParameter(f"{value!r} is not a size (like 512M, 4G or a number of bytes)")
-    return int(float(match[1]) * _UNITS[match[2].lower()])
+    try:
+        return parse_size(value, least=1)
+    except ValueError as error:
+        raise click.BadParameter(str(error)) from error
 
 
 def _client() -> AgentClient:
@@ -75,19 +75,29 @@ def pool() -> None:
     metavar="SIZE",
     help="Most memory this image's parked copies may hold together (512M, 4G).",
 )
+@cgroup_limit_options
 @click.option("--json", "as_json", is_flag=True, help="Print the target as one JSON object.")
 def set_target(image: str, size: int, lazy: bool | None, max_memory: int | None,
-               as_json: bool) -> None:  # fmt: skip
+               memory_bytes: int | None, cpus: float | None, as_json: bool) -> None:  # fmt: skip
     """Keep SIZE copies of an image parked (0: none)."""
-    body = {"image": _image(image), "size": size, "lazy": lazy, "max_memory": max_memory}
+    body = {"image": _image(image), "size": size, "lazy": lazy, "max_memory": max_memory,
+            "memory_bytes": memory_bytes, "cpus": cpus}  # fmt: skip
     target = call(_client(), "POST", "/pool/set", body)
     if as_json:
         emit_json(target, sort_keys=False)
         return
     click.echo(
         f"{target['image']}: keeping {target['size']} parked "
-        f"({_lazy(target['lazy'])}, memory budget {_size(target['max_memory'])})"
+        f"({_lazy(target['lazy'])}, memory budget {_size(target['max_memory'])}"
+        f"{_limits(target)})"
     )
+
+
+def _limits(target: dict[str, Any]) -> str:
+    """Each parked copy's cgroup limits, as the target line says them ("" for none)."""
+    memory, cpus = target.get("memory_bytes"), target.get("cpus")
+    parts = ([f"--memory {_size(memory)}"] if memory else []) + ([f"--cpus {cpus}"] if cpus else [])
+    return f", each copy {' '.join(parts)}" if parts else ""
 
 
 def _lazy(value: bool | None) -> str:

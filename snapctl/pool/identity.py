@@ -44,6 +44,10 @@ def restore_fits(parked: CopyRequest, request: CopyRequest) -> str | None:
             return f"{field} differs from the parked copy's"
     if request.lazy is not None and request.lazy != parked.lazy:
         return "lazy differs from the parked copy's"
+    for limit in ("memory_bytes", "cpus"):  # none asked: the pool's limits serve
+        asked = getattr(request, limit)
+        if asked is not None and asked != getattr(parked, limit):
+            return f"{limit} differs from the parked copy's"
     if request.count != 1:
         return "a parked copy serves one copy"
     return None

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from snapctl.activation.requests import CopyRequest
+from snapctl.cgroups.limits import MIN_MEMORY_BYTES
 from snapctl.models import StrictModel
 from snapctl.supervision.memory import KsmStatus
 
@@ -33,12 +34,15 @@ class ParkedCopyRow(StrictModel):
 
 class PoolTarget(StrictModel):
     """What the pool keeps for one image: ``size`` parked copies, restored lazily or not,
-    within ``max_memory`` bytes (None: no budget) for all of this image's parked copies."""
+    within ``max_memory`` bytes (None: no budget) for all of this image's parked copies, each
+    in its own cgroup limited to ``memory_bytes`` and ``cpus`` (None: no limit)."""
 
     image: str = Field(min_length=1, pattern=r"^/")
     size: int = Field(ge=0, le=64)
     lazy: bool | None = None
     max_memory: int | None = Field(default=None, ge=1)
+    memory_bytes: int | None = Field(default=None, ge=MIN_MEMORY_BYTES)
+    cpus: float | None = Field(default=None, ge=0.01)
 
 
 class PoolTargets(StrictModel):

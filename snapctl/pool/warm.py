@@ -194,10 +194,12 @@ class WarmPool:
         save_targets(self.state, [entry.target for entry in self._images.values()])
 
     def set(
-        self, image: Path, size: int, *, lazy: bool | None = None, max_memory: int | None = None
-    ) -> PoolTarget:
-        """Keep ``size`` parked copies of ``image`` (0 keeps the target, parks nothing);
-        refused unless ``image`` is a published image."""
+        self, image: Path, size: int, *, lazy: bool | None = None, max_memory: int | None = None,
+        memory_bytes: int | None = None, cpus: float | None = None,
+    ) -> PoolTarget:  # fmt: skip
+        """Keep ``size`` parked copies of ``image`` (0 keeps the target, parks nothing), each
+        within ``memory_bytes`` and ``cpus`` (its cgroup's limits); refused unless ``image`` is
+        a published image."""
         key = image_key(image)
         sample = parked_home(self.state, "pool-" + "0" * 12) / SOCKET_NAME
         if len(os.fsencode(sample)) > MAX_SOCKET_PATH:
@@ -209,7 +211,8 @@ class WarmPool:
             raise PoolError(f"{key} is not a published image (bake one, or give its directory)",
                             phase=HostPhase.POOL, path=Path(key))  # fmt: skip
         try:
-            target = PoolTarget(image=key, size=size, lazy=lazy, max_memory=max_memory)
+            target = PoolTarget(image=key, size=size, lazy=lazy, max_memory=max_memory,
+                                memory_bytes=memory_bytes, cpus=cpus)  # fmt: skip
         except ValueError as error:
             raise PoolError(f"invalid pool target: {error}", phase=HostPhase.POOL) from error
         stale: list[_Slot] = []
@@ -218,8 +221,8 @@ class WarmPool:
             if entry is None:
                 self._images[key] = _Image(target)
             else:
-                if entry.target.lazy != target.lazy:
-                    stale = list(entry.slots)  # parked the other way: not what is asked now
+                if _parked_alike(entry.target) != _parked_alike(target):
+                    stale = list(entry.slots)  # parked another way: not what is asked now
                 entry.target = target
                 entry.failures, entry.retry_at = 0, 0.0
             self._save_targets()
@@ -512,7 +515,8 @@ class WarmPool:
         return slot.id
 
     def _park_request(self, target: PoolTarget, lazy: bool) -> CopyRequest:
-        return CopyRequest(image=target.image, lazy=lazy)
+        return CopyRequest(image=target.image, lazy=lazy, memory_bytes=target.memory_bytes,
+                           cpus=target.cpus)  # fmt: skip
 
     def _park(self, entry: _Image, slot: _Slot) -> None:
         """A parking thread: one supervisor's restore, until it is parked or failed."""
@@ -645,3 +649,8 @@ def _order_discard(record: ParkedRecord, timeout_s: float = 30.0) -> None:
         process = psutil.Process(record.supervisor_pid)
         if same_start(start_time(process.pid), record.supervisor_start_time):
             process.wait(timeout_s)
+
+
+def _parked_alike(target: PoolTarget) -> tuple[bool | None, int | None, float | None]:
+    """What a target's parked copies were restored with: another value needs new copies."""
+    return (target.lazy, target.memory_bytes, target.cpus)

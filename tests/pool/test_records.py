@@ -131,3 +131,15 @@ def test_the_pool_key_is_the_same_whatever_the_spelling(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(image)
     spellings = [image, tmp_path / "images" / ".." / "images" / "web", tmp_path / "link"]
     assert {image_key(path) for path in spellings} == {str(image.resolve())}
+
+
+def test_a_parked_copy_s_limits_serve_a_request_that_asks_none_or_the_same() -> None:
+    parked = CopyRequest(image="/img", lazy=False, memory_bytes=1 << 30, cpus=2.0)
+    assert restore_fits(parked, CopyRequest(image="/img")) is None
+    assert restore_fits(parked, CopyRequest(image="/img", memory_bytes=1 << 30, cpus=2.0)) is None
+    assert restore_fits(parked, CopyRequest(image="/img", memory_bytes=2 << 30)) == (
+        "memory_bytes differs from the parked copy's"
+    )
+    assert restore_fits(parked, CopyRequest(image="/img", cpus=1.0)) == (
+        "cpus differs from the parked copy's"
+    )

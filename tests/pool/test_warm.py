@@ -597,6 +597,21 @@ def test_changing_lazy_discards_what_was_parked_the_other_way(
     assert [job["request"]["lazy"] for job in spawner.jobs] == [False, True]
 
 
+def test_changing_a_copy_s_limits_parks_copies_with_the_new_ones(
+    pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
+) -> None:
+    warm, events = pool
+    warm.set(image, 1, lazy=False)
+    until(lambda: len(parked(warm)) == 1)
+    (old,) = parked(warm)
+    target = warm.set(image, 1, lazy=False, memory_bytes=1 << 30, cpus=1.5)
+    assert (target.memory_bytes, target.cpus) == (1 << 30, 1.5)
+    until(lambda: ("discarded", "target") in events.seen)
+    until(lambda: len(parked(warm)) == 1 and parked(warm) != [old])
+    limits = [(job["request"]["memory_bytes"], job["request"]["cpus"]) for job in spawner.jobs]
+    assert limits == [(None, None), (1 << 30, 1.5)]
+
+
 def test_a_target_removed_while_its_copy_restores_leaves_nothing(
     pool: tuple[WarmPool, Events], image: Path, spawner: FakeSpawner
 ) -> None:
