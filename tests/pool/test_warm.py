@@ -225,13 +225,14 @@ def test_smaller_target_and_remove_discard(
 def test_targets_persist_for_the_next_agent(state: StateDir, image: Path) -> None:
     fake = FakeSpawner(state)
     warm = WarmPool(state, spawner=fake)  # type: ignore[arg-type]
-    warm.set(image, 2, lazy=True, max_memory=1 << 30)
+    warm.set(image, 2, lazy=True, max_memory=1 << 30, memory_bytes=1 << 30, cpus=0.5)
     warm.close(5.0)
     fake.end()
     again = WarmPool(state, spawner=FakeSpawner(state))  # type: ignore[arg-type]
     assert [e.target.model_dump() for e in again.listing().entries] == [
-        {"image": str(image), "size": 2, "lazy": True, "max_memory": 1 << 30}
-    ]
+        {"image": str(image), "size": 2, "lazy": True, "max_memory": 1 << 30,
+         "memory_bytes": 1 << 30, "cpus": 0.5}
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -277,8 +278,9 @@ def test_targets_are_written_in_their_model_s_format(state: StateDir, image: Pat
     warm.set(image, 0, lazy=False)
     kept = PoolTargets.model_validate_json((state.root / "pool" / "targets.json").read_bytes())
     assert [target.model_dump() for target in kept.targets] == [
-        {"image": str(image), "size": 0, "lazy": False, "max_memory": None}
-    ]
+        {"image": str(image), "size": 0, "lazy": False, "max_memory": None,
+         "memory_bytes": None, "cpus": None}
+    ]  # fmt: skip
     warm.close(5.0)
 
 

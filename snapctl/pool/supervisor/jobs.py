@@ -20,6 +20,7 @@ import snapctl.activation.copy
 import snapctl.activation.donor
 import snapctl.activation.precheck
 import snapctl.activation.supervise
+import snapctl.images.ownership  # the pre-start checks' image owner rule
 import snapctl.registry.source  # the pre-start checks' image lookup
 from snapctl.activation.requests import BakeRequest, CopyRequest, DonorRequest, publish_pair
 from snapctl.errors import ExitStatus, SnapctlError
@@ -37,6 +38,7 @@ from snapctl.statedir import StateDir
 assert snapctl.activation.copy and snapctl.activation.supervise
 assert snapctl.activation.donor and snapctl.activation.bake
 assert snapctl.activation.precheck and snapctl.registry.source
+assert snapctl.images.ownership
 
 __all__ = [
     "PROBE_KEY_ENV",
