@@ -46,6 +46,7 @@ import psutil
 
 from snapctl.images import verify_image
 from snapctl.namespaces import mounts
+from snapctl.statedir.names import read_holder
 
 API_KEY = "chaos-key"
 API_KEY_ENV = "SNAPCTL_CHAOS_API_KEY"
@@ -181,11 +182,14 @@ class Driver:
         self.reap()
 
     def wait_reserved(self, name: str, process: subprocess.Popen[bytes], limit_s: float) -> float:
-        """When ``name`` was reserved (its lock file exists), or when the command exited or
-        ``limit_s`` passed without that."""
-        lock = self.state / "records" / f"{name}.lock"
+        """When ``name`` was reserved (its lock file names its holder: a pre-check's lock,
+        taken and let go at once, names none), or when the command exited or ``limit_s``
+        passed without that."""
         deadline = time.monotonic() + limit_s
-        while not lock.exists() and process.poll() is None and time.monotonic() < deadline:
+        while process.poll() is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if read_holder(self.state / "records", name) is not None:
+                    break
             time.sleep(0.005)
         return time.monotonic()
 
