@@ -86,11 +86,13 @@ class PoolRemoveRequest(_Request):
 
 class ActivationRow(ActivationRecord):
     """One row of ``GET /v1/activations`` (``snapctl ps --json``): the record, whether its
-    tree and its supervisor still run, and its tree's PSS (None once gone)."""
+    tree and its supervisor still run, its tree's PSS and what its cgroup is charged (None
+    once gone, or without a cgroup)."""
 
     running: bool
     supervised: bool
     memory_bytes: int | None = None
+    cgroup_memory_bytes: int | None = None
 
 
 class LogChunk(_Answer):

@@ -95,8 +95,11 @@ def set_target(image: str, size: int, lazy: bool | None, max_memory: int | None,
 
 def _limits(target: dict[str, Any]) -> str:
     """Each parked copy's cgroup limits, as the target line says them ("" for none)."""
+    from snapctl.cgroups.limits import format_size
+
     memory, cpus = target.get("memory_bytes"), target.get("cpus")
-    parts = ([f"--memory {_size(memory)}"] if memory else []) + ([f"--cpus {cpus}"] if cpus else [])
+    parts = [f"--memory {format_size(memory)}"] if memory else []
+    parts += [f"--cpus {cpus:g}"] if cpus else []
     return f", each copy {' '.join(parts)}" if parts else ""
 
 

@@ -99,8 +99,10 @@ class FakePool:
         self.closed = False
 
     def set(self, image: Path, size: int, *, lazy: bool | None = None,
-            max_memory: int | None = None) -> PoolTarget:  # fmt: skip
-        target = PoolTarget(image=str(image), size=size, lazy=lazy, max_memory=max_memory)
+            max_memory: int | None = None, memory_bytes: int | None = None,
+            cpus: float | None = None) -> PoolTarget:  # fmt: skip
+        target = PoolTarget(image=str(image), size=size, lazy=lazy, max_memory=max_memory,
+                            memory_bytes=memory_bytes, cpus=cpus)  # fmt: skip
         self.targets[str(image)] = target
         return target
 

@@ -373,6 +373,11 @@ def test_pool_set_ls_rm_through_the_agent(
     for flag, lazy, shown in (("--lazy", True, "(lazy,"), ("--no-lazy", False, "(not lazy,")):
         code, out, _ = run_cli(capsys, "pool", "set", "--image", str(image), "--size", "1", flag)
         assert code == 0 and shown in out and running_agent.pool.targets[str(image)].lazy is lazy
+    code, out, _ = run_cli(capsys, "pool", "set", "--image", str(image), "--size", "1",
+                           "--memory", "1g", "--cpus", "0.5")  # fmt: skip
+    target = running_agent.pool.targets[str(image)]
+    assert code == 0 and (target.memory_bytes, target.cpus) == (1 << 30, 0.5)
+    assert "each copy --memory 1g --cpus 0.5" in out
     code, out, _ = run_cli(capsys, "pool", "rm", "--image", str(image))
     assert code == 0 and running_agent.pool.targets == {}
     code, _, err = run_cli(capsys, "pool", "set", "--image", str(tmp_path / "none"), "--size", "1")
