@@ -51,7 +51,9 @@ def collect_garbage(
     live = {r.activation_id for r in state.load_records()}
     if state.activations.is_dir():
         live.update(path.name for path in state.activations.iterdir())
-    removed += sweep_cgroups(live, grace_s=cgroup_grace_s)
+    prefix = state.cgroup_prefix
+    removed += sweep_cgroups({prefix + name for name in live}, prefix=prefix,
+                             grace_s=cgroup_grace_s)  # fmt: skip
     parked = frozenset(
         record.supervisor_pid for _, record in load_parked_records(state) if record is not None
     )

@@ -96,7 +96,8 @@ def new_session(
     try:
         tools.sandbox.create_dirs(dirs)
         session.cgroup = create_cgroup(
-            activation_id, options.limits if options is not None else Limits()
+            state.cgroup_prefix + activation_id,
+            options.limits if options is not None else Limits(),
         )
     except BaseException:
         session.stop(failed=True)

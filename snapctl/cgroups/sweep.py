@@ -18,19 +18,24 @@ GRACE_S = 60.0
 def sweep_cgroups(
     keep: Collection[str],
     *,
+    prefix: str = "",
     root: Path = CGROUP_ROOT,
     layout: Layout | None = None,
     grace_s: float = GRACE_S,
 ) -> list[str]:
-    """Remove every empty cgroup under the ``snapctl`` parents whose name (an activation id)
-    is not in ``keep``; return the paths removed."""
+    """Remove every empty cgroup under the ``snapctl`` parents whose name starts with
+    ``prefix`` (one state directory's) and is not in ``keep``; return the paths removed."""
     layout = layout or detect_layout(root)
     if layout is None:
         return []
     names: set[str] = set()
     for parent in layout.parents.values():
         if parent.is_dir():
-            names.update(child.name for child in parent.iterdir() if child.is_dir())
+            names.update(
+                child.name
+                for child in parent.iterdir()
+                if child.is_dir() and child.name.startswith(prefix)
+            )
     removed = []
     for name in sorted(names - set(keep)):
         dirs = {key: parent / name for key, parent in layout.parents.items()}

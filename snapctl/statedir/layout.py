@@ -45,6 +45,14 @@ class StateDir:
         return self.root / "activations"
 
     @property
+    def cgroup_prefix(self) -> str:
+        """What this state directory's activations' cgroup names start with (a digest of its
+        path), so that its ``gc`` sweeps only its own activations' cgroups."""
+        import hashlib
+
+        return hashlib.sha256(os.fsencode(self.root.absolute())).hexdigest()[:8] + "-"
+
+    @property
     def logs(self) -> Path:
         return self.root / "logs"
 

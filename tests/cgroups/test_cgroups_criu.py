@@ -93,7 +93,8 @@ def test_copy_past_its_memory_limit_is_killed_and_reported(
 
 
 def test_gc_removes_a_cgroup_a_killed_snapctl_left(state: StateDir) -> None:
-    group = create_cgroup(f"copy-gc{uuid.uuid4().hex[:12]}", Limits(memory_bytes=parse_size("64m")))
+    name = f"{state.cgroup_prefix}copy-gc{uuid.uuid4().hex[:12]}"
+    group = create_cgroup(name, Limits(memory_bytes=parse_size("64m")))
     assert group is not None
     sleeper = subprocess.Popen(group.enter_argv(["sleep", "30"]))
     try:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.cgroups import CgroupError, Limits, create_cgroup, detect_layout, sweep_cgroups
+from snapctl.cgroups.group import ActivationCgroup
 from snapctl.cgroups.limits import format_size, parse_cpus, parse_size
 
 V1_SELF = "9:name=systemd:/\n8:pids:/\n4:memory:/machine/abc\n1:cpu,cpuacct:/\n0::/\n"
@@ -101,3 +102,22 @@ def test_sweep_keeps_live_and_busy(tmp_path: Path) -> None:
     removed = sweep_cgroups({"copy-live"}, layout=layout, grace_s=0.0)
     assert all("copy-live" not in r and "copy-busy" not in r for r in removed)
     assert sweep_cgroups(set(), layout=layout) == []  # all made just now
+
+
+def test_sweep_takes_only_its_own_state_directory_s_cgroups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = detect_layout(v1_tree(tmp_path / "cg"), V1_SELF)
+    assert layout is not None
+    for name in ("aaaa-copy-1", "bbbb-copy-1"):
+        assert create_cgroup(name, Limits(), layout=layout) is not None
+    tried: list[str] = []
+
+    def remove(self: ActivationCgroup, timeout_s: float) -> bool:
+        tried.append(self.path)
+        return True
+
+    monkeypatch.setattr(ActivationCgroup, "remove", remove)
+    removed = sweep_cgroups(set(), prefix="aaaa-", layout=layout, grace_s=0.0)
+    assert tried == [path.removeprefix("cgroup ") for path in removed]
+    assert tried and all(path.endswith("/aaaa-copy-1") for path in tried)
