@@ -56,7 +56,7 @@ COMMANDS: dict[str, LazyCommand] = {
         "snapctl.cli.bake:bake", "Capture a server into an image without ever serving it."
     ),
     "image": LazyCommand(
-        "snapctl.cli.image:image", "Export, import, push, pull or remove an image."
+        "snapctl.cli.image:image", "Export, import, push, pull, sign, verify or remove an image."
     ),
     "images": LazyCommand("snapctl.cli.images:images", "List the images in an image root."),
     "qualify": LazyCommand(

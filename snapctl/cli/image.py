@@ -32,7 +32,7 @@ policy_option = click.option(
 
 @click.group()
 def image() -> None:
-    """Export, import, push, pull or remove an image."""
+    """Export, import, push, pull, sign, verify or remove an image."""
 
 
 @contextmanager
