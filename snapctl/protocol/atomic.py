@@ -174,7 +174,9 @@ def _read_at_most(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``json.loads``' ``object_pairs_hook`` for formats where a repeated key is malformed:
+    ValueError naming the key."""
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
@@ -192,7 +194,7 @@ def _decode_object(path: Path, data: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(
             data.decode("utf-8"),
-            object_pairs_hook=_reject_duplicate_keys,
+            object_pairs_hook=reject_duplicate_keys,
             parse_constant=_reject_constant,
         )
     except (UnicodeDecodeError, ValueError) as error:

@@ -20,6 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from snapctl.protocol.atomic import reject_duplicate_keys
+
 MEDIA_TYPE = "application/vnd.dev.cosign.simplesigning.v1+json"
 SIGNATURE_TYPE = "cosign container image signature"
 MAX_PAYLOAD = 1 << 20
@@ -57,9 +59,7 @@ def parse(payload: bytes) -> Claims:
     if len(payload) > MAX_PAYLOAD:
         raise PayloadError(f"the payload exceeds {MAX_PAYLOAD} bytes")
     try:
-        document = json.loads(payload, object_pairs_hook=_unique)
-    except PayloadError:
-        raise
+        document = json.loads(payload, object_pairs_hook=reject_duplicate_keys)
     except ValueError as error:
         raise PayloadError(f"the payload is not JSON ({error})") from error
     critical = _exact(document, "the payload", {"critical", "optional"})["critical"]
@@ -76,15 +76,6 @@ def parse(payload: bytes) -> Claims:
         raise PayloadError("the payload's digest and reference must be strings")
     return Claims(docker_reference=reference, manifest_digest=manifest_digest,
                   optional=optional)  # fmt: skip
-
-
-def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise PayloadError(f"the payload repeats the key {key!r}")
-        result[key] = value
-    return result
 
 
 def _exact(value: object, what: str, names: set[str]) -> dict[str, Any]:

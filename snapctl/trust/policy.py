@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from snapctl.protocol.atomic import reject_duplicate_keys
 from snapctl.trust import keys as keyfiles
 from snapctl.trust.errors import PolicyFormatError, PolicyRefusedError, SigningKeyError
 from snapctl.trust.identity import (
@@ -140,7 +141,7 @@ def load_policy(path: Path | None = None) -> Policy:
 def parse_policy(data: bytes, *, source: str = "the policy", base: Path | None = None) -> Policy:
     """A policy from its JSON; relative key paths are taken from ``base``."""
     try:
-        document = json.loads(data, object_pairs_hook=_unique_keys)
+        document = json.loads(data, object_pairs_hook=reject_duplicate_keys)
     except ValueError as error:
         raise PolicyFormatError(f"{source} is not JSON: {error}") from error
     reader = _Reader(source, base or Path.cwd())
@@ -154,15 +155,6 @@ def parse_policy(data: bytes, *, source: str = "the policy", base: Path | None =
         }
     return Policy(default=reader.requirements(top["default"], "default"),
                   transports=transports, source=source)  # fmt: skip
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"the key {key!r} appears twice in one object")
-        result[key] = value
-    return result
 
 
 @dataclass

@@ -102,7 +102,7 @@ def test_a_payload_outside_the_format_is_refused(document: object) -> None:
 
 def test_a_payload_repeating_a_key_is_refused() -> None:
     text = payload.build("r/x", SIGNED_DIGEST).replace(b'"optional"', b'"optional":1,"optional"')
-    with pytest.raises(payload.PayloadError, match="repeats the key 'optional'"):
+    with pytest.raises(payload.PayloadError, match="duplicate key 'optional'"):
         payload.parse(text)
 
 
