@@ -82,9 +82,11 @@ def test_the_same_json_with_and_without_the_agent_and_a_copy_from_the_pool(
 
     ps_local = json.loads(cli(state, "--no-agent", "ps", "--json").stdout)
     ps_through = json.loads(cli(state, "ps", "--json").stdout)
-    # Each tree's PSS, read twice from live processes, may differ by a page or two.
+    # Each tree's PSS and its cgroup's charge, read twice from live processes, may differ by a
+    # page or two.
     memory = [row.pop("memory_bytes") for row in (*ps_local, *ps_through)]
-    assert all(value > 0 for value in memory)
+    charged = [row.pop("cgroup_memory_bytes") for row in (*ps_local, *ps_through)]
+    assert all(value > 0 for value in memory) and all(value > 0 for value in charged)
     assert ps_through == ps_local and [row["name"] for row in ps_through] == ["local", "through"]
 
     fill_pool(state, image)
@@ -195,11 +197,12 @@ def test_the_agent_killed_a_copy_keeps_serving_and_a_new_agent_lists_it(
     assert complete(report["published"]) == expected  # still serving, agent gone
     (row,) = json.loads(cli(state, "ps", "--json").stdout)  # in-process: no agent answers
     assert row["name"] == "survivor" and row["running"] and row["supervised"]
-    assert row.pop("memory_bytes") > 0  # its tree's PSS, which moves a page or two between reads
+    # Its tree's PSS and its cgroup's charge, which move a page or two between reads.
+    assert row.pop("memory_bytes") > 0 and row.pop("cgroup_memory_bytes") > 0
 
     second = agents.start()
     (listed,) = json.loads(cli(state, "ps", "--json").stdout)
-    assert listed.pop("memory_bytes") > 0
+    assert listed.pop("memory_bytes") > 0 and listed.pop("cgroup_memory_bytes") > 0
     assert listed == row
     # The parked copy it could not vouch for is gone (the pool may park a fresh one).
     until(lambda: old["id"] not in {row["id"] for row in parked_rows(state, "any")})
