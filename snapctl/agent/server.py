@@ -647,10 +647,14 @@ class _Connection(web.RequestHandler):
         self.exchange: _Exchange | None = None
         self.eof = False
         self.refused = False
+        # The unix socket's peer, read once while the connection is surely there (None: not a
+        # unix socket, or unreadable: refused where the listener checks peers).
+        self.peer_uid: int | None = None
         self._event_loop = loop
         self._deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.peer_uid = _peer_uid(transport)
         busy = self.listener.admit(self, cast(asyncio.Transport, transport))
         if busy is not None:
             self.refused = True
@@ -766,7 +770,10 @@ def _peer_uid(transport: asyncio.BaseTransport | None) -> int | None:
     sock = None if transport is None else transport.get_extra_info("socket")
     if sock is None or sock.family != socket.AF_UNIX:
         return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
     _pid, uid, _gid = struct.unpack("3i", creds)
     return int(uid)
 
@@ -1010,8 +1017,10 @@ class HTTPListener:
             self.proven(connection)
         allowed = self.handler.allowed_uids
         if allowed is not None:
-            uid = _peer_uid(request.transport)
-            if uid is not None and uid not in allowed:
+            uid = connection.peer_uid
+            if uid is None:
+                return _refusal(403, "the agent could not read this connection's peer: refused")
+            if uid not in allowed:
                 return _refusal(403, f"uid {uid} may not use the agent (root only)")
         return None
 

@@ -10,6 +10,7 @@ does not matter here, unlike in the activation handshake, which waits on raw ino
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import threading
 from collections.abc import Callable
@@ -47,14 +48,18 @@ def bound_log(
     if size <= cap:
         return False
     staged = path.with_name(f".{path.name}{OLD_SUFFIX}.tmp")
-    with path.open("rb") as log, open(staged, "wb", opener=_private) as kept:
-        kept.write(log.read(head))
-        resume = max(head, size - tail)
-        kept.write(f"\n[snapctl: {resume - head} bytes of this log were cut here]\n".encode())
-        log.seek(resume)
-        while chunk := log.read(CHUNK_BYTES):
-            kept.write(chunk)
-    os.replace(staged, old_log(path))
+    try:
+        with path.open("rb") as log, open(staged, "wb", opener=_private) as kept:
+            kept.write(log.read(head))
+            resume = max(head, size - tail)
+            kept.write(f"\n[snapctl: {resume - head} bytes of this log were cut here]\n".encode())
+            log.seek(resume)
+            while chunk := log.read(CHUNK_BYTES):
+                kept.write(chunk)
+        os.replace(staged, old_log(path))
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
     os.truncate(path, 0)
     return True
 
@@ -86,16 +91,18 @@ def read_log(
 ) -> None:
     """Write what ``path`` holds (after what :func:`bound_log` kept of it, if it cut it), in
     chunks, unless ``until()`` turns true first (never a whole log in memory at once)."""
-    for part in (old_log(path), path):
-        try:
-            log = part.open("rb")
-        except FileNotFoundError:
-            if part == path:
-                raise
-            continue
-        with log:
-            while not until() and (chunk := log.read(CHUNK_BYTES)):
-                write(chunk)
+    with contextlib.suppress(FileNotFoundError):
+        read_log_part(old_log(path), write, until=until)
+    read_log_part(path, write, until=until)
+
+
+def read_log_part(
+    path: Path, write: Callable[[bytes], None], *, until: Callable[[], bool] = lambda: False
+) -> None:
+    """Write what the one file ``path`` holds, in chunks, unless ``until()`` turns true."""
+    with path.open("rb") as log:
+        while not until() and (chunk := log.read(CHUNK_BYTES)):
+            write(chunk)
 
 
 def pass_log(
@@ -109,6 +116,8 @@ def pass_log(
     if done is None:
         read_log(path, text.write, until=until)
     else:
+        with contextlib.suppress(FileNotFoundError):  # what bound_log kept of it, first
+            read_log_part(old_log(path), text.write, until=until)
         follow_log(path, text.write, done=lambda: done() or until())
     text.flush()
 

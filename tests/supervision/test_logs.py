@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from snapctl.supervision.logs import bound_log, follow_log, old_log, read_log
+from snapctl.supervision.logs import bound_log, follow_log, old_log, pass_log, read_log
 
 
 def test_follow_passes_on_everything_written_until_done(tmp_path: Path) -> None:
@@ -79,3 +79,26 @@ def test_a_follower_goes_on_from_the_start_of_a_log_that_was_cut(tmp_path: Path)
 def test_a_missing_log_is_still_an_error_to_read(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_log(tmp_path / "server.log", lambda chunk: None)
+
+
+def test_a_cut_that_cannot_be_kept_leaves_no_staged_file(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_bytes(b"x" * 100)
+    old_log(log).mkdir()  # nothing can replace it
+    with pytest.raises(OSError):
+        bound_log(log, cap=10, head=1, tail=1)
+    assert log.read_bytes() == b"x" * 100  # not truncated: nothing was kept
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_following_a_cut_log_shows_what_was_kept_first(tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    log.write_bytes(b"start\n" + b"x" * 100 + b"end\n")
+    bound_log(log, cap=10, head=6, tail=4)
+    log.write_bytes(b"after\n")
+    followed: list[str] = []
+    pass_log(log, followed.append, done=lambda: True)
+    read: list[str] = []
+    pass_log(log, read.append)
+    assert "".join(followed) == "".join(read)
+    assert "".join(read).startswith("start\n") and "".join(read).endswith("end\nafter\n")
