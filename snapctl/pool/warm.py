@@ -32,6 +32,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.phases import HostPhase
 from snapctl.plain import mib
 from snapctl.pool.events import NoEvents, PoolEvents
+from snapctl.pool.holds import RefillHold, TreeCpu, tree_cpu_seconds
 from snapctl.pool.identity import published_identity, restore_fits
 from snapctl.pool.memory import MEMORY_EVERY_S, CopyMemory
 from snapctl.pool.models import (
@@ -60,9 +61,6 @@ TICK_S = 0.5
 # At most this many restores for the pool at once, over all images: parking is background
 # work and must leave the host's CPUs to the copies being served.
 MAX_PARKING = 2
-# A refill waits while a taken copy activates (its restore would take the CPU the activation
-# needs on a small host), at most this long after the take.
-REFILL_HOLD_S = 5.0
 BACKOFF_MAX_S = 30.0
 # The refill thread's niceness, and so that of the parking and discarding threads it starts:
 # its reads of /proc and images are background work, never to take the CPU from a copy
@@ -141,12 +139,13 @@ class WarmPool:
     refill thread), then ``set``, ``remove``, ``take`` and ``listing`` from any thread;
     ``close`` stops refilling and discards every parked copy. Targets persist in
     ``STATE/pool/targets.json``: a new agent refills them. ``background=False``: no refill
-    thread, the caller drives :meth:`tick` (and :meth:`drain` the threads it started).
+    thread, the caller drives :meth:`tick` (and :meth:`drain` the threads it started);
+    ``tree_cpu`` reads a taken copy's CPU use for its hold on refills (:mod:`.holds`).
     """
 
     def __init__(
         self, state: StateDir, *, spawner: Spawner, events: PoolEvents | None = None,
-        background: bool = True,
+        background: bool = True, tree_cpu: TreeCpu = tree_cpu_seconds,
     ) -> None:  # fmt: skip
         self.state = state
         self.spawner = spawner
@@ -157,8 +156,9 @@ class WarmPool:
         self._closing = threading.Event()
         self._images: dict[str, _Image] = {}
         self._parking = 0
-        # Taken copies still activating: their id and until when they hold refills back.
-        self._activating: dict[str, float] = {}
+        # Taken copies holding refills back (pool.holds), by id.
+        self._holds: dict[str, RefillHold] = {}
+        self._tree_cpu = tree_cpu
         self._thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
         self._owner = (os.getpid(), start_time(os.getpid()))
@@ -299,7 +299,7 @@ class WarmPool:
                     continue  # died: the next tick drops it
                 entry.slots.remove(slot)
                 self._set_state(slot, SlotState.TAKEN)  # PARKED -> TAKEN
-                self._activating[record.id] = time.monotonic() + REFILL_HOLD_S
+                self._holds[record.id] = RefillHold.of_taken(record, time.monotonic())
                 break
             else:
                 return None
@@ -311,9 +311,12 @@ class WarmPool:
         )  # fmt: skip
 
     def settled(self, handle: ParkedHandle) -> None:
-        """The taker is done activating ``handle`` (served or failed): refills may start."""
+        """The taker is done activating ``handle`` (served or failed): refills may start once
+        its tree is quiet (:mod:`snapctl.pool.holds`)."""
         with self._lock:
-            self._activating.pop(handle.id, None)
+            hold = self._holds.get(handle.id)
+            if hold is not None:
+                hold.settled_at = time.monotonic()
         self._wake.set()
 
     def forget(self, handle: ParkedHandle) -> None:
@@ -474,16 +477,24 @@ class WarmPool:
         known = [s.memory_bytes for s in entry.slots if s.memory_bytes]
         return max([entry.copy_bytes, *known])
 
+    def _held(self, now: float) -> bool:
+        """Whether a taken copy still holds refills back; ends the holds that ended. Its trees'
+        CPU is read outside the lock: a take must never wait for a walk of /proc."""
+        with self._lock:
+            holds = list(self._holds.items())
+        ended = [key for key, hold in holds if not hold.holds(now, self._tree_cpu)]
+        with self._lock:
+            for key in ended:
+                self._holds.pop(key, None)
+            return bool(self._holds)
+
     def _refill(self, key: str, entry: _Image, now: float) -> str | None:
         """Start one restore for ``entry`` if it lacks one and may have it; its slot id."""
         if self._closing.is_set() or entry.watch.identity is None or now < entry.retry_at:
             return None
+        if self._held(now):
+            return None  # settled() wakes the tick again
         with self._lock:
-            self._activating = {
-                key: until for key, until in self._activating.items() if until > now
-            }
-            if self._activating:
-                return None  # settled() wakes the tick again
             live = entry.live()
             restoring = [slot for slot in live if slot.state is SlotState.RESTORING]
             if len(live) >= entry.target.size or restoring or self._parking >= MAX_PARKING:

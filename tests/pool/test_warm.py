@@ -59,6 +59,7 @@ class FakeSpawner:
         self.children: list[subprocess.Popen[bytes]] = []
         self.fail_with: str | None = None
         self.gate: threading.Event | None = None  # when set: each restore waits for it
+        self.with_root = False  # the sleep child stands for the tree's root too
 
     def spawn(self, job: dict[str, Any]) -> int:
         self.jobs.append(job)
@@ -74,8 +75,10 @@ class FakeSpawner:
             self.children.append(child)
             identity = published_identity(Path(job["request"]["image"]))
             assert identity is not None
+            root = dict(root_pid=child.pid, root_start_time=start_time(child.pid))
             record = make_record(job["id"], job["request"]["image"], identity, child.pid,
-                                 job["owner_pid"], job["owner_start_time"])  # fmt: skip
+                                 job["owner_pid"], job["owner_start_time"],
+                                 **(root if self.with_root else {}))  # fmt: skip
             parked_home(self.state, job["id"]).mkdir(parents=True)
             write_json_atomic(parked_home(self.state, job["id"]) / RECORD_NAME, record)
             writer.write(json.dumps({"parked": record.model_dump(mode="json")}) + "\n")
@@ -186,7 +189,7 @@ def test_fill_take_refill(
 def test_a_taker_that_never_settles_holds_refills_back_only_so_long(
     pool: tuple[WarmPool, Events], image: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("snapctl.pool.warm.REFILL_HOLD_S", 1.0)
+    monkeypatch.setattr("snapctl.pool.holds.REFILL_HOLD_S", 1.0)
     warm, _events = pool
     warm.set(image, 1)
     until(lambda: len(parked(warm)) == 1)
@@ -194,6 +197,32 @@ def test_a_taker_that_never_settles_holds_refills_back_only_so_long(
     assert warm.take(image) is not None
     until(lambda: len(parked(warm)) == 1)  # refilled once the hold expired
     assert time.monotonic() - taken_at >= 1.0
+
+
+def test_a_settled_copy_holds_refills_back_while_its_tree_is_busy(
+    state: StateDir, image: Path, spawner: FakeSpawner
+) -> None:
+    used = [0.0]  # the taken tree's CPU seconds so far
+    warm = WarmPool(state, spawner=spawner, background=False,  # type: ignore[arg-type]
+                    tree_cpu=lambda pid, start: used[0])  # fmt: skip
+    try:
+        spawner.with_root = True
+        warm.set(image, 1)
+        assert len(tick(warm)[0]) == 1
+        handle = warm.take(image, CopyRequest(image=str(image)))
+        assert handle is not None
+        warm.settled(handle)
+        now = time.monotonic()
+        assert warm.tick(now).started == []  # the first sample
+        used[0] += 0.8  # its first request: two cores for 0.4 s
+        assert warm.tick(now + 0.4).started == []
+        used[0] += 0.01  # served: quiet
+        assert warm.tick(now + 0.6).started == []  # too short a window to tell
+        assert len(warm.tick(now + 0.9).started) == 1
+        assert warm.drain(10.0)
+        assert len(spawner.jobs) == 2
+    finally:
+        warm.close(5.0)
 
 
 def test_take_skips_copies_restored_for_other_options(
