@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from snapctl.errors import ExitStatus, NoSpaceError, is_no_space
 from snapctl.images.lock import hold_image
 from snapctl.images.manifest import MANIFEST_NAME, Manifest, is_safe_relative
+from snapctl.images.ownership import arriving_mode
 from snapctl.images.store import (
     CHUNK,
     MAX_MANIFEST_BYTES,
@@ -451,9 +452,9 @@ class _Unpacker:
         self._parent(member.name)
         if not path.is_dir():
             path.mkdir(mode=0o700)
-        # The sticky bit too: it only narrows who may remove entries, and a saved /dev/shm is
-        # writable by all (mode 1777) and safe only with it (images.ownership).
-        self.directory_modes[member.name] = stat.S_IMODE(member.mode) & 0o1777
+        self.directory_modes[member.name] = arriving_mode(
+            member.name, stat.S_IMODE(member.mode), directory=True
+        )
 
     def _expected(self, name: str) -> tuple[int, str, int | None]:
         assert self.manifest is not None
@@ -489,10 +490,10 @@ class _Unpacker:
                     raise self.refuse(f"member {name} holds more than its {size} bytes")
                 digest.update(chunk)
                 target.write(chunk)
-            # Only the rwx bits, owned by whoever imports: another host's uid/gid and its
-            # setuid/setgid/sticky bits would hand the file, or their privileges, to whoever
-            # holds those ids here (only our restore reads it).
-            os.fchmod(target.fileno(), stat.S_IMODE(member.mode) & 0o777)
+            # Owned by whoever imports: another host's uid/gid would hand the file to
+            # whoever holds those ids here (only our restore reads it).
+            os.fchmod(target.fileno(), arriving_mode(name, stat.S_IMODE(member.mode),
+                                                     directory=False))  # fmt: skip
         if digest.hexdigest() != sha256:
             raise self.refuse(f"member {name} does not match its sha256 in the manifest")
         self.written.add(name)

@@ -42,6 +42,19 @@ SHM = "shm"
 MAX_LINKS = 40  # as the kernel's ELOOP
 
 
+def arriving_mode(name: str, mode: int, *, directory: bool) -> int:
+    """The mode an entry of a pulled or imported image (``name``, relative to it) gets from
+    the ``mode`` it arrived with: owned by whoever pulls or imports, another host's setuid and
+    setgid bits mean nothing here and would hand their privileges to whoever has its ids.
+    What ``shm/`` holds keeps the server's rwx bits (and a directory its sticky bit: a saved
+    ``/dev/shm`` is mode 1777 and safe only with it), as the rule above leaves them; anything
+    else loses its group's and others' write bits, so that an image that arrives is one
+    :func:`check_image_owner` accepts, not one ``inspect`` shows and ``copy`` refuses."""
+    if name == SHM or name.startswith(SHM + "/"):
+        return mode & (0o1777 if directory else 0o777)
+    return mode & 0o755
+
+
 def trusted_uids() -> frozenset[int]:
     """root, and the user snapctl runs as."""
     return frozenset({0, os.geteuid()})

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from snapctl.errors import NoSpaceError, is_no_space
 from snapctl.images.manifest import MANIFEST_NAME, FileEntry, Manifest
+from snapctl.images.ownership import arriving_mode
 from snapctl.images.store import (
     MAX_MANIFEST_BYTES,
     ImageError,
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=BaseModel)
 DEFAULT_JOBS = 8
 PIECE = 4 << 20
-DIRECTORY_BITS = 0o1777  # rwx and sticky: never setuid or setgid
 # Bytes free on the filesystem holding a path (an existing one): a seam for tests.
 FreeSpace = Callable[[Path], int]
 
@@ -374,7 +374,7 @@ def _fetch_parallel(fetcher: _Fetcher, missing: dict[str, int], jobs: int) -> No
 
 def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
     """Write every file from its blobs into ``root``, each hashed against the manifest, owned
-    by the puller with only the rwx bits of its recorded mode."""
+    by the puller with what :func:`arriving_mode` keeps of its recorded mode."""
     small = cache.path(remote.config.small_files_digest)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     for directory in remote.config.directories:
@@ -404,10 +404,9 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
                     digest.update(data)
                     out.write(data)
                     written += len(data)
-                # Only the rwx bits, and owned by whoever pulls: the uid/gid and setuid/setgid/
-                # sticky bits of another host mean nothing here (only our restore reads these
-                # files) and would hand them, or their privileges, to whoever has those ids.
-                os.fchmod(out.fileno(), stored.mode & 0o777)
+                # Owned by whoever pulls: another host's uid/gid mean nothing here (only our
+                # restore reads these files) and would hand them to whoever has those ids.
+                os.fchmod(out.fileno(), arriving_mode(stored.name, stored.mode, directory=False))
             if written != stored.size or digest.hexdigest() != stored.sha256:
                 _drop_damaged(cache, stored, remote.config.small_files_digest)
                 raise BlobMismatchError(f"image file {stored.name} of {remote.reference} does "
@@ -417,10 +416,9 @@ def _assemble(remote: Remote, cache: BlobCache, root: Path) -> None:
         if stored.link_to is not None:
             (root / stored.name).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.link(root / stored.link_to, root / stored.name, follow_symlinks=False)
-    # A directory keeps its sticky bit too: it only narrows who may remove entries, and a
-    # saved /dev/shm is writable by all (mode 1777) and safe only with it (images.ownership).
     for directory in sorted(remote.config.directories, key=lambda d: d.name, reverse=True):
-        os.chmod(root / directory.name, directory.mode & DIRECTORY_BITS)
+        os.chmod(root / directory.name, arriving_mode(directory.name, directory.mode,
+                                                      directory=True))  # fmt: skip
 
 
 def _check_staged(remote: Remote, root: Path) -> None:

@@ -23,6 +23,7 @@ from snapctl.images.archive import (
     import_image,
 )
 from snapctl.images.lock import ImageBusyError, hold_image
+from snapctl.images.ownership import check_image_owner
 from snapctl.images.store import ImageError, ImageExistsError, is_verified
 from tests.images.factories import flip_byte, publish_sample
 
@@ -340,14 +341,16 @@ def test_export_of_a_missing_image_or_into_a_missing_directory_is_an_error(
 def test_an_import_keeps_no_foreign_owner_and_no_special_mode_bits(
     tmp_path: Path, source: Path
 ) -> None:
-    # Members that say another host's uid/gid and setuid/setgid/sticky: the imported files
-    # belong to the importer, with only their rwx bits; a directory keeps its sticky bit.
+    # Members that say another host's uid/gid, setuid/setgid/sticky and writable by all: the
+    # imported entries belong to the importer; what shm/ holds keeps its rwx bits (and a
+    # directory its sticky bit), anything else loses its group's and others' write bits, so
+    # that what import publishes is an image copy accepts.
     crafted: list[tuple[tarfile.TarInfo, bytes]] = [
-        (_info("shm/sub", tarfile.DIRTYPE), b""),
+        *((_info(name, tarfile.DIRTYPE), b"") for name in ("criu", "logs", "shm", "shm/sub")),
         *genuine_members(source, instead={}),
     ]
     for info, _ in crafted:
-        info.mode, info.uid, info.gid = 0o3777 if info.isdir() else 0o6755, 4242, 4243
+        info.mode, info.uid, info.gid = 0o3777 if info.isdir() else 0o6777, 4242, 4243
     archive = tmp_path / "crafted.tar.zst"
     build(archive, source, crafted, sealed=True)
 
@@ -356,4 +359,7 @@ def test_an_import_keeps_no_foreign_owner_and_no_special_mode_bits(
     for info, _ in sorted(crafted, key=lambda member: member[0].isdir()):  # files first
         st = (tmp_path / "image" / info.name).lstat()
         assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), info.name
-        assert stat.S_IMODE(st.st_mode) == (0o1777 if info.isdir() else 0o755), info.name
+        in_shm = info.name.startswith("shm")
+        expected = (0o1777 if info.isdir() else 0o777) if in_shm else 0o755
+        assert stat.S_IMODE(st.st_mode) == expected, (info.name, oct(st.st_mode))
+    check_image_owner(tmp_path / "image")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from snapctl.images import verify_image
+from snapctl.images.ownership import check_image_owner
 from snapctl.images.store import ImageStaging, hash_tree, load_manifest
 from snapctl.registry import layout
 from snapctl.registry.cache import BlobCache
@@ -176,15 +177,17 @@ def test_a_cached_blob_damaged_on_disk_is_dropped_and_fetched_again(
 def test_a_pull_keeps_no_foreign_owner_and_no_special_mode_bits(
     registry_server: RegistryServer, tmp_path: Path
 ) -> None:
-    # A layer that says another host's uid/gid and setuid/setgid/sticky: the pulled files
-    # belong to the puller (whose restore alone reads them) with only their rwx bits; a
-    # directory keeps its sticky bit (a saved /dev/shm is safe only with it).
+    # A layer that says another host's uid/gid, setuid/setgid/sticky and writable by all: the
+    # pulled entries belong to the puller (whose restore alone reads them); what shm/ holds
+    # keeps its rwx bits (a directory its sticky bit too: a saved /dev/shm is safe only with
+    # it), anything else loses its group's and others' write bits, so that what pull
+    # publishes is an image copy accepts.
     image = tmp_path / "image"
     publish_sample(image)
     push(registry_server, image, "t/owner:v1")
     cache = BlobCache(tmp_path / "cache")
     genuine = describe(client(registry_server, "t/owner:v1"), cache)
-    files = [f.model_copy(update={"mode": 0o6755, "uid": 4242, "gid": 4243})
+    files = [f.model_copy(update={"mode": 0o6777, "uid": 4242, "gid": 4243})
              for f in genuine.config.files]  # fmt: skip
     directories = [d.model_copy(update={"mode": 0o3777}) for d in genuine.config.directories]
     crafted = dataclasses.replace(
@@ -200,5 +203,8 @@ def test_a_pull_keeps_no_foreign_owner_and_no_special_mode_bits(
     for entry in [*files, *directories]:
         st = (out / entry.name).lstat()
         assert (st.st_uid, st.st_gid) == (os.geteuid(), os.getegid()), entry.name
-        assert stat.S_IMODE(st.st_mode) == (0o1777 if entry in directories else 0o755), (
-            entry.name, oct(st.st_mode))  # fmt: skip
+        in_shm = entry.name == "shm" or entry.name.startswith("shm/")
+        expected = (0o1777 if entry in directories else 0o777) if in_shm else 0o755
+        assert stat.S_IMODE(st.st_mode) == expected, (entry.name, oct(st.st_mode))
+    assert {"criu", "shm"} <= {entry.name for entry in directories}
+    check_image_owner(out)
