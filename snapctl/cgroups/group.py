@@ -10,6 +10,7 @@ restores, is the cgroup's from the start.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import time
 from dataclasses import dataclass, field
@@ -237,7 +238,7 @@ def create_cgroup(
 ) -> ActivationCgroup | None:
     """Make activation ``name``'s cgroup with ``limits``. Without limits it is best effort
     (None where cgroups cannot be made here: no hierarchy, no permission); with limits a
-    failure raises :class:`CgroupError`, and nothing of it is left."""
+    failure raises :class:`CgroupError`, and nothing it made is left."""
     layout = layout or detect_layout(root)
     if layout is None or not layout.parents:
         if limits.any:
@@ -247,19 +248,23 @@ def create_cgroup(
     key = UNIFIED if UNIFIED in dirs else "memory" if "memory" in dirs else next(iter(dirs))
     path = "/" + str(dirs[key].relative_to(layout.mounts[key]))
     group = ActivationCgroup(dirs=dirs, path=path, limits=limits)
+    made: dict[str, Path] = {}
     try:
         if layout.version == 2:
             _enable_controllers(layout)
-        for directory in dirs.values():
+        for key, directory in dirs.items():
             directory.parent.mkdir(parents=True, exist_ok=True)
             directory.mkdir()
+            made[key] = directory
         group.apply(limits)
         missing = limits.memory_bytes is not None and group.memory_limit_bytes() is None
         if missing:
             raise CgroupError(f"{limits.describe()}: the memory controller is not available "
                               f"in {group.memory_dir}")  # fmt: skip
     except (OSError, CgroupError) as error:
-        group.remove(0.0)
+        # Only what this call made: a directory that was there (a name in use) is another
+        # activation's, or one gc removes.
+        dataclasses.replace(group, dirs=made).remove(0.0)
         if not limits.any:
             return None
         if isinstance(error, CgroupError):

@@ -92,6 +92,35 @@ def test_no_hierarchy(tmp_path: Path) -> None:
         create_cgroup("copy-3", Limits(cpus=1), root=tmp_path / "empty")
 
 
+@pytest.mark.parametrize("limits", [Limits(memory_bytes=512 << 20), Limits()])
+def test_a_failed_create_removes_only_what_it_made(tmp_path: Path, limits: Limits) -> None:
+    # A name already taken in one hierarchy (the last one made): the directories made before
+    # it go, the one that was there stays.
+    layout = detect_layout(v1_tree(tmp_path / "cg"), V1_SELF)
+    assert layout is not None and list(layout.parents) == ["memory", "cpu", "pids"]
+    theirs = layout.parents["pids"] / "copy-1"
+    theirs.mkdir(parents=True)
+    if limits.any:
+        with pytest.raises(CgroupError, match="cannot make the cgroup"):
+            create_cgroup("copy-1", limits, layout=layout)
+    else:
+        assert create_cgroup("copy-1", limits, layout=layout) is None
+    assert theirs.is_dir()
+    assert not (layout.parents["memory"] / "copy-1").exists()
+    assert not (layout.parents["cpu"] / "copy-1").exists()
+
+
+def test_a_create_whose_name_is_taken_leaves_that_cgroup(tmp_path: Path) -> None:
+    root = v2_tree(tmp_path / "cg")
+    layout = detect_layout(root, "0::/\n")
+    assert layout is not None
+    theirs = layout.parents["unified"] / "copy-1"
+    theirs.mkdir(parents=True)
+    with pytest.raises(CgroupError):
+        create_cgroup("copy-1", Limits(cpus=1), layout=layout)
+    assert theirs.is_dir()
+
+
 def test_sweep_keeps_live_and_busy(tmp_path: Path) -> None:
     layout = detect_layout(v1_tree(tmp_path / "cg"), V1_SELF)
     assert layout is not None
