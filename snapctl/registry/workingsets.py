@@ -29,7 +29,6 @@ from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from snapctl.criu.lazy.tuning import WORKING_SET_MAX_PAGES
 from snapctl.criu.lazy.workingset import add_pages, pagemap_key, read_working_set
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
@@ -45,10 +44,12 @@ EMPTY_MEDIA_TYPE: Final = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG: Final = b"{}"
 PAGES_ANNOTATION: Final = "io.snapctl.working-sets.pages"
 # Bounds on what is read whole: an index lists referrers; a blob holds sets of at most
-# WORKING_SET_MAX_PAGES pages (about 2 MB of JSON each) for at most MAX_PROCESSES processes.
+# MAX_SET_PAGES pages (about 12 MB of JSON each: the weights of a 3 GB model that its recovery
+# reads whole) for at most MAX_PROCESSES processes. A bigger set stays on its host.
 MAX_INDEX_BYTES = 4 << 20
-MAX_BLOB_BYTES = 16 << 20
+MAX_BLOB_BYTES = 32 << 20
 MAX_PROCESSES = 1024
+MAX_SET_PAGES = 1 << 20
 # Answers to the referrers API that mean "no such API here" (404 is the spec's; proxies and
 # older registries answer an unknown route with the others): use the referrers tag instead.
 NO_REFERRERS_API = (400, 404, 405, 501)
@@ -68,8 +69,8 @@ class WorkingSets(StrictModel):
         for key, pages in self.sets.items():
             if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
                 raise ValueError(f"{key!r} is not the sha256 of a pagemap")
-            if len(pages) > WORKING_SET_MAX_PAGES:
-                raise ValueError(f"a set of more than {WORKING_SET_MAX_PAGES} pages")
+            if len(pages) > MAX_SET_PAGES:
+                raise ValueError(f"a set of more than {MAX_SET_PAGES} pages")
             if any(page < 0 for page in pages):
                 raise ValueError("a page number is negative")
         return self
@@ -154,11 +155,11 @@ def image_pagemaps(image: Path) -> dict[str, Path]:
 
 
 def learned_sets(image: Path, views: Path) -> dict[str, list[int]]:
-    """What this host learned of the image's processes."""
+    """What this host learned of the image's processes (those that fit a blob)."""
     found = {}
     for key in image_pagemaps(image):
         pages = read_working_set(views, key)
-        if pages:
+        if pages and len(pages) <= MAX_SET_PAGES:
             found[key] = sorted(pages)
     return found
 

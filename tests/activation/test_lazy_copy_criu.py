@@ -184,7 +184,7 @@ def test_a_learned_working_set_is_restored_eagerly_and_the_memory_stays_intact(
         pages = [e.vaddr // PAGE_SIZE + i for e in lazy for i in (0, 5, 100) if i < e.nr_pages]
         learned.append(working_set_path(donor.state.views, pagemap_key(data)))
         learned[-1].parent.mkdir(parents=True, exist_ok=True)
-        learned[-1].write_text(WorkingSet(pages=pages).model_dump_json())
+        learned[-1].write_text(WorkingSet.of_pages(pages).model_dump_json())
     assert learned  # the fixture's retained memory
     try:
         session = lazy_copy(donor, criu_binary, running)

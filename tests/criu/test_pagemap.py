@@ -205,7 +205,7 @@ def test_a_learned_working_set_makes_exactly_its_pages_eager(tmp_path: Path) -> 
     touched = [0x2000 // PAGE_SIZE + 1, buffer + 1, buffer + 2, buffer + 300, 0x9999]
     for name, pages in (("pagemap-4.img", touched), ("pagemap-1.img", [0x7F0000000000 >> 12])):
         key = pagemap_key((image / name).read_bytes())
-        working_set_path(cache, key).write_text(WorkingSet(pages=pages).model_dump_json())
+        working_set_path(cache, key).write_text(WorkingSet.of_pages(pages).model_dump_json())
     summary = lazy_view(image, tmp_path / "view", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
     # The small process is still restored whole: its set does not apply.
     assert summary == ViewSummary(
@@ -236,6 +236,20 @@ def test_a_learned_working_set_makes_exactly_its_pages_eager(tmp_path: Path) -> 
     assert not again.holds_transfer
 
 
+def test_touched_runs_map_to_ranges_within_each_entry_they_cross(tmp_path: Path) -> None:
+    big = read_pagemap(write(tmp_path, "pagemap-4.img", BIG))
+    buffer = 0x7E0000000000 // PAGE_SIZE
+    # A run from the heap's second page into the buffer's start would cross the gap; one
+    # across the buffer's first two entries; one page past every entry.
+    touched = [(0x2000 // PAGE_SIZE + 1, 1), (buffer + 250, 10), (buffer + 3 * MIB_PAGES, 1)]
+    assert pagemap_module.touched_ranges(big, touched) == {
+        1: [(1, 1)], 2: [(250, 6)], 3: [(0, 4)],
+    }  # fmt: skip
+    whole = [(buffer, 3 * MIB_PAGES)]  # a model's weights, read whole by its recovery
+    assert pagemap_module.touched_ranges(big, whole) == {i: [(0, MIB_PAGES)] for i in (2, 3, 4)}
+    assert pagemap_module.touched_ranges(big, []) == {}
+
+
 def test_a_process_with_no_set_yet_is_left_all_lazy_for_its_copy_to_learn(tmp_path: Path) -> None:
     image = tmp_path / "criu"
     image.mkdir()
@@ -255,7 +269,7 @@ def test_a_process_with_no_set_yet_is_left_all_lazy_for_its_copy_to_learn(tmp_pa
     # Once its set is known, the copies restore that; without a cache there is nothing to
     # learn into, and a process marked unlearnable gets the short-run rule.
     key = pagemap_key(BIG)
-    working_set_path(cache, key).write_text(WorkingSet(pages=[0x2000 >> 12]).model_dump_json())
+    working_set_path(cache, key).write_text(WorkingSet.of_pages([0x2000 >> 12]).model_dump_json())
     learned = lazy_view(image, tmp_path / "view-2", 300 * PAGE_SIZE, 2 * 2**20, cache_dir=cache)
     assert (learned.learned_processes, learned.learning_processes) == (1, 0)
     short_runs = ViewSummary(eager_bytes=268 * PAGE_SIZE, lazy_bytes=3 * 2**20)

@@ -51,7 +51,7 @@ def test_faults_are_kept_under_their_process_pagemap_and_grow_only_by_enough(
     assert record_working_sets(images, cache, log, 5.0) == 1
     assert read_working_set(cache, pagemap_key(b"worker")) == {0x7F0000001, 0x7F0000009}
     # A process that touched too much for a working set keeps the set it had.
-    monkeypatch.setattr(workingset, "WORKING_SET_MAX_PAGES", 1)
+    monkeypatch.setattr(workingset, "WORKING_SET_MAX_RUNS", 1)
     (images / "pagemap-27.img").write_bytes(b"another worker")
     assert record_working_sets(images, cache, log, 5.0) == 0
     assert read_working_set(cache, pagemap_key(b"worker")) == {0x7F0000001, 0x7F0000009}
@@ -63,3 +63,34 @@ def test_faults_are_kept_under_their_process_pagemap_and_grow_only_by_enough(
     assert record_working_sets(images, cache, tmp_path / "missing.log", 5.0) == 0
     (images / "pagemap-1.img").unlink()
     assert record_working_sets(images, tmp_path / "other", log, 5.0) == 0
+
+
+def test_a_set_is_kept_as_runs_so_a_recovery_that_reads_every_weight_is_learned(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "views"
+    weights = range(0x7E0000000, 0x7E0000000 + (4 << 30) // 4096)  # 4 GiB touched whole
+    assert workingset.add_pages(cache, "k" * 64, [*weights, 0x55D64BC99]) == len(weights) + 1
+    kept = workingset.WorkingSet.model_validate_json(
+        workingset.working_set_path(cache, "k" * 64).read_bytes()
+    )
+    assert kept.runs == [(0x55D64BC99, 1), (0x7E0000000, len(weights))]
+    assert kept.page_count == len(weights) + 1
+    assert workingset.add_pages(cache, "k" * 64, [0x7E0000005]) == 0  # nothing new
+
+
+def test_runs_are_sorted_apart_and_merged() -> None:
+    assert workingset.page_runs([5, 3, 4, 9, 4]) == [(3, 3), (9, 1)]
+    assert workingset.union_runs([(3, 3), (20, 2)], [(6, 2), (1, 1), (21, 5)]) == [
+        (1, 1), (3, 5), (20, 6)
+    ]  # fmt: skip
+    assert workingset.union_runs([], []) == []
+
+
+def test_a_set_in_the_earlier_page_list_format_is_learned_again(tmp_path: Path) -> None:
+    cache = tmp_path / "views"
+    cache.mkdir()
+    workingset.working_set_path(cache, "k" * 64).write_text('{"version": 1, "pages": [1, 2]}')
+    assert read_working_set(cache, "k" * 64) is None
+    assert workingset.add_pages(cache, "k" * 64, [7]) == 1
+    assert read_working_set(cache, "k" * 64) == {7}

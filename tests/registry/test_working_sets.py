@@ -48,7 +48,7 @@ def publish_with_pagemaps(final: Path) -> list[str]:
 
 def learn(views: Path, key: str, pages: list[int]) -> None:
     views.mkdir(parents=True, exist_ok=True)
-    set_path(views, key).write_bytes(WorkingSet(pages=pages).model_dump_json().encode())
+    set_path(views, key).write_bytes(WorkingSet.of_pages(pages).model_dump_json().encode())
 
 
 def pull(

@@ -34,7 +34,7 @@ import contextlib
 import hashlib
 import os
 import struct
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,7 +42,13 @@ from pydantic import ValidationError
 
 from snapctl.criu.lazy import tuning
 from snapctl.criu.lazy.tuning import EAGER_PROCESS_BELOW, EAGER_RUN_BELOW
-from snapctl.criu.lazy.workingset import WorkingSet, learnable, pagemap_key, working_set_path
+from snapctl.criu.lazy.workingset import (
+    PageRun,
+    WorkingSet,
+    learnable,
+    pagemap_key,
+    working_set_path,
+)
 from snapctl.criu.wire import encode_varint, read_varint
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
@@ -246,26 +252,29 @@ def eager_entries(
     return [entry for run in short for entry in run]
 
 
-def touched_ranges(pagemap: Pagemap, touched: Collection[int]) -> dict[int, list[tuple[int, int]]]:
-    """For :meth:`Pagemap.with_eager_pages`: the pages of ``touched`` (addresses / page size)
-    that are in lazy entries, as ranges within each entry, by entry index."""
-    pages = sorted(touched)
+def touched_ranges(
+    pagemap: Pagemap, touched: Sequence[PageRun]
+) -> dict[int, list[tuple[int, int]]]:
+    """For :meth:`Pagemap.with_eager_pages`: the pages of ``touched`` (runs, sorted and apart,
+    as :class:`WorkingSet` keeps them) that are in lazy entries, as ranges within each entry,
+    by entry index."""
+    starts = [start for start, _ in touched]
     ranges: dict[int, list[tuple[int, int]]] = {}
     for index, entry in enumerate(pagemap.entries):
         if not entry.lazy or entry.flags_at < 0:
             continue
         first = entry.vaddr // PAGE_SIZE
-        at = bisect.bisect_left(pages, first)
-        stop = bisect.bisect_left(pages, first + entry.nr_pages, at)
-        merged: list[tuple[int, int]] = []
-        for page in pages[at:stop]:
-            offset = page - first
-            if merged and merged[-1][0] + merged[-1][1] == offset:
-                merged[-1] = (merged[-1][0], merged[-1][1] + 1)
-            else:
-                merged.append((offset, 1))
-        if merged:
-            ranges[index] = merged
+        end = first + entry.nr_pages
+        at = max(bisect.bisect_right(starts, first) - 1, 0)
+        pieces: list[tuple[int, int]] = []
+        while at < len(touched) and touched[at][0] < end:
+            start, count = touched[at]
+            low, high = max(start, first), min(start + count, end)
+            if low < high:
+                pieces.append((low - first, high - low))
+            at += 1
+        if pieces:
+            ranges[index] = pieces
     return ranges
 
 
@@ -415,7 +424,7 @@ def _viewed(
     touched = None
     if learned is not None and pagemap.lazy_bytes >= process_below:
         with contextlib.suppress(ValidationError):
-            touched = WorkingSet.model_validate_json(learned).pages
+            touched = WorkingSet.model_validate_json(learned).runs
     if touched is not None:
         ranges = touched_ranges(pagemap, touched)
         eager = sum(count for pieces in ranges.values() for _, count in pieces) * PAGE_SIZE

@@ -31,9 +31,11 @@ EAGER_PROCESS_BELOW = 64 * 1024 * 1024
 # In bigger processes, runs of contiguous lazy memory shorter than this are restored eagerly.
 EAGER_RUN_BELOW = 16 * 1024 * 1024
 # A process's learned working set (snapctl.criu.lazy.workingset) stops growing at this many
-# pages: past it the copies touch too much for a working set to be worth restoring first (and a
-# process with no set yet is not left all lazy to learn one again).
-WORKING_SET_MAX_PAGES = 256 * 1024
+# runs of pages: past it the copies' touches are too scattered for a set to be worth a view of
+# its own (and a process with no set yet is not left all lazy to learn one again). Its pages
+# are not bounded: where a recovery reads every weight (in-image weights), all of them are the
+# set, a few long runs restored eagerly.
+WORKING_SET_MAX_RUNS = 256 * 1024
 # A copy's faults are added to a working set only if they grow it by more than this fraction:
 # a changed set makes the next copy rewrite its pagemaps instead of reading them
 # from the view cache, which a few missed pages do not repay.

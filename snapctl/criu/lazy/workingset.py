@@ -35,9 +35,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ValidationError
+from pydantic import NonNegativeInt, PositiveInt, ValidationError
 
-from snapctl.criu.lazy.tuning import WORKING_SET_MAX_PAGES, WORKING_SET_MIN_GROWTH
+from snapctl.criu.lazy.tuning import WORKING_SET_MAX_RUNS, WORKING_SET_MIN_GROWTH
 from snapctl.models import StrictModel
 from snapctl.protocol.atomic import replace_file
 
@@ -45,12 +45,48 @@ PAGE_SHIFT = 12
 _FAULT = re.compile(rb"^\((\d+)\.(\d+)\) pr(\d+)-\d+ Read ([0-9a-f]+) 1 pages$", re.MULTILINE)
 
 
-class WorkingSet(StrictModel):
-    """``STATE/views/<pagemap sha256>.touched.json``: the pages (address / page size, sorted)
-    that copies of one process touched before they were ready."""
+# A run of pages: the first (address / page size) and how many.
+PageRun = tuple[int, int]
 
-    version: Literal[1] = 1
-    pages: list[int]
+
+class WorkingSet(StrictModel):
+    """``STATE/views/<pagemap sha256>.touched.json``: the pages that copies of one process
+    touched before they were ready, as runs, sorted and apart (a model's weights are a few
+    long runs, an interpreter's heap many short ones)."""
+
+    version: Literal[2] = 2
+    runs: list[tuple[NonNegativeInt, PositiveInt]]
+
+    @classmethod
+    def of_pages(cls, pages: Iterable[int]) -> WorkingSet:
+        return cls(runs=page_runs(pages))
+
+    @property
+    def page_count(self) -> int:
+        return sum(count for _, count in self.runs)
+
+
+def page_runs(pages: Iterable[int]) -> list[PageRun]:
+    """``pages`` (any order, repeats allowed) as sorted runs, each apart from the next."""
+    runs: list[PageRun] = []
+    for page in sorted(set(pages)):
+        if runs and runs[-1][0] + runs[-1][1] == page:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((page, 1))
+    return runs
+
+
+def union_runs(first: list[PageRun], second: list[PageRun]) -> list[PageRun]:
+    """The pages of two lists of runs (each sorted), as runs again."""
+    merged: list[PageRun] = []
+    for start, count in sorted(first + second):
+        if merged and start <= merged[-1][0] + merged[-1][1]:
+            last_start, last_count = merged[-1]
+            merged[-1] = (last_start, max(last_count, start + count - last_start))
+        else:
+            merged.append((start, count))
+    return merged
 
 
 def working_set_path(cache_dir: Path, pagemap_key: str) -> Path:
@@ -75,11 +111,17 @@ def pagemap_key(data: bytes) -> str:
 def read_working_set(cache_dir: Path, key: str) -> frozenset[int] | None:
     """The learned pages of the process whose pagemap has ``key``; None if none (or unreadable:
     a cache)."""
-    try:
-        found = WorkingSet.model_validate_json(working_set_path(cache_dir, key).read_bytes())
-    except (OSError, ValidationError):
+    found = _read(cache_dir, key)
+    if found is None:
         return None
-    return frozenset(found.pages)
+    return frozenset(page for start, count in found.runs for page in range(start, start + count))
+
+
+def _read(cache_dir: Path, key: str) -> WorkingSet | None:
+    try:
+        return WorkingSet.model_validate_json(working_set_path(cache_dir, key).read_bytes())
+    except (OSError, ValidationError):
+        return None  # none, or one written in an earlier format: learned again
 
 
 def faulted_pages(log: bytes, until_s: float) -> dict[int, set[int]]:
@@ -113,19 +155,20 @@ def record_working_sets(images_dir: Path, cache_dir: Path, log_path: Path, until
 def add_pages(cache_dir: Path, key: str, pages: Iterable[int]) -> int:
     """Add ``pages`` to the working set of the process whose pagemap has ``key``; the number
     new to it (0 when too few to be worth a new view, or too many to be a working set)."""
-    known = read_working_set(cache_dir, key) or frozenset()
-    union = known | frozenset(pages)
-    if len(union) - len(known) <= len(known) * WORKING_SET_MIN_GROWTH:
+    known = _read(cache_dir, key) or WorkingSet(runs=[])
+    union = WorkingSet(runs=union_runs(known.runs, page_runs(pages)))
+    new = union.page_count - known.page_count
+    if new <= known.page_count * WORKING_SET_MIN_GROWTH:
         # Nothing new, or too little to be worth a new view (each set has its own cached
         # pagemap, made once): the few pages a copy misses stay page faults.
         return 0
     cache_dir.mkdir(parents=True, mode=0o700, exist_ok=True)
-    if len(union) > WORKING_SET_MAX_PAGES:
-        # Not a working set any more: keep what was learned, or, with nothing learned yet,
-        # stop the next copies learning (each would fault all of it in a page at a time).
-        if not known:
+    if len(union.runs) > WORKING_SET_MAX_RUNS:
+        # Touches too scattered to be worth a view of their own: keep what was learned, or,
+        # with nothing learned yet, stop the next copies learning (each would fault all of
+        # it in a page at a time).
+        if not known.runs:
             replace_file(unlearnable_path(cache_dir, key), b"", mode=0o600)
         return 0
-    content = WorkingSet(pages=sorted(union)).model_dump_json().encode()
-    replace_file(working_set_path(cache_dir, key), content, mode=0o600)
-    return len(union) - len(known)
+    replace_file(working_set_path(cache_dir, key), union.model_dump_json().encode(), mode=0o600)
+    return new
