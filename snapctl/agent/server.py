@@ -159,10 +159,50 @@ def _refusal(status: int, message: str, headers: tuple[tuple[str, str], ...] = (
 
 
 def _unexpected(error: Exception) -> ErrorBody:
-    """A bug's answer (its traceback goes to the agent's log, never to the client)."""
-    log(f"unexpected error: {traceback.format_exc()}")
-    return ErrorBody(error=f"unexpected {type(error).__name__} in the agent: {error}",
-                     status=int(ExitStatus.ERROR))  # fmt: skip
+    """A bug's answer (its traceback goes to the agent's log, never to the client), saying no
+    input value of a validation (:func:`_safe_text`)."""
+    log(f"unexpected error: {_safe_traceback(error)}")
+    return ErrorBody(error=f"unexpected {type(error).__name__} in the agent: "
+                     f"{_safe_text(error)}", status=int(ExitStatus.ERROR))  # fmt: skip
+
+
+def _reasons(error: ValidationError, top: str) -> str:
+    """Where and why ``error``'s validation failed (``top``: the name of the whole value),
+    never with the value: it may be a secret a request carried (an API key)."""
+    return "; ".join(
+        f"{'.'.join(str(part) for part in item['loc']) or top}: {item['msg']}"
+        for item in error.errors(include_input=False, include_url=False)
+    )
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """``error``, then what it was raised from or while handling, as a traceback shows them."""
+    chain: list[BaseException] = []
+    link: BaseException | None = error
+    while link is not None and all(link is not seen for seen in chain):
+        chain.append(link)
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+    return chain
+
+
+def _safe_text(error: BaseException) -> str:
+    """What ``error`` may say outside the agent: its text, unless it is a ValidationError (its
+    text quotes the input) or came from one (its text may repeat that one's)."""
+    if isinstance(error, ValidationError):
+        return f"{error.title}: {_reasons(error, 'value')}"
+    if any(isinstance(link, ValidationError) for link in _chain(error)):
+        return "(its text is not shown: it came from a validation, whose input it may hold)"
+    return str(error)
+
+
+def _safe_traceback(error: BaseException) -> str:
+    """``error``'s traceback as the log takes it: every frame, each message by
+    :func:`_safe_text`."""
+    return "\nwhich led to:\n".join(
+        "".join(traceback.format_tb(link.__traceback__))
+        + f"{type(link).__qualname__}: {_safe_text(link)}"
+        for link in reversed(_chain(error))
+    )
 
 
 def _not_allowed(method: str, path: str, allowed: set[str]) -> Answer:
@@ -181,11 +221,7 @@ def _parse(model: type[BaseModel], body: bytes | None) -> Any:
         if any(item["type"] == "json_invalid" for item in error.errors()):
             # Nested past the JSON parser's depth limit reads as this too.
             raise _Refused(_refusal(400, "the request body is not a JSON object")) from error
-        # Never echo the input: a refused body may hold a secret (an API key).
-        reasons = "; ".join(
-            f"{'.'.join(str(part) for part in item['loc']) or 'body'}: {item['msg']}"
-            for item in error.errors(include_input=False, include_url=False)
-        )
+        reasons = _reasons(error, "body")
         raise _Refused(_refusal(422, f"invalid {model.__name__}: {reasons}")) from error
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, ValidationError
 
 from snapctl.agent.client import AgentClient, connect
 from snapctl.agent.daemon import (
@@ -195,6 +196,66 @@ def test_a_refused_body_is_not_echoed(running_agent: RunningAgent) -> None:
     body = json.dumps({"image": "/x", "api_key": 12345678, "count": "secret-value"}).encode()
     got, answer = post(running_agent.socket, "/v1/copies", body)
     assert got == 422 and "secret-value" not in json.dumps(answer)
+
+
+GET_POOL = b"GET /v1/pool HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+class _Port(BaseModel):
+    port: int
+
+
+def _validation_error(value: str) -> ValidationError:
+    try:
+        _Port.model_validate({"port": value})
+    except ValidationError as error:
+        return error
+    raise AssertionError("validated")
+
+
+@pytest.mark.parametrize("raised", ["itself", "made from it", "while handling it"])
+def test_an_unexpected_validation_error_says_no_input(
+    running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, raised: str,
+) -> None:  # fmt: skip
+    """A bug in the agent that is a validation error (or comes from one) of a secret: neither
+    the client nor the log gets the secret, the client still gets where and why."""
+
+    def listing() -> PoolListing:
+        error = _validation_error("sk-s3cret")
+        if raised == "itself":
+            raise error
+        try:
+            raise error
+        except ValidationError as caught:
+            if raised == "made from it":
+                raise RuntimeError(f"cannot list: {caught}") from caught
+            raise RuntimeError(f"cannot list: {caught}")  # noqa: B904 (its context is the case)
+
+    monkeypatch.setattr(running_agent.pool, "listing", listing)
+    caplog.set_level(logging.DEBUG)
+    status, body = raw(running_agent.socket, GET_POOL)
+    answer = json.loads(body)
+    assert status == 500 and answer["status"] == ExitStatus.ERROR
+    assert "s3cret" not in answer["error"] and "s3cret" not in caplog.text
+    assert "unexpected error" in caplog.text and "listing" in caplog.text  # the frames stay
+    if raised == "itself":
+        assert answer["error"] == ("unexpected ValidationError in the agent: _Port: port: "
+                                   "Input should be a valid integer, unable to parse string "
+                                   "as an integer")  # fmt: skip
+
+
+def test_an_unexpected_error_says_its_text(
+    running_agent: RunningAgent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def listing() -> PoolListing:
+        raise RuntimeError("the pool's lock is gone")
+
+    monkeypatch.setattr(running_agent.pool, "listing", listing)
+    status, body = raw(running_agent.socket, GET_POOL)
+    assert status == 500 and json.loads(body)["error"] == (
+        "unexpected RuntimeError in the agent: the pool's lock is gone"
+    )
 
 
 def test_oversized_and_chunked_bodies_are_refused(running_agent: RunningAgent) -> None:
