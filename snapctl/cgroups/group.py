@@ -246,8 +246,7 @@ def create_cgroup(
         return None
     dirs = {key: parent / name for key, parent in layout.parents.items()}
     key = UNIFIED if UNIFIED in dirs else "memory" if "memory" in dirs else next(iter(dirs))
-    path = "/" + str(dirs[key].relative_to(layout.mounts[key]))
-    group = ActivationCgroup(dirs=dirs, path=path, limits=limits)
+    group = ActivationCgroup(dirs=dirs, path=layout.cgroup_path(key, dirs[key]), limits=limits)
     made: dict[str, Path] = {}
     try:
         if layout.version == 2:

@@ -41,9 +41,7 @@ def sweep_cgroups(
         dirs = {key: parent / name for key, parent in layout.parents.items()}
         present = {key: d for key, d in dirs.items() if d.is_dir()}
         key = next(iter(present))
-        group = ActivationCgroup(
-            dirs=present, path="/" + str(present[key].relative_to(layout.mounts[key]))
-        )
+        group = ActivationCgroup(dirs=present, path=layout.cgroup_path(key, present[key]))
         newest = max(d.stat().st_mtime for d in present.values())
         if group.pids() or time.time() - newest < grace_s:
             continue

@@ -150,3 +150,56 @@ def test_sweep_takes_only_its_own_state_directory_s_cgroups(
     removed = sweep_cgroups(set(), prefix="aaaa-", layout=layout, grace_s=0.0)
     assert tried == [path.removeprefix("cgroup ") for path in removed]
     assert tried and all(path.endswith("/aaaa-copy-1") for path in tried)
+
+
+# A container's view on v1 (runc, the host's cgroup namespace): every hierarchy is mounted
+# from the container's cgroup down, and /proc/self/cgroup names it from the host's root.
+CONTAINER = "/libpod_parent/libpod-1234"
+CONTAINER_SELF = "".join(
+    f"{n}:{c}:{CONTAINER}\n" for n, c in ((8, "pids"), (4, "memory"), (1, "cpu,cpuacct"))
+)
+
+
+def container_mountinfo(root: Path) -> str:
+    lines = [f"88 81 0:48 / {root} rw - tmpfs tmpfs rw"]
+    for number, name in enumerate(("memory", "cpu,cpuacct", "pids")):
+        options = name.replace(",", " ")
+        lines.append(f"{90 + number} 88 0:3{number} {CONTAINER} {root / name} rw - cgroup cgroup "
+                     f"rw,{options}")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def test_inside_a_container_its_own_cgroup_is_the_top_of_each_mount(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cg"
+    for name in ("memory", "cpu,cpuacct", "pids"):
+        (root / name).mkdir(parents=True)
+        (root / name / "cgroup.procs").write_text("")
+    (root / "cpu").symlink_to(root / "cpu,cpuacct")
+
+    layout = detect_layout(root, CONTAINER_SELF, mountinfo=container_mountinfo(root))
+
+    assert layout is not None and layout.version == 1
+    # Below the mount, not below the host's path repeated inside it.
+    assert layout.parents["memory"] == root / "memory" / "snapctl"
+    assert layout.parents["cpu"] == root / "cpu" / "snapctl"
+    group = create_cgroup("copy-1", Limits(memory_bytes=512 << 20), layout=layout)
+    assert group is not None
+    # As /proc/PID/cgroup names it.
+    assert group.path == f"{CONTAINER}/snapctl/copy-1"
+    # gc names what it sweeps the same way (a fake tree's directories hold files: no rmdir).
+    monkeypatch.setattr(ActivationCgroup, "remove", lambda self, timeout_s: True)
+    assert sweep_cgroups(set(), layout=layout, grace_s=0.0) == [
+        f"cgroup {CONTAINER}/snapctl/copy-1"
+    ]
+
+
+def test_a_cgroup_namespace_shows_its_root_as_the_mounts_top(tmp_path: Path) -> None:
+    root = v2_tree(tmp_path / "cg")
+    mountinfo = f"30 25 0:26 / {root} rw - cgroup2 cgroup2 rw\n"
+
+    layout = detect_layout(root, "0::/\n", mountinfo=mountinfo)
+
+    assert layout is not None and layout.parents == {"unified": root / "snapctl"}
+    assert layout.roots == {}
