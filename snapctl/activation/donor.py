@@ -40,6 +40,7 @@ from snapctl.criu.ops import write_action_script
 from snapctl.criu.stats import DumpStats
 from snapctl.errors import ExitStatus, SnapctlError, is_no_space, no_space_message
 from snapctl.images import ImageStaging, Manifest, ProcessEntry, hash_tree
+from snapctl.namespaces.devices import BUILT
 from snapctl.namespaces.layout import SANDBOX_LOGS_DIR
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
@@ -142,6 +143,7 @@ def capture(
             identity=identity,
             capture_facts=facts,
             server_env_names=sorted(server_env),
+            sandbox_dev=BUILT,
         )
         published = staging.publish(manifest)
         timings["publish"] = clock() - started

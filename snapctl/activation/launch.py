@@ -29,6 +29,7 @@ from snapctl.activation.timeouts import (
 from snapctl.cgroups import ActivationCgroup, Limits
 from snapctl.errors import ExitStatus, ProcessExitedError, SnapctlError, WaitTimeoutError
 from snapctl.logtail import log_tail, text_tail
+from snapctl.namespaces.devices import host_device_nodes
 from snapctl.namespaces.hostview import PrivatePathError, host_binds
 from snapctl.namespaces.layout import (
     SANDBOX_CONTROL_DIR,
@@ -184,6 +185,8 @@ def launch_in_sandbox(
         binds=[
             *dirs.binds(),
             *(BindMount(host=path, target=path, no_symlinks=True) for path in host_paths),
+            # The sandbox's /dev is its own; GPUs' nodes are the host's, bound in.
+            *(BindMount(host=path, target=path, no_symlinks=True) for path in host_device_nodes()),
         ],
         lo_addresses=options.lo_addresses,
     )

@@ -27,6 +27,7 @@ from snapctl.criu.lazy.transfer import LazyTransfer
 from snapctl.criu.lazy.workingset import record_working_sets
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images import Manifest
+from snapctl.namespaces.devices import require_restorable_dev
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
 from snapctl.supervision.process import PinnedProcess
@@ -172,6 +173,7 @@ def restore_tree(
 ) -> None:
     """Stage the copy's directories and restore its tree with ``strategy``; the session goes
     from created through restoring to restored, its tree pinned as ``session.root``."""
+    require_restorable_dev(manifest.sandbox_dev, tools.sandbox.dev_fstype())
     session.advance(SessionState.RESTORING)
     progress("staging the copy's directories")
     started = tools.clock()

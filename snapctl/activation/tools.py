@@ -29,6 +29,7 @@ from snapctl.criu.ops import dump_tree, restore_tree
 from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest, stage_shm_copy, verify_image
 from snapctl.images.identity.models import Difference, Identity
+from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
 from snapctl.protocol.controldir import ControlDir
@@ -82,6 +83,10 @@ class Sandbox(Protocol):
     def external_mounts(self, root_pid: int, dirs: ActivationDirs) -> dict[str, str]: ...
 
     def stage_shm(self, saved: Path, target: Path) -> None: ...
+
+    def dev_fstype(self) -> str | None:
+        """What is mounted at this machine's /dev (an image that kept it needs a devtmpfs)."""
+        ...
 
     def adopt_restored_trees(self) -> None: ...
 
@@ -187,6 +192,9 @@ class RealSandbox:
 
     def stage_shm(self, saved: Path, target: Path) -> None:
         stage_shm_copy(saved, target)
+
+    def dev_fstype(self) -> str | None:
+        return dev_fstype()
 
     def adopt_restored_trees(self) -> None:
         # Restored trees are reparented to the nearest subreaper: let that be us.

@@ -14,6 +14,7 @@ from pydantic import model_validator
 from snapctl.criu.stats import DumpStats
 from snapctl.images.identity.models import Identity
 from snapctl.models import StrictModel
+from snapctl.namespaces.devices import SandboxDev
 from snapctl.protocol.facts import CaptureFacts
 from snapctl.protocol.models import Oracle
 
@@ -84,6 +85,9 @@ class Manifest(StrictModel):
     # The names (never the values) of the environment the server was launched with, which its
     # memory, and so the image, holds; None in images captured before they were recorded.
     server_env_names: list[str] | None = None
+    # How the sandbox had its /dev: "host" in images captured before it built its own, whose
+    # mount tree only restores where /dev is a devtmpfs (see namespaces.devices).
+    sandbox_dev: SandboxDev = "host"
 
     @model_validator(mode="after")
     def _check(self) -> Manifest:

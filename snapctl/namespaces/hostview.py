@@ -14,13 +14,16 @@ mounted, with an nsfs per namespace under it; Kubernetes nodes make and remove
   working directory, program, the virtual environment its program runs in, or a path argument
   such as ``--model``) is bound in explicitly (:func:`host_binds`), fully resolved and never
   through a symlink, and recorded as an external host mount, like an undumpable one.
+- **Built roots** (``/dev``): every host mount at or below it is detached and the sandbox
+  builds its own (``snapctl.namespaces.devices``): a host's devtmpfs and a container's tmpfs
+  differ, and an image must restore wherever its copy runs.
 - **Other transient places** (container runtimes' state, ``/var/run`` where it is a directory):
   every mount there that holds none of the server's paths is detached.
 - **nsfs** (a bound namespace file, as ``ip netns`` makes) is detached wherever it is.
 - **A tmpfs elsewhere** holding none of the server's paths is detached too (CRIU would tar it
   and record host paths a copy cannot have).
 
-Everything else (the root, /proc, /sys, /dev, a driver tree or data disk) stays: the server may
+Everything else (the root, /proc, /sys, a driver tree or data disk) stays: the server may
 need it, and the identity gate checks the files it used. :func:`hidden_mounts` is what
 ``snapctl doctor`` reports.
 """
@@ -32,6 +35,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 PRIVATE_ROOTS = ("/run", "/tmp")
+# Replaced by one the sandbox builds (namespaces.devices), whatever the server needs there.
+BUILT_ROOTS = ("/dev",)
 # Where hosts and container runtimes mount things that come and go.
 TRANSIENT_ROOTS = (
     *PRIVATE_ROOTS, "/var/run", "/var/lock", "/var/lib/docker", "/var/lib/containerd",
@@ -73,7 +78,7 @@ def _holds_any(point: str, paths: Iterable[str]) -> bool:
 
 def always_hidden(mount: HostMount) -> bool:
     """Whether a sandbox detaches this host mount whatever the server needs."""
-    return mount.fstype in HIDDEN_TYPES or _within_any(mount.point, PRIVATE_ROOTS)
+    return mount.fstype in HIDDEN_TYPES or _within_any(mount.point, (*PRIVATE_ROOTS, *BUILT_ROOTS))
 
 
 def hides(mount: HostMount, needed: Iterable[str] = ()) -> bool:
@@ -94,12 +99,13 @@ def mounts_to_detach(mounts: Iterable[HostMount], needed: Iterable[str]) -> list
 
 def hidden_mounts(mounts: Iterable[HostMount]) -> list[HostMount]:
     """Host mounts every sandbox hides, other than the private roots themselves (which it
-    replaces), snapctl's own, and tmpfs elsewhere (dropped unless the server needs one): what
-    ``snapctl doctor`` reports."""
+    replaces), snapctl's own, what is under a built root (rebuilt, not missed) and tmpfs
+    elsewhere (dropped unless the server needs one): what ``snapctl doctor`` reports."""
     return [
         m
         for m in mounts
         if m.point not in ("/", *PRIVATE_ROOTS)
+        and not _within_any(m.point, BUILT_ROOTS)
         and not m.source.startswith(OWN_SOURCE_PREFIX)
         and (m.fstype in HIDDEN_TYPES or _within_any(m.point, TRANSIENT_ROOTS))
     ]

@@ -20,7 +20,7 @@ from pathlib import Path
 # snapctl installed under /tmp could no longer import it.
 from pyroute2 import IPRoute
 
-from snapctl.namespaces import mounts, seccomp
+from snapctl.namespaces import devices, mounts, seccomp
 from snapctl.namespaces.hostview import HostMount, mounts_to_detach, server_paths
 from snapctl.namespaces.layout import SandboxSpec
 
@@ -66,6 +66,7 @@ def prepare_and_exec(spec: SandboxSpec) -> None:
     _detach_hidden(_needed_paths(spec))
     mounts.mount_tmpfs("/run", "mode=0755")
     mounts.mount_tmpfs("/tmp", "mode=1777")
+    devices.build_dev()
     for bind, tree in trees:
         target = Path(bind.target)
         if stat.S_ISDIR(os.fstat(tree).st_mode):  # what was cloned, not what the path is now

@@ -129,6 +129,9 @@ class FakeSandbox:
         self.steps("stage_shm")
         stage_shm_copy(saved, target)
 
+    def dev_fstype(self) -> str | None:
+        return "devtmpfs"
+
     def adopt_restored_trees(self) -> None:
         pass
 

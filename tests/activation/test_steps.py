@@ -3,6 +3,7 @@ without root through fake tools (see ``fake_tools``); the real steps are tested 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,16 @@ from snapctl.activation.native import NoNativeStep
 from snapctl.activation.states import SessionState, TransitionError, check_transition
 from snapctl.images import load_manifest
 from snapctl.images.lock import hold_image
+from snapctl.namespaces.devices import DevLayoutError
 from snapctl.statedir import STOPPED_FILE, StateDir, StopOutcome
-from tests.activation.fake_tools import CAPTURE_ID, CRIU, InjectedFailure, Steps, fake_tools
+from tests.activation.fake_tools import (
+    CAPTURE_ID,
+    CRIU,
+    FakeSandbox,
+    InjectedFailure,
+    Steps,
+    fake_tools,
+)
 
 DONOR_STEPS = [
     "create_dirs", "launch", "wait_capture_ready", "capture_identity", "external_mounts",
@@ -231,3 +240,19 @@ def test_a_stop_keeps_how_it_ended_in_the_logs_before_the_record_goes(
     assert outcome == StopOutcome(
         name=session.name, stopped=how, audit=audit.model_dump(), failure=session.failure
     )
+
+
+def test_an_image_that_kept_the_hosts_dev_is_refused_before_criu_where_dev_differs(
+    state: StateDir, image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As captured before sandboxes built their own /dev: no sandbox_dev recorded.
+    manifest = image / "manifest.json"
+    recorded = json.loads(manifest.read_text())
+    assert recorded.pop("sandbox_dev") == "own"
+    manifest.write_text(json.dumps(recorded))
+    monkeypatch.setattr(FakeSandbox, "dev_fstype", lambda self: "tmpfs")  # a container's
+    steps = Steps()
+    with pytest.raises(DevLayoutError, match="bake the image again"):
+        copy(state, image, steps)
+    assert "restore" not in steps.calls
+    assert_nothing_left(state, steps, "c")

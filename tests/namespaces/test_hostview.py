@@ -59,12 +59,29 @@ def test_a_sandbox_detaches_runtime_mounts_nsfs_and_foreign_tmpfs_children_first
         "/run/user/0",
         "/run/netns/cni-1234",
         "/run/netns",
+        "/dev/pts",
         "/dev/shm",
+        "/dev",
     ]
-    # What stays: the root, the pseudo filesystems, a driver tree and a data disk.
+    # What stays: the root, the pseudo filesystems, a driver tree and a data disk (/dev goes
+    # whole: each sandbox builds its own).
     kept = {m.point for m in HOST} - set(detached)
-    assert kept == {"/", "/proc", "/sys", "/sys/fs/cgroup", "/dev", "/dev/pts",
-                    "/usr/local/nvidia", "/data"}  # fmt: skip
+    assert kept == {"/", "/proc", "/sys", "/sys/fs/cgroup", "/usr/local/nvidia", "/data"}
+
+
+def test_a_containers_dev_goes_whole_like_a_hosts() -> None:
+    container = [
+        HostMount("/", "overlay", "overlay"),
+        HostMount("/dev", "tmpfs", "tmpfs"),
+        HostMount("/dev/pts", "devpts", "devpts"),
+        HostMount("/dev/mqueue", "mqueue", "mqueue"),
+        HostMount("/dev/shm", "tmpfs", "shm"),
+        HostMount("/etc/hosts", "ext4", "/dev/vda"),
+    ]
+    needed = ["/dev/nvidia0"]  # even a path the server names there: binds bring it back
+    assert mounts_to_detach(container, needed) == ["/dev/shm", "/dev/mqueue", "/dev/pts", "/dev"]
+    # Rebuilt, not missed: doctor does not list them.
+    assert hidden_mounts(container) == []
 
 
 def test_a_transient_mount_the_server_needs_stays_but_private_roots_never_do() -> None:
