@@ -9,20 +9,26 @@ All access to the machine goes through :class:`System`, so tests can swap in a f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from snapctl import __version__
+from snapctl.cgroups import CgroupError, Limits, create_cgroup, detect_layout
 from snapctl.criu.external import undumpable
 from snapctl.criu.locate import INSTALL_HINT, CriuBinary, find_criu
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
+from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.hostview import HostMount, hidden_mounts, hides
 from snapctl.namespaces.mounts import mount_lines, mount_type
 
@@ -80,6 +86,62 @@ class DoctorReport(StrictModel):
         return tuple(check.name for check in self.checks if check.status == "fail")
 
 
+# Files container runtimes leave in a container's root, and what each names.
+CONTAINER_MARKERS = {"/run/.containerenv": "podman", "/.dockerenv": "docker"}
+# The least memory limit a cgroup takes (the probe's; nothing runs in it).
+PROBE_MEMORY_BYTES = 64 << 20
+PRIVILEGED_FIX = "run the container with --privileged (Kubernetes: securityContext.privileged)"
+
+
+@dataclass(frozen=True)
+class ContainerFacts:
+    """What a container gives snapctl, probed only inside one (see :meth:`System.container`)."""
+
+    # /proc/self/status's Seccomp: 0 none, 1 strict, 2 a filter (a runtime's default profile).
+    seccomp: int | None
+    # Whether /proc/sys takes writes: CRIU sets restored namespaces' sysctls there.
+    proc_sys_writable: bool
+    # Why an activation's cgroup cannot be made here (None: one was made and removed).
+    cgroup_problem: str | None
+    # Why a device node cannot be made here (None: one was made and removed).
+    mknod_problem: str | None
+    # What is mounted at /dev.
+    dev: str | None
+
+
+def _seccomp_mode(status_text: str) -> int | None:
+    for line in status_text.splitlines():
+        if line.startswith("Seccomp:"):
+            value = line.split(":", 1)[1].strip()
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def _probe_mknod() -> str | None:
+    """Make and remove a /dev/null node in a scratch directory: what each sandbox's /dev
+    needs (a device cgroup that refuses it is a container's, unless privileged)."""
+    with tempfile.TemporaryDirectory(prefix="snapctl-doctor-") as scratch:
+        try:
+            os.mknod(os.path.join(scratch, "null"), stat.S_IFCHR | 0o600, os.makedev(1, 3))
+        except OSError as error:
+            return f"mknod: {error.strerror}"
+    return None
+
+
+def _probe_cgroup() -> str | None:
+    """Make an activation's cgroup with a memory limit, then remove it."""
+    if detect_layout() is None:
+        return "no cgroup hierarchy is mounted under /sys/fs/cgroup"
+    try:
+        group = create_cgroup(f"doctor-{os.getpid()}", Limits(memory_bytes=PROBE_MEMORY_BYTES))
+    except CgroupError as error:
+        return error.message
+    if group is not None:
+        with contextlib.suppress(OSError):
+            group.remove()
+    return None
+
+
 class System:
     """The machine as the doctor sees it; tests override methods to fake a different one."""
 
@@ -116,6 +178,34 @@ class System:
     def python(self) -> tuple[tuple[int, int, int], str]:
         major, minor, micro = sys.version_info[:3]
         return (major, minor, micro), sys.executable
+
+    def container_runtime(self) -> str | None:
+        """The container runtime this process runs under, if it can tell (None: a host)."""
+        for marker, runtime in CONTAINER_MARKERS.items():
+            if os.path.exists(marker):
+                return runtime
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            return "kubernetes"
+        with contextlib.suppress(OSError):
+            environ = Path("/proc/1/environ").read_bytes().split(b"\0")
+            for entry in environ:
+                if entry.startswith(b"container="):
+                    return entry.split(b"=", 1)[1].decode(errors="replace") or "container"
+        return None
+
+    def container(self) -> ContainerFacts:
+        """Probe what snapctl needs of a container (makes and removes a node and a cgroup)."""
+        try:
+            seccomp = _seccomp_mode(Path("/proc/self/status").read_text())
+        except OSError:
+            seccomp = None
+        return ContainerFacts(
+            seccomp=seccomp,
+            proc_sys_writable=os.access("/proc/sys/kernel/ns_last_pid", os.W_OK),
+            cgroup_problem=_probe_cgroup(),
+            mknod_problem=_probe_mknod(),
+            dev=dev_fstype(),
+        )
 
 
 def _last_line(text: str) -> str:
@@ -389,6 +479,73 @@ def check_python(system: System) -> Check:
     return Check(name="python", status="ok", detail=f"{shown} at {executable}")
 
 
+def container_checks(runtime: str | None, facts: ContainerFacts | None) -> list[Check]:
+    """What a container lacks for snapctl (one line on a host)."""
+    if runtime is None or facts is None:
+        return [Check(name="container", status="info", detail="none detected: on a host")]
+    checks = [
+        Check(
+            name="container",
+            status="info",
+            detail=f"running in a container ({runtime}); /dev is {facts.dev or 'not mounted'} "
+            "(each sandbox builds its own /dev; images captured by a snapctl whose sandbox "
+            "kept the host's /dev restore only on a host)",
+        )
+    ]
+    if facts.seccomp == 2:
+        checks.append(
+            Check(
+                name="seccomp",
+                status="fail",
+                detail="a seccomp filter confines this container: a runtime's default "
+                "profile refuses syscalls CRIU needs (ptrace, kcmp, mount, unshare, ...)",
+                fix=f"{PRIVILEGED_FIX}, or --security-opt seccomp=unconfined",
+            )
+        )
+    else:
+        checks.append(Check(name="seccomp", status="ok", detail="no seccomp filter"))
+    if facts.proc_sys_writable:
+        checks.append(Check(name="/proc/sys", status="ok", detail="writable"))
+    else:
+        checks.append(
+            Check(
+                name="/proc/sys",
+                status="fail",
+                detail="/proc/sys/kernel/ns_last_pid is not writable (/proc/sys read-only): "
+                "CRIU sets restored PIDs and namespaces' sysctls there",
+                fix=PRIVILEGED_FIX,
+            )
+        )
+    if facts.mknod_problem is None:
+        checks.append(Check(name="device nodes", status="ok", detail="mknod works"))
+    else:
+        checks.append(
+            Check(
+                name="device nodes",
+                status="fail",
+                detail=f"{facts.mknod_problem}: each sandbox's /dev is built with mknod, "
+                "which this container's device rules refuse",
+                fix=PRIVILEGED_FIX,
+            )
+        )
+    if facts.cgroup_problem is None:
+        checks.append(
+            Check(name="cgroup", status="ok", detail="activations' cgroups can be made here")
+        )
+    else:
+        checks.append(
+            Check(
+                name="cgroup",
+                status="warn",
+                detail=f"{facts.cgroup_problem}: --memory and --cpus are refused, and "
+                "activations are not accounted on their own",
+                fix=f"{PRIVILEGED_FIX} (cgroupfs writable); on cgroup v2, start snapctl in a "
+                "child cgroup of the container's (or set SNAPCTL_CGROUP_PARENT)",
+            )
+        )
+    return checks
+
+
 def run_doctor(criu: str | None = None, system: System | None = None) -> DoctorReport:
     """Run every check (``criu`` names a CRIU binary to use) and return the report."""
     system = system or System()
@@ -410,4 +567,6 @@ def run_doctor(criu: str | None = None, system: System | None = None) -> DoctorR
         check_cuda_checkpoint(system),
         check_python(system),
     ]
+    runtime = system.container_runtime()
+    checks += container_checks(runtime, system.container() if runtime is not None else None)
     return DoctorReport.from_checks(checks)

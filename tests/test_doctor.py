@@ -12,6 +12,7 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.locate import CriuNotFound
 from snapctl.doctor import (
     NAMESPACE_PROBE,
+    ContainerFacts,
     DoctorReport,
     System,
     effective_capabilities,
@@ -28,6 +29,18 @@ MOUNTS = (
 )
 
 Response = tuple[int, str] | BaseException
+# What `podman run --privileged` gives.
+PRIVILEGED = ContainerFacts(
+    seccomp=0, proc_sys_writable=True, cgroup_problem=None, mknod_problem=None, dev="tmpfs"
+)
+# What a default (unprivileged) podman container gives.
+UNPRIVILEGED = ContainerFacts(
+    seccomp=2,
+    proc_sys_writable=False,
+    cgroup_problem="cannot make the cgroup: Read-only file system",
+    mknod_problem="mknod: Operation not permitted",
+    dev="tmpfs",
+)
 
 
 class FakeSystem(System):
@@ -41,6 +54,8 @@ class FakeSystem(System):
         self.machine = "x86_64"
         self.tools: dict[str, str | None] = {"unshare": "/usr/bin/unshare", "cuda-checkpoint": None}
         self.criu: CriuBinary | BaseException = CriuBinary(CRIU_PATH, "4.2.1", "prefix")
+        self.runtime: str | None = None
+        self.facts = PRIVILEGED
         self.responses: dict[str, Response] = {
             "criu check": (0, "Warn: something minor\nLooks good."),
             "criu check --feature uffd-noncoop": (0, "uffd-noncoop is supported"),
@@ -77,6 +92,13 @@ class FakeSystem(System):
         if isinstance(self.criu, BaseException):
             raise self.criu
         return self.criu
+
+    def container_runtime(self) -> str | None:
+        return self.runtime
+
+    def container(self) -> ContainerFacts:
+        self.events.append("container probes")
+        return self.facts
 
 
 def by_name(report: DoctorReport) -> dict[str, tuple[str, str]]:
@@ -302,3 +324,42 @@ def test_many_hidden_host_mounts_are_counted() -> None:
     netns = "".join(f"nsfs /run/netns/cni-{n} nsfs rw 0 0\n" for n in range(20))
     detail = by_name(run_doctor(system=FakeSystem(mounts=MOUNTS + netns)))["hidden host mounts"][1]
     assert "/run/netns/cni-7 (nsfs) and 12 more: hidden" in detail
+
+
+def test_on_a_host_no_container_is_probed() -> None:
+    system = FakeSystem()
+
+    report = run_doctor(system=system)
+
+    assert by_name(report)["container"] == ("info", "none detected: on a host")
+    assert "container probes" not in system.events
+    assert not {"seccomp", "/proc/sys", "device nodes", "cgroup"} & set(by_name(report))
+
+
+def test_a_privileged_container_has_what_snapctl_needs() -> None:
+    system = FakeSystem(runtime="podman")
+
+    report = run_doctor(system=system)
+
+    assert report.ready
+    checks = by_name(report)
+    assert checks["container"][0] == "info" and "(podman)" in checks["container"][1]
+    assert "/dev is tmpfs" in checks["container"][1]
+    for name in ("seccomp", "/proc/sys", "device nodes", "cgroup"):
+        assert checks[name][0] == "ok"
+    assert system.events[-1] == "container probes"
+
+
+def test_an_unprivileged_container_fails_naming_privileged_for_each_lack() -> None:
+    report = run_doctor(system=FakeSystem(runtime="podman", facts=UNPRIVILEGED))
+
+    assert not report.ready
+    assert report.failed == ("seccomp", "/proc/sys", "device nodes")
+    checks = {check.name: check for check in report.checks}
+    assert "ns_last_pid" in checks["/proc/sys"].detail
+    assert "Operation not permitted" in checks["device nodes"].detail
+    # Without cgroups only limits and accounting go: a warning.
+    assert checks["cgroup"].status == "warn" and "Read-only" in checks["cgroup"].detail
+    for name in ("seccomp", "/proc/sys", "device nodes", "cgroup"):
+        fix = checks[name].fix
+        assert fix is not None and "--privileged" in fix
