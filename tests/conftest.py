@@ -3,7 +3,8 @@ state directory and captured image of the real agent and pool tests (``agent_sta
 ``donor_image``; their helpers are in tests/agent/helpers.py).
 
 Tests marked ``@pytest.mark.registry`` need Debian's ``docker-registry`` (started on loopback
-by the ``registry_server`` fixture), with the same policy.
+by the ``registry_server`` fixture), and those marked ``@pytest.mark.podman`` need root,
+``podman`` and ``runc``, with the same policy.
 
 Tests marked ``@pytest.mark.criu`` need root and a usable CRIU (>= 4.2). Without them they are
 skipped on a developer's machine, but fail under ``CI`` (set and not "0"/"false"): CI runs as
@@ -13,6 +14,7 @@ root with CRIU installed by scripts/setup, so a skip there would hide a broken i
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -49,8 +51,18 @@ def _registry() -> tuple[str | None, str]:
     return binary, "" if binary else f"needs {REGISTRY_BINARY} (scripts/setup installs it)"
 
 
+def _podman() -> tuple[str | None, str]:
+    if os.geteuid() != 0:
+        return None, "needs root"
+    missing = [name for name in ("podman", "runc") if shutil.which(name) is None]
+    if missing:
+        return None, f"needs {' and '.join(missing)} (scripts/setup installs them)"
+    return shutil.which("podman"), ""
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     skip_unless_found(item, "registry", _registry)
+    skip_unless_found(item, "podman", _podman)
     skip_unless_found(item, "criu", _real_criu)
 
 
