@@ -182,7 +182,9 @@ class System:
     def container_runtime(self) -> str | None:
         """The container runtime this process runs under, if it can tell (None: a host)."""
         for marker, runtime in CONTAINER_MARKERS.items():
-            if os.path.exists(marker):
+            # /.dockerenv stays in an image made into a machine's root, whose /dev is then a
+            # devtmpfs, which no container runtime mounts.
+            if os.path.exists(marker) and (runtime != "docker" or dev_fstype() != "devtmpfs"):
                 return runtime
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
             return "kubernetes"
