@@ -4,9 +4,10 @@ For each size (GB of float32 weights; ``tiny`` is the tests' model) a Llama of t
 written once (``scripts/llama_model.py``, deterministic, kept in the models directory), then,
 in one run and one size at a time: the cold start to the first correct completion and the same
 completion asked again of that warm server; ``snapctl bake``'s launch → capture-ready and the
-image's size on disk; plain and lazy copies (in turns) and copies from the agent's pool, each
-to the first correct completion, with its handshake; a bare ``criu restore`` of the same image
-to the barrier; and the PSS of one and of three parked copies. What a copy adds is its time to
+image's size on disk; the first lazy copies, which learn the image's working sets on this host;
+then plain and lazy copies (in turns) and copies from the agent's pool, each to the first
+correct completion, with its handshake; a bare ``criu restore`` of the same image to the
+barrier; and the PSS of one and of three parked copies. What a copy adds is its time to
 the first correct completion less the warm completion's.
 """
 
@@ -23,15 +24,21 @@ from typing import Any
 
 from bench import bare, vllm
 from bench.agent import AgentCli
+from bench.workload import Answer
 from snapctl.activation.donor import start_donor
 from snapctl.activation.launch import repo_root
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary
+from snapctl.criu.lazy.tuning import WORKING_SET_MIN_GROWTH
+from snapctl.criu.lazy.workingset import read_working_set
 from snapctl.pool.records import load_parked_records
+from snapctl.registry.workingsets import image_pagemaps
 from snapctl.statedir import StateDir
 from snapctl.supervision.memory import read_ksm, tree_memory
 
 TINY = "tiny"
+# The most lazy copies the benchmark makes to learn an image's working sets.
+LEARN_MAX_COPIES = 6
 KSM_SETTLE_TIMEOUT_S = 300.0
 KSM_STEADY_S = 10.0
 
@@ -107,6 +114,7 @@ def _one_size(
     results.image_bytes = sum(p.stat().st_blocks * 512 for p in image.rglob("*") if p.is_file())
     say(f"{size}: capture-ready {results.capture_ready_s:.1f} s (cold start "
         f"{results.cold_start_s:.1f} s), image {results.image_bytes / 1e9:.2f} GB")  # fmt: skip
+    _learn_working_sets(python, model, image, criu, state, reference, measured, say)
     for rep in range(reps):
         for lazy in (False, True) if rep % 2 == 0 else (True, False):
             vllm.copy_once(python, model, image, criu, state, lazy, reference, measured, say)
@@ -116,6 +124,34 @@ def _one_size(
     results.pss_bytes = _parked_pss(image, state, work, say)
     shutil.rmtree(image, ignore_errors=True)
     return results
+
+
+def _learn_working_sets(
+    python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir,
+    reference: Answer, measured: vllm.VllmResults, say: vllm.Say,
+) -> None:  # fmt: skip
+    """Lazy copies until the host's working sets of the image stop growing (the first lazy
+    copies of an image on a host learn what a copy touches: docs/lazy.md), each timed as
+    ``lazy-learning``; the ``lazy`` samples after them are the steady state."""
+    learned = _learned_pages(image, state)
+    for _ in range(LEARN_MAX_COPIES):
+        vllm.copy_once(python, model, image, criu, state, True, reference, measured, say,
+                       kind="lazy-learning")  # fmt: skip
+        before, learned = learned, _learned_pages(image, state)
+        if learned - before <= before * WORKING_SET_MIN_GROWTH:
+            return
+
+
+def _learned_pages(image: Path, state: StateDir) -> int:
+    return sum(len(read_working_set(state.views, key) or ())
+               for key in image_pagemaps(image))  # fmt: skip
+
+
+def _learning(samples: list[dict[str, Any]]) -> str:
+    if not samples:
+        return "-"
+    times = ", ".join(f"{s['ready_s']:.2f}" for s in samples)
+    return f"{times} s ({len(samples)} copies until the working sets stopped growing)"
 
 
 def _pss(pss: dict[str, int]) -> str:
@@ -211,6 +247,9 @@ def render(found: list[SizeResults], reps: int) -> str:
             cells.append(f"{ready:.2f} s (adds {adds:.2f} s; handshake {handshake * 1e3:.0f} ms;"
                          f" {r.cold_start_s / ready:.0f}x sooner)")  # fmt: skip
         row(f"{kind} copy → first correct completion", cells)
+        if kind == "plain":
+            row("first lazy copies, learning what a copy touches",
+                [_learning(r.copies.get("lazy-learning", [])) for r in found])  # fmt: skip
     row("PSS of 1 / 3 parked copies", [_pss(r.pss_bytes) for r in found])
     lines.append(f"\nMedians of {reps}; seconds from the command's start.")
     return "\n".join(lines) + "\n"
