@@ -184,11 +184,10 @@ def _parked_pss(image: Path, state: StateDir, work: Path, say: vllm.Say) -> dict
             cli.snapctl("pool", "set", "--image", str(image), "--size", str(count), "--no-lazy")
             cli.wait_parked(image, count, vllm.TIMEOUT_S)
             found[f"merge_{count}_s"] = int(_merged(KSM_SETTLE_TIMEOUT_S))
-            found[str(count)] = sum(
-                tree_memory(record.root_pid, record.root_start_time) or 0
-                for _, record in load_parked_records(state)
-                if record is not None and record.root_pid is not None
-            )
+            trees = [tree_memory(record.root_pid, record.root_start_time)
+                     for _, record in load_parked_records(state)
+                     if record is not None and record.root_pid is not None]  # fmt: skip
+            found[str(count)] = sum(tree.pss_bytes or 0 for tree in trees if tree is not None)
             say(f"PSS of {count} parked: {found[str(count)] / 1e9:.2f} GB "
                 f"(KSM settled in {found[f'merge_{count}_s']} s)")  # fmt: skip
         cli.snapctl("pool", "rm", "--image", str(image))

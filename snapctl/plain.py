@@ -110,9 +110,13 @@ PS_COLUMNS = (
 
 
 def _memory(row: dict[str, Any]) -> str:
-    """The tree's PSS (rows from an agent older than this column have none)."""
+    """The tree's PSS, and what KSM saves in it where it saves anything (rows from an agent
+    older than these fields have none)."""
     value = row.get("memory_bytes")
-    return "-" if value is None else mib(value)
+    if value is None:
+        return "-"
+    saved = row.get("ksm_saved_bytes")
+    return mib(value) if not saved or saved <= 0 else f"{mib(value)} (KSM saves {mib(saved)})"
 
 
 def _pages(row: dict[str, Any]) -> str:

@@ -86,12 +86,13 @@ class PoolRemoveRequest(_Request):
 
 class ActivationRow(ActivationRecord):
     """One row of ``GET /v1/activations`` (``snapctl ps --json``): the record, whether its
-    tree and its supervisor still run, its tree's PSS and what its cgroup is charged (None
-    once gone, or without a cgroup)."""
+    tree and its supervisor still run, its tree's PSS, what KSM saves in it and what its
+    cgroup is charged (None once gone, or without a cgroup)."""
 
     running: bool
     supervised: bool
     memory_bytes: int | None = None
+    ksm_saved_bytes: int | None = None
     cgroup_memory_bytes: int | None = None
 
 

@@ -14,7 +14,8 @@ from snapctl.supervision.process import is_same_process
 
 def activation_rows(state: StateDir) -> list[dict[str, Any]]:
     """``ps --json``: the records in ``state`` (by name), each with ``running`` (its tree),
-    ``supervised`` (its supervisor) and ``memory_bytes`` (its tree's PSS; None when gone);
+    ``supervised`` (its supervisor), ``memory_bytes`` (its tree's PSS; None when gone) and
+    ``ksm_saved_bytes`` (what KSM saves in it: pages merged with other copies' and the host's);
     its cgroup (``cgroup``, ``memory_limit_bytes``, ``cpus``, from the record) and what the
     cgroup charges (``cgroup_memory_bytes``: every page of the tree, shared ones included)."""
     rows = []
@@ -25,7 +26,8 @@ def activation_rows(state: StateDir) -> list[dict[str, Any]]:
             **record.model_dump(mode="json"),
             "running": running,
             "supervised": is_same_process(record.supervisor_pid, record.supervisor_start_time),
-            "memory_bytes": memory,
+            "memory_bytes": None if memory is None else memory.pss_bytes,
+            "ksm_saved_bytes": None if memory is None else memory.ksm_saved_bytes,
             "cgroup_memory_bytes": _cgroup_memory(record.cgroup, record.cgroup_dirs),
         })  # fmt: skip
     return rows

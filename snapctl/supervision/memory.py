@@ -64,20 +64,44 @@ def members_memory(members: list[psutil.Process]) -> int | None:
     return total if found else None
 
 
-def tree_memory(root_pid: int, root_start_time: float | None) -> int | None:
-    """The PSS of the tree under ``root_pid`` (None: gone, another process now, or nothing
-    readable). The tree is listed from its own ``/proc`` entries (``descendants``), not by a
-    scan of every process: ``ps`` reads this for every activation."""
+def ksm_saved(pids: list[int], proc: Path = Path("/proc")) -> int | None:
+    """What KSM saves in the processes ``pids`` together (each one's ``ksm_process_profit``: its
+    pages merged with others, less KSM's bookkeeping for them); None where the kernel tells
+    none."""
+    total, found = 0, False
+    for pid in pids:
+        try:
+            with (proc / str(pid) / "ksm_stat").open(encoding="ascii") as stat:
+                fields = dict(line.split(maxsplit=1) for line in stat if " " in line)
+            total += int(fields["ksm_process_profit"])
+            found = True
+        except (OSError, KeyError, ValueError):  # gone, or a kernel before Linux 6.7
+            continue
+    return total if found else None
+
+
+class TreeMemory(StrictModel):
+    """A tree's PSS and what KSM saves in it (None: unreadable)."""
+
+    pss_bytes: int | None
+    ksm_saved_bytes: int | None
+
+
+def tree_memory(root_pid: int, root_start_time: float | None) -> TreeMemory | None:
+    """The PSS of the tree under ``root_pid`` and what KSM saves in it (None: gone, or another
+    process now). The tree is listed from its own ``/proc`` entries (``descendants``), not by
+    a scan of every process: ``ps`` reads this for every activation."""
     try:
         if root_start_time is not None and not same_start(start_time(root_pid), root_start_time):
             return None
     except ProcessGoneError:
         return None
+    pids = descendants(root_pid)
     members = []
-    for pid in descendants(root_pid):
+    for pid in pids:
         with contextlib.suppress(psutil.Error):
             members.append(psutil.Process(pid))
-    return members_memory(members)
+    return TreeMemory(pss_bytes=members_memory(members), ksm_saved_bytes=ksm_saved(pids))
 
 
 class KsmStatus(StrictModel):

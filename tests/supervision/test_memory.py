@@ -16,6 +16,7 @@ from snapctl.supervision.memory import (
     KSM_SLEEP_MS,
     KsmStatus,
     enable_ksm,
+    ksm_saved,
     read_ksm,
     tree_memory,
 )
@@ -83,10 +84,24 @@ def test_a_trees_memory_counts_its_children() -> None:
         child = int(child_pid)
         alone = psutil.Process(root.pid).memory_full_info().pss
         total = tree_memory(root.pid, start_time(root.pid))
-        assert total is not None and total > alone + (60 << 20)
+        assert total is not None and total.pss_bytes is not None
+        assert total.pss_bytes > alone + (60 << 20)
+        assert total.ksm_saved_bytes == 0  # nothing marked mergeable
         assert tree_memory(root.pid, start_time(root.pid) + 100) is None  # not that process
     finally:
         if child:
             os.kill(child, 9)
         root.kill()
         root.wait()
+
+
+def test_ksm_saved_adds_each_process_profit(tmp_path: Path) -> None:
+    for pid, profit in ((10, "4096"), (11, "-64")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "ksm_stat").write_text(
+            f"ksm_rmap_items 2\nksm_merging_pages 1\nksm_process_profit {profit}\n"
+        )
+    (tmp_path / "12").mkdir()
+    (tmp_path / "12" / "ksm_stat").write_text("ksm_rmap_items 0\n")  # a kernel before 6.7
+    assert ksm_saved([10, 11, 12, 13], proc=tmp_path) == 4032
+    assert ksm_saved([12, 13], proc=tmp_path) is None
