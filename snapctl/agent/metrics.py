@@ -1,7 +1,7 @@
 """The agent's Prometheus metrics (``GET /metrics``): copies served and where from, phase
 durations, donors and bakes served, failures by phase, the warm pool's size, memory and churn,
-each activation's memory, what the host's KSM saves, and TCP connections refused at the
-listeners' limits.
+each activation's memory, its cgroup's charge and limit, what the host's KSM saves, and TCP
+connections refused at the listeners' limits.
 
 One private registry per agent (not prometheus_client's global one, so tests can run several);
 the pool's gauges are read from :meth:`WarmPool.listing` at scrape time, never cached.
@@ -42,10 +42,23 @@ class _PoolCollector(Collector):
             "snapctl_pool_memory_bytes", "Memory (PSS) the parked copies hold, by image.",
             labels=["image"],
         )  # fmt: skip
+        charged = GaugeMetricFamily(
+            "snapctl_pool_cgroup_memory_bytes", "What the parked copies' own cgroups are "
+            "charged together (every page, shared ones included), by image.", labels=["image"],
+        )  # fmt: skip
+        limit = GaugeMetricFamily(
+            "snapctl_pool_copy_memory_limit_bytes", "Each parked copy's cgroup memory limit "
+            "(pool set --memory), by image.", labels=["image"],
+        )  # fmt: skip
         for entry in listing.entries if listing is not None else ():
             image = entry.target.image
             target.add_metric([image], entry.target.size)
             memory.add_metric([image], entry.memory_bytes)
+            if entry.target.memory_bytes is not None:
+                limit.add_metric([image], entry.target.memory_bytes)
+            charges = [row.cgroup_memory_bytes for row in entry.parked if row.cgroup]
+            if charges:
+                charged.add_metric([image], sum(charge or 0 for charge in charges))
             states: dict[str, int] = {}
             for row in entry.parked:
                 states[row.state] = states.get(row.state, 0) + 1
@@ -54,6 +67,8 @@ class _PoolCollector(Collector):
         yield target
         yield parked
         yield memory
+        yield charged
+        yield limit
         ksm = listing.ksm if listing is not None else None
         if ksm is not None:
             yield GaugeMetricFamily(
@@ -75,10 +90,25 @@ class _ActivationCollector(Collector):
             "snapctl_activation_memory_bytes", "Memory (PSS) of each running activation's tree.",
             labels=["name", "kind"],
         )  # fmt: skip
+        charged = GaugeMetricFamily(
+            "snapctl_activation_cgroup_memory_bytes", "What each activation's own cgroup is "
+            "charged (every page of its tree, shared ones included).", labels=["name", "kind"],
+        )  # fmt: skip
+        limit = GaugeMetricFamily(
+            "snapctl_activation_cgroup_memory_limit_bytes", "Each running activation's cgroup "
+            "memory limit (--memory; none: unlimited).", labels=["name", "kind"],
+        )  # fmt: skip
         for row in self._rows():
+            labels = [row["name"], row["kind"]]
             if row.get("memory_bytes") is not None:
-                memory.add_metric([row["name"], row["kind"]], row["memory_bytes"])
+                memory.add_metric(labels, row["memory_bytes"])
+            if row.get("cgroup_memory_bytes") is not None:
+                charged.add_metric(labels, row["cgroup_memory_bytes"])
+            if row.get("running") and row.get("memory_limit_bytes") is not None:
+                limit.add_metric(labels, row["memory_limit_bytes"])
         yield memory
+        yield charged
+        yield limit
 
 
 class AgentMetrics:

@@ -3,7 +3,8 @@ the memory and CPU limits its user asked for (``--memory``, ``--cpus``).
 
 ``limits`` owns the limits and their podman spellings; ``layout`` finds the cgroup hierarchies
 of this host (v2 unified, or v1/hybrid) and where snapctl's cgroups go; ``group`` creates,
-fills, reads and removes one activation's cgroup; ``sweep`` is what ``snapctl gc`` removes.
+fills, reads and removes one activation's cgroup; ``lookup`` finds one by its name where no
+record keeps it (a parked copy's); ``sweep`` is what ``snapctl gc`` removes.
 Every function takes the cgroup filesystem's root as a parameter, so tests use a fake tree.
 """
 

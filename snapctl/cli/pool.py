@@ -110,7 +110,7 @@ def _lazy(value: bool | None) -> str:
 @pool.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def list_pool(as_json: bool) -> None:
-    """List the pool's images and their parked copies (age, memory, state)."""
+    """List the pool's images and their parked copies (age, memory, state, cgroup)."""
     listing: dict[str, Any] = call(_client(), "GET", "/pool")
     if as_json:
         emit_json(listing, sort_keys=False)
@@ -122,18 +122,28 @@ def list_pool(as_json: bool) -> None:
         ready = sum(1 for row in parked if row["state"] == "parked")
         rows.append([
             target["image"], f"{ready}/{target['size']}", _lazy(target["lazy"]),
-            _size(entry["memory_bytes"]), _size(target["max_memory"]), "", "", "",
+            _size(entry["memory_bytes"]), _size(target["max_memory"]), "", "", "", "", "", "",
             entry.get("last_failure") or "",
         ])  # fmt: skip
         for row in parked:
             rows.append(["", "", "", _size(row["memory_bytes"]), "", row["id"], row["state"],
-                         f"{row['age_s']:.0f} s", ""])  # fmt: skip
+                         f"{row['age_s']:.0f} s", *_cgroup(row), ""])  # fmt: skip
     columns = ("image", "parked", "restore", "memory", "budget", "copy", "state", "age",
-               "last failure")  # fmt: skip
+               "cgroup", "charged", "limit", "last failure")  # fmt: skip
     print_table(columns, rows)
     ksm = listing.get("ksm")
     if ksm is not None:
         click.echo(_describe_ksm(ksm))
+
+
+def _cgroup(row: dict[str, Any]) -> list[str]:
+    """A parked copy's cgroup, what it is charged and its memory limit (rows from an agent
+    older than these columns have none)."""
+    if not row.get("cgroup"):
+        return ["-", "-", "-"]
+    limit = row.get("memory_limit_bytes")
+    return [row["cgroup"], _size(row.get("cgroup_memory_bytes")),
+            "none" if limit is None else _size(limit)]  # fmt: skip
 
 
 def _describe_ksm(ksm: dict[str, Any]) -> str:

@@ -8,11 +8,14 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
+from snapctl.cgroups.lookup import cgroup_named
 from snapctl.pool.models import ParkedRecord
 from snapctl.supervision.memory import members_memory, tree_members
+from snapctl.supervision.process import is_same_process
 
 # The memory of parked copies is looked at this often: the resident counters of each tree's
 # processes (statm), and its PSS (smaps_rollup: a walk of every page table entry, its time
@@ -76,3 +79,25 @@ class CopyMemory:
     def shares_changed(self) -> None:
         """A sibling that shared pages with this copy went: read its PSS at the next tick."""
         self.at = -math.inf
+
+
+def cgroup_columns(record: ParkedRecord | None, prefix: str) -> dict[str, Any]:
+    """A parked copy's cgroup columns of ``pool ls`` (:class:`ParkedCopyRow`'s ``cgroup``,
+    ``cgroup_memory_bytes``, ``memory_limit_bytes``), read now; none while it restores, once
+    its tree is gone, or where it runs in no cgroup of its own. ``prefix``: its state
+    directory's cgroup names' (``StateDir.cgroup_prefix``)."""
+    if record is None or record.activation_id is None:
+        return {}
+    pid, started = record.root_pid, record.root_start_time
+    if pid is None or started is None:
+        return {}
+    group = cgroup_named(prefix + record.activation_id, pid)
+    # Checked after the read: a PID reused since would otherwise lend its cgroup to the copy.
+    if group is None or not is_same_process(pid, started):
+        return {}
+    usage = group.usage()
+    return {
+        "cgroup": usage.cgroup,
+        "cgroup_memory_bytes": usage.memory_bytes,
+        "memory_limit_bytes": usage.memory_limit_bytes,
+    }

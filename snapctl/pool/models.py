@@ -30,6 +30,12 @@ class ParkedCopyRow(StrictModel):
     memory_bytes: int | None  # PSS of its whole tree (RSS where PSS is unreadable); None: gone
     supervisor_pid: int
     root_pid: int | None
+    # Its own cgroup, as ps shows an activation's (None while it restores, once gone, or where
+    # it has none): the path as /proc/PID/cgroup names it, what the cgroup is charged (every
+    # page of the tree, shared ones included) and its memory limit (None: unlimited).
+    cgroup: str | None = None
+    cgroup_memory_bytes: int | None = None
+    memory_limit_bytes: int | None = None
 
 
 class PoolTarget(StrictModel):

@@ -34,7 +34,7 @@ from snapctl.plain import mib
 from snapctl.pool.events import NoEvents, PoolEvents
 from snapctl.pool.holds import RefillHold, TreeCpu, tree_cpu_seconds
 from snapctl.pool.identity import published_identity, restore_fits
-from snapctl.pool.memory import MEMORY_EVERY_S, CopyMemory
+from snapctl.pool.memory import MEMORY_EVERY_S, CopyMemory, cgroup_columns
 from snapctl.pool.models import (
     AdoptionReport,
     DiscardedCopy,
@@ -261,6 +261,7 @@ class WarmPool:
                         memory_bytes=slot.memory_bytes,
                         supervisor_pid=slot.record.supervisor_pid if slot.record else 0,
                         root_pid=slot.record.root_pid if slot.record else None,
+                        **cgroup_columns(slot.record, self.state.cgroup_prefix),
                     )
                     for slot in entry.live()
                 )

@@ -29,6 +29,7 @@ from snapctl.agent.daemon import (
     TokenFileError,
 )
 from snapctl.agent.errors import AgentError
+from snapctl.agent.metrics import AgentMetrics
 from snapctl.cli import main
 from snapctl.errors import ExitStatus
 from snapctl.pool import ParkedHandle, PoolListing
@@ -445,7 +446,10 @@ def test_pool_set_ls_rm_through_the_agent(
     assert code == ExitStatus.VERIFY_FAILED and "neither an image directory" in err
 
 
-POOL_GAUGES = {"snapctl_pool_target_size", "snapctl_pool_parked", "snapctl_pool_memory_bytes"}
+POOL_GAUGES = {
+    "snapctl_pool_target_size", "snapctl_pool_parked", "snapctl_pool_memory_bytes",
+    "snapctl_pool_cgroup_memory_bytes", "snapctl_pool_copy_memory_limit_bytes",
+}  # fmt: skip
 KSM_GAUGES = {"snapctl_ksm_running", "snapctl_ksm_saved_bytes"}
 
 
@@ -456,11 +460,14 @@ def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
     image = str(tmp_path / "image")
     rows = (
         ParkedCopyRow(id="pool-00000000000a", state="parked", age_s=12.4,
-                      memory_bytes=96 << 20, supervisor_pid=10, root_pid=11),
+                      memory_bytes=96 << 20, supervisor_pid=10, root_pid=11,
+                      cgroup="/snapctl/1f2e3d4c-copy-0a", cgroup_memory_bytes=150 << 20,
+                      memory_limit_bytes=1 << 30),
         ParkedCopyRow(id="pool-00000000000b", state="restoring", age_s=0.6,
                       memory_bytes=None, supervisor_pid=12, root_pid=None),
     )  # fmt: skip
-    entry = PoolEntry(target=PoolTarget(image=image, size=3, lazy=True, max_memory=1 << 30),
+    entry = PoolEntry(target=PoolTarget(image=image, size=3, lazy=True, max_memory=1 << 30,
+                                        memory_bytes=1 << 30),
                       image_id="0" * 64, memory_bytes=96 << 20, parked=rows)  # fmt: skip
     ksm = KsmStatus(running=True, saved_bytes=3 << 30, pages_sharing=745_000, full_scans=9)
     listing = PoolListing(entries=(entry,), memory_bytes=96 << 20, ksm=ksm)
@@ -472,10 +479,13 @@ def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
     cells = [[cell.strip() for cell in line.strip("│").split("│")]
              for line in out.splitlines() if line.startswith("│")]  # fmt: skip
     assert cells == [
-        [image, "1/3", "lazy", "96 MiB", "1024 MiB", "", "", "", ""],
-        ["", "", "", "96 MiB", "", "pool-00000000000a", "parked", "12 s", ""],
-        ["", "", "", "-", "", "pool-00000000000b", "restoring", "1 s", ""],
-    ]
+        [image, "1/3", "lazy", "96 MiB", "1024 MiB", "", "", "", "", "", "", ""],
+        ["", "", "", "96 MiB", "", "pool-00000000000a", "parked", "12 s",
+         "/snapctl/1f2e3d4c-copy-0a", "150 MiB", "1024 MiB", ""],
+        ["", "", "", "-", "", "pool-00000000000b", "restoring", "1 s", "-", "-", "-", ""],
+    ]  # fmt: skip
+    head = [cell.strip() for cell in out.splitlines()[1].strip("┃").split("┃")]
+    assert head[8:] == ["cgroup", "charged", "limit", "last failure"]
     assert out.splitlines()[-1] == "KSM running: 3.00 GiB saved by 745000 shared pages"
 
     samples = {
@@ -489,8 +499,36 @@ def test_pool_ls_and_the_pool_s_gauges_show_each_parked_copy(
         ("snapctl_pool_parked", (("image", image), ("state", "parked"))): 1,
         ("snapctl_pool_parked", (("image", image), ("state", "restoring"))): 1,
         ("snapctl_pool_memory_bytes", (("image", image),)): 96 << 20,
+        ("snapctl_pool_cgroup_memory_bytes", (("image", image),)): 150 << 20,
+        ("snapctl_pool_copy_memory_limit_bytes", (("image", image),)): 1 << 30,
         ("snapctl_ksm_running", ()): 1,
         ("snapctl_ksm_saved_bytes", ()): 3 << 30,
+    }
+
+
+def test_each_activation_s_memory_cgroup_charge_and_limit_are_gauges() -> None:
+    rows = [
+        {"name": "one", "kind": "copy", "running": True, "memory_bytes": 80 << 20,
+         "cgroup_memory_bytes": 120 << 20, "memory_limit_bytes": 1 << 30},
+        {"name": "two", "kind": "donor", "running": True, "memory_bytes": 90 << 20,
+         "cgroup_memory_bytes": 130 << 20, "memory_limit_bytes": None},
+        {"name": "gone", "kind": "copy", "running": False, "memory_bytes": None,
+         "cgroup_memory_bytes": None, "memory_limit_bytes": 1 << 30},
+    ]  # fmt: skip
+    metrics = AgentMetrics()
+    metrics.watch_activations(lambda: rows)
+    samples = {
+        (sample.name, sample.labels["name"]): sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+        if sample.name.startswith("snapctl_activation_")
+    }
+    assert samples == {
+        ("snapctl_activation_memory_bytes", "one"): 80 << 20,
+        ("snapctl_activation_memory_bytes", "two"): 90 << 20,
+        ("snapctl_activation_cgroup_memory_bytes", "one"): 120 << 20,
+        ("snapctl_activation_cgroup_memory_bytes", "two"): 130 << 20,
+        ("snapctl_activation_cgroup_memory_limit_bytes", "one"): 1 << 30,
     }
 
 

@@ -100,6 +100,11 @@ def test_fill_take_refill_outputs_equal_the_donors(
     until(lambda: all(row["memory_bytes"] for row in host.parked()), timeout_s=10,
           shown=host.parked)  # fmt: skip
     assert all(row["memory_bytes"] > 1 << 20 for row in host.parked())
+    # Each in its own cgroup (no limit asked), charged every page of its tree.
+    for row in host.parked():
+        assert row["cgroup"].rsplit("/", 1)[-1].startswith(state.cgroup_prefix), row
+        assert row["cgroup_memory_bytes"] > 1 << 20 and row["memory_limit_bytes"] is None
+    assert len({row["cgroup"] for row in host.parked()}) == 2
     # Parking is background work: its supervisor runs nicer; CRIU gives the tree its own.
     for row in host.parked():
         assert os.getpriority(os.PRIO_PROCESS, row["supervisor_pid"]) == PARK_NICENESS
