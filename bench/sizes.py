@@ -243,8 +243,10 @@ def render(found: list[SizeResults], reps: int) -> str:
             ready = vllm.median([s["ready_s"] for s in samples])
             adds = ready - r.warm_completion_s
             handshake = vllm.median([s["phases"].get("handshake", 0.0) for s in samples])
+            again = vllm.median([s.get("again_s", 0.0) for s in samples])
             cells.append(f"{ready:.2f} s (adds {adds:.2f} s; handshake {handshake * 1e3:.0f} ms;"
-                         f" {r.cold_start_s / ready:.0f}x sooner)")  # fmt: skip
+                         f" {r.cold_start_s / ready:.0f}x sooner; asked again "
+                         f"{again:.2f} s)")  # fmt: skip
         row(f"{kind} copy → first correct completion", cells)
         if kind == "plain":
             row("first lazy copies, learning what a copy touches",
