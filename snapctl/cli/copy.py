@@ -14,8 +14,6 @@ from snapctl.cli._activation_options import (
     usage_error,
     validated_request,
 )
-from snapctl.cli.serving import serve
-from snapctl.progress import Progress
 
 
 class LazyOption(click.Option):
@@ -82,24 +80,24 @@ def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: i
     """
     from snapctl.cli.remote import agent_client
 
+    body = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common)
     client = agent_client() if Path(image_source).is_dir() else None
     if client is not None:
         from snapctl.cli.remote import copy_through_agent
 
-        body = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common)
         copy_through_agent(client, body, as_json=common.as_json, detach=common.detach)
         return
-    from snapctl.activation.copy import start_copy
-    from snapctl.activation.native import native_step
-    from snapctl.activation.precheck import CopyUsageError, check_copy_start, decide_lazy
+    from functools import partial
+
+    from snapctl.activation.precheck import CopyUsageError, check_copy_start
     from snapctl.activation.requests import CopyRequest
+    from snapctl.activation.start import prepare_copies
+    from snapctl.cli.image import image_directory
     from snapctl.cli.output import note
-    from snapctl.criu import find_criu
+    from snapctl.cli.serving import serve_copies
     from snapctl.statedir import StateDir
 
-    def say(text: str) -> None:
-        note(text, quiet=common.as_json)
-
+    say = partial(note, quiet=common.as_json)
     state = StateDir()
     try:
         published = check_copy_start(
@@ -108,26 +106,13 @@ def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: i
         )  # fmt: skip
     except CopyUsageError as error:
         raise usage_error(error) from error
-    image = published or image_path(image_source, plain_http=plain_http, quiet=common.as_json,
-                                    policy_path=policy_path)  # fmt: skip
-    body = copy_request(str(image), count, allow_mismatch, lazy, server_cmd, common)
-    request = validated_request(CopyRequest, body)
-    options = request.launch_options()
-    criu = find_criu(request.criu_path)
-    native = native_step(request.native)
-    lazy = decide_lazy(request.lazy, image, say)
-
-    if count > 1:
-        serve_many(image, options, count, criu, native, common, lazy=lazy)
-        return
-
-    def start(progress: Progress) -> tuple[Any, Any]:
-        return start_copy(
-            image, options, criu=criu, native=native, publish=common.publish,
-            state=state, progress=progress, lazy=lazy,
-        )  # fmt: skip
-
-    serve(start, as_json=common.as_json, detach=common.detach)
+    image = published or image_directory(image_source, plain_http=plain_http,
+                                         quiet=common.as_json, policy_path=policy_path)  # fmt: skip
+    # The body names --image as given, no directory for a reference: the request names the
+    # directory found or pulled.
+    request = validated_request(CopyRequest, {**body, "image": str(image)})
+    copies = prepare_copies(request, state, note=say)
+    serve_copies(copies, as_json=common.as_json, detach=common.detach)
 
 
 def copy_request(
@@ -146,77 +131,3 @@ def copy_request(
         criu_path=common.criu_path, detach=common.detach, memory_bytes=common.memory_bytes,
         cpus=common.cpus,
     )  # fmt: skip
-
-
-def serve_many(
-    image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
-    *, lazy: bool = False,
-) -> None:  # fmt: skip
-    """``--count N``: restore N copies at once, report each and the total, then supervise."""
-    from snapctl.activation.copy import CopiesReport
-    from snapctl.cli.serving import render_copies, run_detached, run_in_foreground
-
-    if common.detach:
-        run_detached(
-            lambda progress_for: start_many(
-                image, options, count, criu, native, common, progress_for, lazy
-            ),
-            as_json=common.as_json,
-            show=lambda record: render_copies(
-                CopiesReport.model_validate(record).copies, record["total_s"]
-            ),
-        )
-        return
-    run_in_foreground(
-        lambda steps: start_many(image, options, count, criu, native, common, steps.lane, lazy),
-        as_json=common.as_json,
-        show=lambda report: render_copies(report.copies, report.total_s),
-    )
-
-
-def start_many(
-    image: Path, options: Any, count: int, criu: Any, native: Any, common: CommonOptions,
-    progress_for: Any, lazy: bool = False,
-) -> tuple[list[Any], Any]:  # fmt: skip
-    """Start the copies, all or nothing (see ``require_all``)."""
-    import time
-
-    from snapctl.activation.copy import require_all, start_copies
-    from snapctl.statedir import StateDir
-
-    started = time.monotonic()
-    results = start_copies(
-        image, options, count, criu=criu, native=native, publish_base=common.publish,
-        state=StateDir(), progress_for=progress_for, lazy=lazy,
-    )  # fmt: skip
-    return require_all(results, time.monotonic() - started)
-
-
-def image_path(source: str, *, plain_http: bool, quiet: bool,
-               policy_path: Path | None = None) -> Path:  # fmt: skip
-    """The image directory ``--image`` names: itself, or a reference pulled into the cache
-    once the trust policy (``policy_path``, else the system's) accepts it."""
-    from snapctl.cli.image import policy_line, transfer_progress, working_sets_line
-    from snapctl.cli.output import note
-    from snapctl.registry.source import is_reference, pull_for_copy, require_image
-    from snapctl.statedir import StateDir
-    from snapctl.trust.policy import load_policy
-
-    if not is_reference(source):
-        return require_image(source)
-    policy = load_policy(policy_path)
-    if policy.note:
-        note(policy.note, quiet=quiet)
-    with transfer_progress("pull", None, quiet=quiet) as (advance, set_total):
-        report = pull_for_copy(source, StateDir(), plain_http=plain_http, policy=policy,
-                               progress=advance, total=set_total)  # fmt: skip
-    if report.already_pulled:
-        note(f"{source}: image {report.image_id[:12]} already pulled", quiet=quiet)
-    else:
-        note(f"pulled {source}: {report.bytes_fetched / 1e6:.1f} MB in {report.seconds:.2f} s",
-             quiet=quiet)  # fmt: skip
-    if report.working_sets.processes or report.working_sets.error:
-        note(working_sets_line(report).strip(), quiet=quiet)
-    if policy.note is None:
-        note(policy_line(report).strip(), quiet=quiet)
-    return Path(report.image)

@@ -250,6 +250,36 @@ def policy_line(report: PullReport) -> str:
             f"({report.verdict['requirement']}) of {report.verdict['policy']}")  # fmt: skip
 
 
+def image_directory(source: str, *, plain_http: bool, quiet: bool,
+                    policy_path: Path | None = None) -> Path:  # fmt: skip
+    """The image directory ``copy --image`` names: itself, or a reference pulled into the
+    cache (with ``image pull``'s progress and lines) once the trust policy (``policy_path``,
+    else the system's) accepts it."""
+    from snapctl.cli.output import note
+    from snapctl.registry.source import is_reference, pull_for_copy, require_image
+    from snapctl.statedir import StateDir
+    from snapctl.trust.policy import load_policy
+
+    if not is_reference(source):
+        return require_image(source)
+    policy = load_policy(policy_path)
+    if policy.note:
+        note(policy.note, quiet=quiet)
+    with transfer_progress("pull", None, quiet=quiet) as (advance, set_total):
+        report = pull_for_copy(source, StateDir(), plain_http=plain_http, policy=policy,
+                               progress=advance, total=set_total)  # fmt: skip
+    if report.already_pulled:
+        note(f"{source}: image {report.image_id[:12]} already pulled", quiet=quiet)
+    else:
+        note(f"pulled {source}: {report.bytes_fetched / 1e6:.1f} MB in {report.seconds:.2f} s",
+             quiet=quiet)  # fmt: skip
+    if report.working_sets.processes or report.working_sets.error:
+        note(working_sets_line(report).strip(), quiet=quiet)
+    if policy.note is None:
+        note(policy_line(report).strip(), quiet=quiet)
+    return Path(report.image)
+
+
 @image.command("push")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.argument("reference")

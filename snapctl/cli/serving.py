@@ -76,6 +76,36 @@ def serve(start: Callable[[Progress], tuple[Any, Any]], *, as_json: bool, detach
     run_in_foreground(lambda steps: start(steps), as_json=as_json, show=render_report)
 
 
+def serve_copies(
+    start: Callable[[Callable[[str], Progress]], tuple[list[Any], Any]], *, as_json: bool,
+    detach: bool,
+) -> None:  # fmt: skip
+    """Start copies (``start(progress_for)``: one, or ``--count N``, each on its lane), print
+    the report (of several: one row per copy and the total), then supervise or hand over to a
+    supervisor."""
+    from snapctl.activation.copy import CopiesReport
+    from snapctl.activation.core import ActivationReport
+
+    def show(report: ActivationReport | CopiesReport) -> None:
+        if isinstance(report, CopiesReport):
+            render_copies(report.copies, report.total_s)
+        else:
+            render_report(report)
+
+    if detach:
+        run_detached(
+            start,
+            as_json=as_json,
+            show=lambda record: show(
+                CopiesReport.model_validate(record)
+                if "copies" in record
+                else ActivationReport.model_validate(record)
+            ),
+        )
+        return
+    run_in_foreground(lambda steps: start(steps.lane), as_json=as_json, show=show)
+
+
 def run_in_foreground(
     start: Callable[[Any], tuple[Any, Any]], *, as_json: bool, show: Callable[[Any], None]
 ) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import snapctl.activation.bake
 import snapctl.activation.copy
 import snapctl.activation.donor
 import snapctl.activation.precheck
+import snapctl.activation.start
 import snapctl.activation.supervise
 import snapctl.images.ownership  # the pre-start checks' image owner rule
 import snapctl.registry.source  # the pre-start checks' image lookup
@@ -35,7 +35,7 @@ from snapctl.pool.supervisor.parked import run_parked
 from snapctl.pool.wire import Reporter
 from snapctl.statedir import StateDir
 
-assert snapctl.activation.copy and snapctl.activation.supervise
+assert snapctl.activation.copy and snapctl.activation.supervise and snapctl.activation.start
 assert snapctl.activation.donor and snapctl.activation.bake
 assert snapctl.activation.precheck and snapctl.registry.source
 assert snapctl.images.ownership
@@ -92,10 +92,7 @@ def run_job(job: dict[str, Any], pipe_fd: int) -> None:
 
 def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
     """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
-    from snapctl.activation.copy import require_all, start_copies, start_copy
-    from snapctl.activation.native import native_step
-    from snapctl.activation.precheck import decide_lazy
-    from snapctl.criu import find_criu
+    from snapctl.activation.start import prepare_copies
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
     signals = StopSignals().install()
@@ -104,29 +101,10 @@ def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
         try:
             request = CopyRequest.model_validate_json(json.dumps(job["request"]))
             check_request(request, state)
-            options = launch_options(request)
-            image = Path(request.image)
-            criu = find_criu(request.criu_path)
-            native = native_step(request.native)
-            lazy = decide_lazy(request.lazy, image)  # the agent decided (and noted) it first
-            publish = publish_pair(request.publish)
-            sessions: list[Any]
-            if request.count == 1:
-                session, single = start_copy(
-                    image, options, criu=criu, native=native, publish=publish, state=state,
-                    progress=lambda step: reporter.progress("", step), lazy=lazy,
-                )  # fmt: skip
-                sessions = [session]
-                report = single.model_dump(mode="json")
-            else:
-                started = time.monotonic()
-                results = start_copies(
-                    image, options, request.count, criu=criu, native=native,
-                    publish_base=publish, state=state, lazy=lazy,
-                    progress_for=lambda lane: lambda step: reporter.progress(lane, step),
-                )  # fmt: skip
-                sessions, many = require_all(results, time.monotonic() - started)
-                report = many.model_dump(mode="json")
+            # No note: the agent decided (and noted) whether it restores lazily first.
+            copies = prepare_copies(request, state, options=launch_options(request))
+            sessions, copied = copies(lambda lane: lambda step: reporter.progress(lane, step))
+            report = copied.model_dump(mode="json")
             signals.started()
         except BaseException:
             stop_all_tracked()  # what a start interrupted at any point had started
