@@ -424,6 +424,48 @@ def test_a_copy_whose_report_reached_no_one_is_stopped_unless_detached(
         assert code == ExitStatus.ERROR and supervisor_seams == ["stop-all-tracked"]
 
 
+def _recording_signals(events: list[Any]) -> type[_Signals]:
+    class Signals(_Signals):
+        def started(self) -> None:
+            events.append("signals-started")
+
+    return Signals
+
+
+def test_a_job_s_start_that_ends_well_lets_the_signals_ask_for_the_stop(
+    supervisor_seams: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("snapctl.supervision.signals.StopSignals",
+                        _recording_signals(supervisor_seams))  # fmt: skip
+    reporter = _Reporter()
+    with jobs.starting(reporter) as start:  # type: ignore[arg-type]
+        supervisor_seams.append("start")
+    assert start.failed is None and reporter.sent == []
+    assert supervisor_seams == ["start", "signals-started"]
+
+
+@pytest.mark.parametrize(
+    ("raised", "status"),
+    [(SnapctlError("name 'c' is in use"), ExitStatus.ERROR),
+     (KeyboardInterrupt(), ExitStatus.INTERRUPTED)],
+)  # fmt: skip
+def test_a_job_s_start_that_fails_stops_what_it_started_then_reports_it_and_raises_nothing(
+    supervisor_seams: list[Any], monkeypatch: pytest.MonkeyPatch, raised: BaseException,
+    status: ExitStatus,
+) -> None:  # fmt: skip
+    monkeypatch.setattr("snapctl.supervision.signals.StopSignals",
+                        _recording_signals(supervisor_seams))  # fmt: skip
+    reporter = jobs.Reporter(os.open(os.devnull, os.O_WRONLY))
+    monkeypatch.setattr(reporter, "send", lambda message: supervisor_seams.append(message))
+    with jobs.starting(reporter) as start:
+        supervisor_seams.append("start")
+        raise raised
+    assert start.failed == status
+    assert supervisor_seams[:2] == ["start", "stop-all-tracked"]  # no signals-started
+    assert [event["status"] for event in supervisor_seams[2:]] == [status]
+    reporter.close()
+
+
 def test_the_reporter_says_whether_its_message_was_delivered() -> None:
     read_fd, write_fd = os.pipe()
     reporter = jobs.Reporter(write_fd)

@@ -7,11 +7,13 @@ starts without importing anything."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 # Imported here, before the spawner forks: a supervisor's start imports nothing more.
 import snapctl.activation.bake
@@ -35,6 +37,9 @@ from snapctl.pool.supervisor.parked import run_parked
 from snapctl.pool.wire import Reporter
 from snapctl.statedir import StateDir
 
+if TYPE_CHECKING:
+    from snapctl.supervision.signals import StopSignals
+
 assert snapctl.activation.copy and snapctl.activation.supervise and snapctl.activation.start
 assert snapctl.activation.donor and snapctl.activation.bake
 assert snapctl.activation.precheck and snapctl.registry.source
@@ -42,6 +47,7 @@ assert snapctl.images.ownership
 
 __all__ = [
     "PROBE_KEY_ENV",
+    "JobStart",
     "Reporter",
     "abandon_undelivered",
     "adopt_client_context",
@@ -52,6 +58,7 @@ __all__ = [
     "run_capture",
     "run_copy",
     "run_job",
+    "starting",
 ]
 
 
@@ -90,28 +97,49 @@ def run_job(job: dict[str, Any], pipe_fd: int) -> None:
     os._exit(1)
 
 
-def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
-    """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
-    from snapctl.activation.start import prepare_copies
+@dataclass
+class JobStart:
+    """A job's start as :func:`starting` ran it: its stop signals, and the exit status of its
+    failure once reported (None: it started)."""
+
+    signals: StopSignals
+    failed: int | None = None
+
+
+@contextlib.contextmanager
+def starting(reporter: Reporter) -> Iterator[JobStart]:
+    """Run a job's start: the stop signals held from before it, and once it ended the signals
+    ask the supervising loop to stop; on any failure (an interrupt included) what it had
+    started is stopped and the failure reported, not raised (see ``JobStart.failed``)."""
     from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
-    signals = StopSignals().install()
-    state = StateDir(Path(job["state"]))
+    start = JobStart(StopSignals().install())
     try:
         try:
-            request = CopyRequest.model_validate_json(json.dumps(job["request"]))
-            check_request(request, state)
-            # No note: the agent decided (and noted) whether it restores lazily first.
-            copies = prepare_copies(request, state, options=launch_options(request))
-            sessions, copied = copies(lambda lane: lambda step: reporter.progress(lane, step))
-            report = copied.model_dump(mode="json")
-            signals.started()
+            yield start
+            start.signals.started()
         except BaseException:
             stop_all_tracked()  # what a start interrupted at any point had started
             raise
     except BaseException as error:
-        return reporter.error(error)
-    return report_then_supervise(reporter, report, sessions, signals, detach=request.detach)
+        start.failed = reporter.error(error)
+
+
+def run_copy(job: dict[str, Any], reporter: Reporter) -> int:
+    """A fresh copy (or ``count`` of them): restore, activate, report, then supervise."""
+    from snapctl.activation.start import prepare_copies
+
+    with starting(reporter) as start:
+        state = StateDir(Path(job["state"]))
+        request = CopyRequest.model_validate_json(json.dumps(job["request"]))
+        check_request(request, state)
+        # No note: the agent decided (and noted) whether it restores lazily first.
+        copies = prepare_copies(request, state, options=launch_options(request))
+        sessions, copied = copies(lambda lane: lambda step: reporter.progress(lane, step))
+        report = copied.model_dump(mode="json")
+    if start.failed is not None:
+        return start.failed
+    return report_then_supervise(reporter, report, sessions, start.signals, detach=request.detach)
 
 
 def adopt_client_context(request: BakeRequest) -> None:
@@ -135,45 +163,38 @@ def run_capture(
     from snapctl.activation.donor import start_donor
     from snapctl.activation.native import native_step
     from snapctl.criu import find_criu
-    from snapctl.supervision.signals import StopSignals, stop_all_tracked
 
-    signals = StopSignals().install()
-    state = StateDir(Path(job["state"]))
     session = None
-    try:
-        try:
-            model = DonorRequest if job["kind"] == "donor" else BakeRequest
-            request = model.model_validate_json(json.dumps(job["request"]))
-            adopt(request)
-            options = request.launch_options()
-            criu = find_criu(request.criu_path)
-            native = native_step(request.native)
+    with starting(reporter) as start:
+        state = StateDir(Path(job["state"]))
+        model = DonorRequest if job["kind"] == "donor" else BakeRequest
+        request = model.model_validate_json(json.dumps(job["request"]))
+        adopt(request)
+        options = request.launch_options()
+        criu = find_criu(request.criu_path)
+        native = native_step(request.native)
 
-            def progress(step: str) -> None:
-                reporter.progress("", step)
+        def progress(step: str) -> None:
+            reporter.progress("", step)
 
-            if isinstance(request, DonorRequest):
-                publish = publish_pair(request.publish)
-                session, donor = start_donor(
-                    options, image=Path(request.image), force=request.force, criu=criu,
-                    native=native, publish=publish, state=state, progress=progress,
-                )  # fmt: skip
-                report = donor.model_dump(mode="json")
-            else:
-                baked = bake_image(
-                    options, image=Path(request.image), force=request.force, criu=criu,
-                    native=native, state=state, progress=progress,
-                )  # fmt: skip
-                report = baked.model_dump(mode="json")
-            signals.started()
-        except BaseException:
-            stop_all_tracked()  # what a start interrupted at any point had started
-            raise
-    except BaseException as error:
-        return reporter.error(error)
+        if isinstance(request, DonorRequest):
+            publish = publish_pair(request.publish)
+            session, donor = start_donor(
+                options, image=Path(request.image), force=request.force, criu=criu,
+                native=native, publish=publish, state=state, progress=progress,
+            )  # fmt: skip
+            report = donor.model_dump(mode="json")
+        else:
+            baked = bake_image(
+                options, image=Path(request.image), force=request.force, criu=criu,
+                native=native, state=state, progress=progress,
+            )  # fmt: skip
+            report = baked.model_dump(mode="json")
+    if start.failed is not None:
+        return start.failed
     if session is None:  # a bake: its original was stopped, its image published
         reporter.send({"report": report})
         reporter.close()
         return 0
     detach = isinstance(request, DonorRequest) and request.detach
-    return report_then_supervise(reporter, report, [session], signals, detach=detach)
+    return report_then_supervise(reporter, report, [session], start.signals, detach=detach)
