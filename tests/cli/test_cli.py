@@ -247,6 +247,31 @@ def test_copy_restores_lazily_by_default_from_256_mib_of_pages(
 @pytest.mark.parametrize(
     ("command", "target"),
     [
+        ("copy", "snapctl.activation.copy.start_copy"),
+        ("donor", "snapctl.activation.donor.start_donor"),
+        ("bake", "snapctl.activation.bake.bake_image"),
+    ],
+)
+def test_a_value_the_request_refuses_is_a_usage_error_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, command: str, target: str
+) -> None:
+    """In-process, the command's request is read as the agent's model: a value the model
+    refuses (and click does not) fails as a usage error naming the field."""
+    image = tmp_path / "image"
+    if command == "copy":
+        publish_sample(image)
+    started: list[object] = []
+    monkeypatch.setattr(target, lambda *args, **kwargs: started.append(args))
+    monkeypatch.setattr("snapctl.criu.find_criu", lambda path=None: None)
+    result = CliRunner().invoke(snapctl, [command, "--image", str(image), "--api-key-env", "1X"])
+    assert result.exit_code == ExitStatus.USAGE, result.output
+    assert "Error: api_key_env: String should match pattern" in result.output
+    assert started == []
+
+
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [
         ("donor", "snapctl.activation.donor.start_donor"),
         ("bake", "snapctl.activation.bake.bake_image"),
         ("qualify", "snapctl.qualification.suite.qualify"),
