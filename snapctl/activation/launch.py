@@ -193,7 +193,7 @@ def launch_in_sandbox(
     spec_path = dirs.sandbox_spec
     spec_path.write_text(spec.model_dump_json())
     spec_path.chmod(0o600)
-    launcher_log = (dirs.logs / "launcher.log").open("ab")
+    launcher_log = dirs.launcher_log.open("ab")
     try:
         command = ["unshare", "--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "--",
                    sys.executable, "-m", SANDBOX_INIT_MODULE, str(spec_path)]  # fmt: skip
@@ -241,12 +241,11 @@ def wait_capture_ready(dirs: ActivationDirs, root: PinnedProcess, timeout_s: flo
     control = ControlDir(dirs.control)
 
     def failed(message: str) -> LaunchError:
-        return LaunchError(
-            message,
-            phase=HostPhase.LAUNCH,
-            path=dirs.server_log,
-            log_tail=log_tail(dirs.server_log),
-        )
+        path, tail = dirs.server_log, log_tail(dirs.server_log)
+        if not tail.strip():
+            # A sandbox that failed to start never ran the server: its reason is here.
+            path, tail = dirs.launcher_log, log_tail(dirs.launcher_log)
+        return LaunchError(message, phase=HostPhase.LAUNCH, path=path, log_tail=tail)
 
     try:
         _, model = wait_for(

@@ -131,6 +131,12 @@ class ActivationDirs:
     def server_log(self) -> Path:
         return self.logs / "server.log"
 
+    @property
+    def launcher_log(self) -> Path:
+        """What the sandbox's own start wrote (unshare, the sandbox's init): the reason where
+        the server never started."""
+        return self.logs / "launcher.log"
+
     def host_dir_for(self, key: str) -> Path:
         return {"control": self.control, "logs": self.logs, "shm": self.shm}[key]
 

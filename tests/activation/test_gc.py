@@ -113,7 +113,7 @@ def test_gc_ends_a_sandbox_whose_init_has_not_bound_the_activation_yet(
                 ["sleep", "120"], tmp_path, dirs, LaunchOptions(), env
             )
             deadline = time.monotonic() + 60
-            while b"held at the first bind" not in (dirs.logs / "launcher.log").read_bytes():
+            while b"held at the first bind" not in dirs.launcher_log.read_bytes():
                 assert init.alive() and time.monotonic() < deadline, "the init never got held"
                 time.sleep(0.05)
             # The window: only its argv tells the init apart (its mounts do not yet).

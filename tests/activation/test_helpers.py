@@ -187,3 +187,22 @@ def test_a_servers_own_timeout_before_capture_names_server_timeout(
     with pytest.raises(LaunchError, match="server failed before capture") as info:
         launch.wait_capture_ready(dirs, PinnedProcess(os.getpid()), 5.0)
     assert ("raise --server-timeout" in info.value.message) is named
+
+
+@pytest.mark.parametrize("server_wrote", [True, False])
+def test_a_failed_start_shows_the_server_log_or_else_the_sandbox_s(
+    tmp_path: Path, server_wrote: bool
+) -> None:
+    from snapctl.supervision.process import PinnedProcess
+    from tests.protocol.factories import make_control_dir, make_error
+
+    dirs = ActivationDirs(root=tmp_path, logs=tmp_path / "logs")
+    dirs.logs.mkdir()
+    dirs.server_log.write_text("server: loading\n" if server_wrote else "")
+    dirs.launcher_log.write_text("snapctl sandbox init failed: No such file: '/dev/null'\n")
+    make_control_dir(tmp_path).write(make_error(phase="prepare", error="boom"))
+    with pytest.raises(LaunchError) as info:
+        launch.wait_capture_ready(dirs, PinnedProcess(os.getpid()), 5.0)
+    shown = dirs.server_log if server_wrote else dirs.launcher_log
+    assert info.value.path == shown
+    assert info.value.log_tail == shown.read_text().strip()
