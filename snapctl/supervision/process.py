@@ -185,12 +185,26 @@ def descendants(pid: int) -> list[int]:
     return list(dict.fromkeys(found))
 
 
+def _present(pid: int) -> bool:
+    """Whether ``pid`` exists and is not dead: a zombie whose parent never reaps it (a
+    container's ``sleep infinity`` as PID 1, which a restored tree's root is reparented to)
+    runs nothing and holds nothing but its PID."""
+    try:
+        state, _ = clock.read_stat(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return psutil.pid_exists(pid)
+    return state not in DEAD_STATES
+
+
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
-    """Wait until none of ``pids`` exists; return those still present at the deadline."""
+    """Wait until none of ``pids`` exists (or each is a zombie); return those still present
+    at the deadline."""
     deadline = time.monotonic() + timeout_s
     left = list(pids)
     while left and time.monotonic() < deadline:
-        left = [pid for pid in left if psutil.pid_exists(pid)]
+        left = [pid for pid in left if _present(pid)]
         if left:
             time.sleep(0.02)
     return left
