@@ -21,12 +21,15 @@ drawing lists every class, under its base, with its code)::
     ├── PublishError                   2  namespaces.publish: a --publish address refused
     ├── PublishAddressMissing          7  namespaces.publish: the address is not on this host
     ├── PortInUseError                 6  namespaces.publish: the port is taken
+    ├── DevLayoutError                 7  namespaces.devices: an image kept the host's /dev
     ├── LaunchError                    3  activation.launch: the server failed before capture
     ├── NativeStepError                1  activation.native: cuda-checkpoint failed
     ├── ActivationError                4  activation.handshake: the server refused or failed
     ├── CaptureError                   3  activation.donor: no image was published
     ├── RestoreError                   4  activation.copy: CRIU could not restore the copy
     ├── CopyUsageError                 2  activation.precheck: a copy option refused up front
+    ├── ContainerError                 7  activation.container: it cannot host the copy
+    │   └── ContainerReferenceError    2  activation.container: no container name, ID or PID
     ├── RelayedError             relayed  errors: another process's error, with its code
     │   ├── DetachedStartError   relayed  activation.supervise: the supervisor's error
     │   ├── SupervisorError      relayed  pool.serve: an agent's copy supervisor failed the start

@@ -58,10 +58,12 @@ def copy_request_body(
     detach: bool = False,
     memory_bytes: int | None = None,
     cpus: float | None = None,
+    into_container: str | None = None,
 ) -> dict[str, Any]:
     """The agent's ``CopyRequest`` (:mod:`snapctl.activation.requests`) for these options. The
-    API key travels as its value: the agent's environment is not the caller's."""
-    return {
+    API key travels as its value: the agent's environment is not the caller's.
+    ``into_container`` is sent only when given (an agent of before it knows no such field)."""
+    body = {
         "image": absolute(image),
         "name": name,
         "publish": None if publish is None else {"address": publish[0], "port": publish[1]},
@@ -81,6 +83,9 @@ def copy_request_body(
         "memory_bytes": memory_bytes,
         "cpus": cpus,
     }
+    if into_container is not None:
+        body["into_container"] = into_container
+    return body
 
 
 _NAME_CHARACTERS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")

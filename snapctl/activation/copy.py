@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.activation.container import resolve_container
 from snapctl.activation.core import (
     ActivationReport,
     activate_and_probe,
@@ -95,6 +96,20 @@ def restore_copy(
     ``reservation``, taken by the caller, is used and owned from here on).
     """
     state.ensure()
+    container = None
+    if options.into_container is not None:
+        try:
+            # Before anything is reserved or started: a container that cannot host the copy
+            # is refused here, with the fix.
+            container = resolve_container(options.into_container)
+        except BaseException:
+            if reservation is not None:
+                reservation.release()
+            raise
+        if lazy:
+            # Its lazy-pages daemon would have to run in the container too; not done yet.
+            progress("restoring every page first: a copy in a container restores plainly")
+            lazy = False
     if reservation is None:
         reservation = reserve_session_name(state, "copy", options.name)
     timings: dict[str, float] = {}
@@ -110,7 +125,8 @@ def restore_copy(
         reservation.release()
         raise
     try:
-        manifest = _check_image(image, options, criu, state, timings, progress, tools)
+        manifest = _check_image(image, options, criu, state, timings, progress, tools,
+                                root=None if container is None else container.root)  # fmt: skip
         tools.sandbox.adopt_restored_trees()
     except BaseException:
         hold.release()
@@ -118,7 +134,7 @@ def restore_copy(
         raise
     session = new_session(
         state, "copy", options.name, reservation, options=options, image=image, image_hold=hold,
-        tools=tools,
+        container=container, tools=tools,
     )  # fmt: skip
     try:
         restore_tree(
@@ -230,17 +246,26 @@ def _check_image(
     timings: dict[str, float],
     progress: Progress,
     tools: Tools,
+    *,
+    root: Path | None = None,
 ) -> Manifest:
-    """Verify every entry of the image, then this host against its identity."""
+    """Verify every entry of the image, then this host against its identity (the files
+    where the copy will read them: below ``root``, a container's, when given)."""
     progress("verifying the image")
     started = tools.clock()
     manifest = tools.images.verify(image, state)
     timings["verify"] = tools.clock() - started
     progress("checking this host against the image's identity")
     started = tools.clock()
-    shown = tools.images.check_identity(
-        manifest, image, criu_version=criu.version, options=options, state=state
-    )
+    if root is None:
+        shown = tools.images.check_identity(
+            manifest, image, criu_version=criu.version, options=options, state=state
+        )
+    else:
+        progress(f"checking the container's files against the image's identity ({root})")
+        shown = tools.images.check_identity(
+            manifest, image, criu_version=criu.version, options=options, state=state, root=root
+        )
     timings["identity"] = tools.clock() - started
     waived = [d for d in shown if d.refuses]
     if waived:

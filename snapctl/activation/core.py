@@ -10,11 +10,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.activation.container import Container
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.session import Session
 from snapctl.activation.states import SessionState
 from snapctl.activation.tools import REAL_TOOLS, Tools
-from snapctl.cgroups import Limits, create_cgroup
+from snapctl.cgroups import CgroupError, Limits, create_cgroup
 from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest
 from snapctl.images.lock import ImageHold
@@ -75,12 +76,14 @@ def new_session(
     options: LaunchOptions | None = None,
     image: Path | None = None,
     image_hold: ImageHold | None = None,
+    container: Container | None = None,
     tools: Tools = REAL_TOOLS,
 ) -> Session:
     """A session with fresh directories, under ``reservation`` (taken here when None), for a
     server on ``options``' host and port, of ``image`` held by ``image_hold``. The session
     owns the reservation and the hold from here on and releases them when it stops; if this
-    fails, they are released."""
+    fails, they are released. In ``container`` (a copy restored into it), its cgroup is made
+    where the container's decides (:meth:`Container.cgroup_layout`)."""
     if reservation is None:
         reservation = reserve_session_name(state, kind, name)
     # Unnamed, the activation goes by its id, which is what was reserved.
@@ -90,15 +93,24 @@ def new_session(
     session = Session(
         name=reservation.name, activation_id=activation_id, kind=kind, dirs=dirs,
         state_dir=state, reservation=reservation, image=image, image_hold=image_hold,
+        container=container,
     )  # fmt: skip
     if options is not None:
         session.host, session.port = options.host, options.port
     try:
         tools.sandbox.create_dirs(dirs)
-        session.cgroup = create_cgroup(
-            state.cgroup_prefix + activation_id,
-            options.limits if options is not None else Limits(),
-        )
+        limits = options.limits if options is not None else Limits()
+        if container is None:
+            session.cgroup = create_cgroup(state.cgroup_prefix + activation_id, limits)
+        else:
+            layout = container.cgroup_layout()
+            if layout is not None:
+                session.cgroup = create_cgroup(
+                    state.cgroup_prefix + activation_id, limits, layout=layout
+                )
+            elif limits.any:
+                raise CgroupError(f"{limits.describe()}: container {container.reference} "
+                                  "shows no cgroup hierarchy snapctl can use")  # fmt: skip
     except BaseException:
         session.stop(failed=True)
         raise
@@ -143,7 +155,13 @@ def activate_and_probe(
     session.memory.serving()
     if publish is not None:
         # Only once it serves: a client connecting earlier would reach nothing.
-        session.publisher = tools.server.publish(connector, publish, target)
+        if session.container is None:
+            session.publisher = tools.server.publish(connector, publish, target)
+        else:
+            # On the container's own network, where its clients are (a pod's address).
+            session.publisher = tools.server.publish(
+                connector, publish, target, inside=session.container.pid
+            )
     session.remember_tree()
     session.advance(SessionState.SERVING)
     session.save_record()

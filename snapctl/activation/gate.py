@@ -56,6 +56,7 @@ def check_identity(
     options: LaunchOptions,
     state: StateDir,
     env: Mapping[str, str] | None = None,
+    root: Path | None = None,
 ) -> list[Difference]:
     """Compare this host with the image's identity; raise :class:`IdentityMismatchError`
     listing what differs and is not waived by ``options.allow_mismatch``; return the
@@ -63,6 +64,7 @@ def check_identity(
 
     Without a server command the copy does not claim to stand for one, so argv is taken as
     recorded; with one it must match the captured argv (secrets redacted on both sides).
+    ``root``: the files are compared where the copy will read them (a container's root).
     """
     recorded = manifest.identity
     current = None
@@ -75,6 +77,7 @@ def check_identity(
             files=[record.path for record in recorded.files],
             cache_dir=file_hash_cache(state),
             env_salt=recorded.env_salt,
+            root=root,
         )
     shown = require_match(recorded, current, allow=options.allow_mismatch, path=image)
     if recorded is None and manifest.criu_version != criu_version:

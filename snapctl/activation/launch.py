@@ -78,6 +78,9 @@ class LaunchOptions:
     allow_mismatch: tuple[str, ...] = ()
     # The activation's cgroup limits (``--memory``, ``--cpus``); see snapctl.cgroups.
     limits: Limits = field(default_factory=Limits)
+    # A copy restored inside this running container (its name, ID or first process's PID):
+    # ``copy --into-container``, see snapctl.activation.container. None: on this host.
+    into_container: str | None = None
 
     @property
     def api_key(self) -> str | None:

@@ -46,10 +46,13 @@ def check_copy_start(
     expose: bool,
     state: StateDir | None,
     note: Note,
+    into_container: str | None = None,
 ) -> Path | None:
     """Refuse, in this order: an unknown or unwaivable ``--allow-mismatch`` name, a ``--name``
-    that cannot be numbered ``--count`` times, a name in use, a ``--publish`` that cannot be
-    bound (or ``--expose`` without it), an ``image`` that is no image directory, or one that
+    that cannot be numbered ``--count`` times, a name in use, an ``into_container`` that cannot
+    host the copy (:func:`~snapctl.activation.container.resolve_container`), a ``--publish``
+    that cannot be bound (on the container's network with ``into_container``; or ``--expose``
+    without it), an ``image`` that is no image directory, or one that
     someone other than root can change (:func:`~snapctl.registry.source.require_image`); then
     note each waiver that waives nothing.
 
@@ -66,7 +69,12 @@ def check_copy_start(
     except SnapctlError as error:
         raise CopyUsageError(error.message, option=WAIVER_OPTION) from error
     _check_names(name, count, state)
-    check_publish_target(publish, expose, count)
+    inside = None
+    if into_container is not None:
+        from snapctl.activation.container import resolve_container
+
+        inside = resolve_container(into_container).pid
+    check_publish_target(publish, expose, count, inside=inside)
     published = _published_image(image)
     for waiver in needless_waivers(allow_mismatch):
         note(f"--allow-mismatch {waiver} is not needed: {waiver} never refuses a copy")
@@ -92,9 +100,12 @@ def _check_names(name: str | None, count: int, state: StateDir | None) -> None:
         state.check_name_free(each)  # NameInUseError, as the start would raise
 
 
-def check_publish_target(publish: tuple[str, int] | None, expose: bool, count: int) -> None:
+def check_publish_target(
+    publish: tuple[str, int] | None, expose: bool, count: int, *, inside: int | None = None
+) -> None:
     """Refuse ``--publish``: an address not loopback without ``--expose`` or not on this
-    host, or a port in use (each of ``count`` ports counting up); ``--expose`` without it."""
+    host, or a port in use (each of ``count`` ports counting up); ``--expose`` without it.
+    ``inside``: on the network of that process (a container's first one), not the host's."""
     if publish is None:
         if expose:
             raise CopyUsageError(
@@ -110,8 +121,14 @@ def check_publish_target(publish: tuple[str, int] | None, expose: bool, count: i
             "give a lower first port",
             option=PUBLISH_OPTION,
         )
-    check_publish(address, [port + index for index in range(count)] if port else [],
-                  exposed=expose)  # fmt: skip
+    ports = [port + index for index in range(count)] if port else []
+    if inside is None:
+        check_publish(address, ports, exposed=expose)
+        return
+    from snapctl.namespaces.netns import NetnsConnector
+
+    with NetnsConnector(inside) as there:
+        there.call(lambda: check_publish(address, ports, exposed=expose))
 
 
 def _published_image(image: str) -> Path | None:

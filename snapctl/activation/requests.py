@@ -67,6 +67,9 @@ class CopyRequest(StrictModel):
     # The copy's cgroup limits (``--memory``, ``--cpus``; see snapctl.cgroups): None is none.
     memory_bytes: int | None = Field(default=None, ge=MIN_MEMORY_BYTES)
     cpus: float | None = Field(default=None, ge=0.01)
+    # Restore inside this running container (its name, ID or first process's PID) and publish
+    # on its network (``--into-container``; see snapctl.activation.container). None: here.
+    into_container: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
     _seconds = field_validator("timeout_s")(positive_seconds)
 
@@ -82,6 +85,7 @@ class CopyRequest(StrictModel):
             api_key_env=self.api_key_env,
             timeout_s=self.timeout_s,
             limits=Limits(memory_bytes=self.memory_bytes, cpus=self.cpus),
+            into_container=self.into_container,
         )
 
 

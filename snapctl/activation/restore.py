@@ -64,10 +64,17 @@ class PlainRestore(RestoreStrategy):
     ) -> None:  # fmt: skip
         started = self._tools.clock()
         try:
-            self._tools.criu.restore(
-                criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
-                pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
-            )  # fmt: skip
+            if session.container is None:
+                self._tools.criu.restore(
+                    criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
+                    pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
+                )  # fmt: skip
+            else:
+                self._tools.criu.restore(
+                    criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
+                    pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
+                    root=session.container.root_bind(session.dirs.work),
+                )  # fmt: skip
         except SnapctlError as error:
             raise criu_failed("criu restore failed", error, session, "restore") from error
         timings["restore"] = self._tools.clock() - started
@@ -156,7 +163,11 @@ def pidfile(session: Session) -> Path:
 
 def pin_restored(session: Session) -> None:
     """Pin the tree CRIU restored (also after an interrupted restore, if its pidfile exists)."""
-    session.root = PinnedProcess(int(pidfile(session).read_text().strip()))
+    pid = int(pidfile(session).read_text().strip())
+    if session.container is not None:
+        # CRIU ran in the container's PID namespace and wrote the PID it saw there.
+        pid = session.container.host_pid(pid)
+    session.root = PinnedProcess(pid)
 
 
 def restore_tree(
@@ -179,11 +190,20 @@ def restore_tree(
     started = tools.clock()
     tools.sandbox.stage_shm(image / "shm", session.dirs.shm)
     timings["stage"] = tools.clock() - started
+    container = session.container
     external_dirs = {
         **{k: session.dirs.host_dir_for(k) for k in manifest.external_mounts if not is_host_key(k)},
-        **host_mount_sources(manifest.external_mounts),
+        **(
+            host_mount_sources(manifest.external_mounts)
+            if container is None
+            else container.mount_sources(manifest.external_mounts, session.dirs.work)
+        ),
     }
     progress("restoring with CRIU")
+    if container is not None:
+        # Last look before CRIU: a container that stopped meanwhile is refused, not entered.
+        container.require_alive()
+        criu = container.criu(criu, session.dirs.work)
     if session.cgroup is not None:
         # CRIU restore enters the copy's cgroup before it forks the tree (restored with
         # --manage-cgroups=ignore): every process and page of the copy is the cgroup's.

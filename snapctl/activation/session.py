@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from snapctl.activation.container import Container
 from snapctl.activation.memory import InPlace, Memory
 from snapctl.activation.states import SessionState, TransitionError, check_transition
 from snapctl.cgroups import ActivationCgroup
@@ -225,6 +226,8 @@ class Session:
     reservation: NameReservation | None = None
     # Its own cgroup (None where this host gives none and no limit was asked for).
     cgroup: ActivationCgroup | None = None
+    # The running container it is restored into (``copy --into-container``), or None.
+    container: Container | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
     _stop_result: tuple[str, CleanupAudit] | None = field(default=None, repr=False)

@@ -50,9 +50,10 @@ class CriuOps(Protocol):
         external_mounts: Mapping[str, str], action_script: Path, timeout_s: float,
     ) -> DumpStats: ...  # fmt: skip
 
+    # ``root``: the tree's root directory (None: CRIU's ``/``; a container's, see container).
     def restore(
         self, criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path, pidfile: Path,
-        *, external_dirs: Mapping[str, Path], timeout_s: float,
+        *, external_dirs: Mapping[str, Path], timeout_s: float, root: Path | None = None,
     ) -> None: ...  # fmt: skip
 
     def restore_lazily(
@@ -107,9 +108,11 @@ class ServerLink(Protocol):
         timeout_s: float, alive: Callable[[], bool],
     ) -> float: ...  # fmt: skip
 
+    # ``inside``: listen in that process's network namespace (a container's), not the host's.
     def publish(
-        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int]
-    ) -> Publisher: ...
+        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int],
+        *, inside: int | None = None,
+    ) -> Publisher: ...  # fmt: skip
 
 
 class ImageChecks(Protocol):
@@ -122,9 +125,10 @@ class ImageChecks(Protocol):
         server_env: Mapping[str, str], state: StateDir,
     ) -> Identity: ...  # fmt: skip
 
+    # ``root``: where the files the copy will read are (a container's root; None: ``/``).
     def check_identity(
         self, manifest: Manifest, image: Path, *, criu_version: str, options: LaunchOptions,
-        state: StateDir,
+        state: StateDir, root: Path | None = None,
     ) -> list[Difference]: ...  # fmt: skip
 
 
@@ -148,11 +152,11 @@ class RealCriu:
 
     def restore(
         self, criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path, pidfile: Path,
-        *, external_dirs: Mapping[str, Path], timeout_s: float,
+        *, external_dirs: Mapping[str, Path], timeout_s: float, root: Path | None = None,
     ) -> None:  # fmt: skip
         restore_tree(
             criu, images_dir, work_dir, log_path, pidfile, external_dirs=external_dirs,
-            timeout_s=timeout_s,
+            timeout_s=timeout_s, root=root,
         )  # fmt: skip
 
     def restore_lazily(
@@ -224,9 +228,14 @@ class RealServerLink:
         )
 
     def publish(
-        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int]
-    ) -> Publisher:
-        return Publisher(connector, address[0], address[1], target)
+        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int],
+        *, inside: int | None = None,
+    ) -> Publisher:  # fmt: skip
+        if inside is None:
+            return Publisher(connector, address[0], address[1], target)
+        with NetnsConnector(inside) as there:
+            listener = there.listen(*address)
+        return Publisher(connector, address[0], address[1], target, listener=listener)
 
 
 class RealImageChecks:
@@ -244,10 +253,10 @@ class RealImageChecks:
 
     def check_identity(
         self, manifest: Manifest, image: Path, *, criu_version: str, options: LaunchOptions,
-        state: StateDir,
+        state: StateDir, root: Path | None = None,
     ) -> list[Difference]:  # fmt: skip
         return gate.check_identity(
-            manifest, image, criu_version=criu_version, options=options, state=state
+            manifest, image, criu_version=criu_version, options=options, state=state, root=root
         )
 
 

@@ -199,6 +199,7 @@ class AgentService:
                 image=request.image, allow_mismatch=request.allow_mismatch, name=request.name,
                 count=request.count, publish=publish_pair(request.publish),
                 expose=request.expose, state=self.state, note=lambda text: emit({"note": text}),
+                into_container=request.into_container,
             )  # fmt: skip
         except CopyUsageError as error:
             raise BadRequestError(error.message, usage=error.option) from error

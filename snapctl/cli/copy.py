@@ -63,11 +63,18 @@ class LazyOption(click.Option):
     "not needed).",
 )
 @click.option("--lazy/--no-lazy", default=None, cls=LazyOption)
+@click.option(
+    "--into-container", "into_container", metavar="NAME|ID|PID",
+    help="Restore the copy inside this running container (a podman name or ID, or its first "
+    "process's PID): its tree joins the container's PID namespace and cgroup, reads the "
+    "container's files, publishes on the container's network (--publish) and ends with the "
+    "container.",
+)  # fmt: skip
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)
 def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: int,
-         allow_mismatch: tuple[str, ...], lazy: bool | None, server_cmd: tuple[str, ...],
-         common: CommonOptions) -> None:  # fmt: skip
+         allow_mismatch: tuple[str, ...], lazy: bool | None, into_container: str | None,
+         server_cmd: tuple[str, ...], common: CommonOptions) -> None:  # fmt: skip
     """Restore a copy of an image and serve it.
 
     Before CRIU runs, this host is checked against the image's identity (kernel and its
@@ -80,7 +87,8 @@ def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: i
     """
     from snapctl.cli.remote import agent_client
 
-    body = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common)
+    body = copy_request(image_source, count, allow_mismatch, lazy, server_cmd, common,
+                        into_container=into_container)  # fmt: skip
     client = agent_client() if Path(image_source).is_dir() else None
     if client is not None:
         from snapctl.cli.remote import copy_through_agent
@@ -103,6 +111,7 @@ def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: i
         published = check_copy_start(
             image=image_source, allow_mismatch=allow_mismatch, name=common.name, count=count,
             publish=common.publish, expose=common.expose, state=state, note=say,
+            into_container=into_container,
         )  # fmt: skip
     except CopyUsageError as error:
         raise usage_error(error) from error
@@ -117,7 +126,7 @@ def copy(image_source: str, plain_http: bool, policy_path: Path | None, count: i
 
 def copy_request(
     image_source: str, count: int, allow_mismatch: tuple[str, ...], lazy: bool | None,
-    server_cmd: tuple[str, ...], common: CommonOptions,
+    server_cmd: tuple[str, ...], common: CommonOptions, *, into_container: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The agent's ``CopyRequest`` for these options (:func:`snapctl.thin.copy_request_body`,
     which the click-free path builds its request with too)."""
@@ -129,5 +138,5 @@ def copy_request(
         expose=common.expose, host=common.host, port=common.port,
         api_key_env=common.api_key_env, timeout_s=common.timeout_s, native=common.native,
         criu_path=common.criu_path, detach=common.detach, memory_bytes=common.memory_bytes,
-        cpus=common.cpus,
+        cpus=common.cpus, into_container=into_container,
     )  # fmt: skip

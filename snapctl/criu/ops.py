@@ -87,14 +87,16 @@ def restore_tree(
     timeout_s: float,
     env: Mapping[str, str] | None = None,
     lazy: bool = False,
+    root: Path | None = None,
 ) -> CriuResult:
     """``criu restore`` detached into new namespaces; the image directory is only read.
 
     With ``lazy``, private anonymous memory is left to the lazy-pages daemon already listening
     in ``work_dir`` (see :func:`spawn_lazy_pages_daemon`; :func:`restore_tree_lazily` starts
-    both at once): the tree runs as soon as CRIU returns.
+    both at once): the tree runs as soon as CRIU returns. ``root``: the tree's root
+    directory (None: CRIU's own ``/``).
     """
-    args = restore_args(work_dir, pidfile, external_dirs, lazy=lazy)
+    args = restore_args(work_dir, pidfile, external_dirs, lazy=lazy, root=root)
     return run_criu(
         criu, "restore", images_dir, log_path, args, timeout_s=timeout_s, env=env,
         log_level=RESTORE_LOG_LEVEL,
@@ -102,9 +104,14 @@ def restore_tree(
 
 
 def restore_args(
-    work_dir: Path, pidfile: Path, external_dirs: Mapping[str, Path], *, lazy: bool
+    work_dir: Path,
+    pidfile: Path,
+    external_dirs: Mapping[str, Path],
+    *,
+    lazy: bool,
+    root: Path | None = None,
 ) -> list[str]:
-    args = ["--work-dir", str(work_dir), "--restore-detached", "--root", "/"]
+    args = ["--work-dir", str(work_dir), "--restore-detached", "--root", str(root or "/")]
     args += ["--pidfile", str(pidfile), *TREE_OPTIONS]
     # The tree stays in the cgroup ``criu restore`` runs in (the copy's own, see
     # snapctl.cgroups), not moved into the cgroups the image recorded (the donor's).

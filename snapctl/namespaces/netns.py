@@ -16,12 +16,14 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from snapctl.namespaces.publish import bind_listener
 
 CLONE_NEWNET = 0x40000000
 _libc = ctypes.CDLL(None, use_errno=True)
-_Request = tuple[Callable[[], socket.socket], Future[socket.socket]]
+_Request = tuple[Callable[[], Any], Future[Any]]
+T = TypeVar("T")
 
 
 class NetnsConnector:
@@ -57,8 +59,19 @@ class NetnsConnector:
                 future.set_exception(error)
 
     def connect(self, host: str, port: int, timeout_s: float = 2.0) -> socket.socket:
-        future: Future[socket.socket] = Future()
-        self._requests.put((lambda: socket.create_connection((host, port), timeout_s), future))
+        return self._inside(lambda: socket.create_connection((host, port), timeout_s), timeout_s)
+
+    def listen(self, address: str, port: int) -> socket.socket:
+        """A listening socket on ``address:port`` inside (the errors of ``bind_listener``)."""
+        return self._inside(lambda: bind_listener(address, port), 5.0)
+
+    def call(self, function: Callable[[], T], timeout_s: float = 5.0) -> T:
+        """``function()`` run inside (its sockets, its address lookups); what it raises."""
+        return self._inside(function, timeout_s)
+
+    def _inside(self, make: Callable[[], T], timeout_s: float) -> T:
+        future: Future[T] = Future()
+        self._requests.put((make, future))
         return future.result(timeout=timeout_s + 1)
 
     def close(self) -> None:
@@ -85,14 +98,18 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 class Publisher:
-    """Forwards ``host_address:host_port`` on the host to ``inner_host:inner_port`` inside."""
+    """Forwards ``host_address:host_port`` on the host (or where ``listener`` listens) to
+    ``inner_host:inner_port`` inside."""
 
     def __init__(
-        self, connector: NetnsConnector, host_address: str, host_port: int, inner: tuple[str, int]
-    ) -> None:
+        self, connector: NetnsConnector, host_address: str, host_port: int, inner: tuple[str, int],
+        *, listener: socket.socket | None = None,
+    ) -> None:  # fmt: skip
+        """``listener``: listen there instead (one made in another network namespace, a
+        container's: :meth:`NetnsConnector.listen`)."""
         self._connector = connector
         self._inner = inner
-        self._listener = bind_listener(host_address, host_port)
+        self._listener = listener or bind_listener(host_address, host_port)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="publish", daemon=True)

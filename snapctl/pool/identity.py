@@ -39,7 +39,9 @@ def manifest_stat(image: Path) -> tuple[int, ...] | None:
 
 def restore_fits(parked: CopyRequest, request: CopyRequest) -> str | None:
     """Why ``request`` cannot be served by a copy restored for ``parked``; None if it can."""
-    for field in ("image", "host", "port", "server_argv", "allow_mismatch", "native", "criu_path"):
+    fields = ("image", "host", "port", "server_argv", "allow_mismatch", "native", "criu_path",
+              "into_container")  # fmt: skip
+    for field in fields:
         if getattr(parked, field) != getattr(request, field):
             return f"{field} differs from the parked copy's"
     if request.lazy is not None and request.lazy != parked.lazy:

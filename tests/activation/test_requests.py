@@ -55,7 +55,7 @@ def test_the_clients_copy_body_reads_the_same_in_process_as_the_agent_reads_it(
         server_argv=("python", "-m", "server"), name="c", publish=("0.0.0.0", 18000),
         expose=True, host="127.0.0.2", port=9000, api_key_env="MY_KEY", timeout_s=12.5,
         native="cuda-checkpoint", criu_path="/opt/criu", detach=True,
-        memory_bytes=1 << 30, cpus=1.5,
+        memory_bytes=1 << 30, cpus=1.5, into_container="placeholder-1",
     )  # fmt: skip
     agent = CopyRequest.model_validate_json(json.dumps(body))
     assert CopyRequest.model_validate(body, strict=False) == agent

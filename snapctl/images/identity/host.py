@@ -114,11 +114,13 @@ def current_identity(
     files: Iterable[str],
     cache_dir: Path | None,
     env_salt: str | None = None,
+    root: Path | None = None,
 ) -> Identity:
     """This host's identity; ``files`` are hashed here (in parallel, cached by stat).
 
     At capture ``files`` are those the tree had mapped or open and ``env_salt`` is new; at
     restore both come from the recorded identity, so the records compare field by field.
+    ``root``: where ``files`` are read (a container's root; None: this host's ``/``).
     """
     vendor, model, flags = _cpuinfo()
     salt = env_salt if env_salt is not None else secrets.token_hex(16)
@@ -135,5 +137,5 @@ def current_identity(
         argv=list(argv),
         env_salt=salt,
         env=hashed_env(env, salt),
-        files=hash_files(sorted(set(files)), cache_dir),
+        files=hash_files(sorted(set(files)), cache_dir, root=root),
     )

@@ -71,15 +71,16 @@ def tree_files(pids: Iterable[int]) -> list[str]:
     return sorted(found)
 
 
-def _cached(path: str, cache: FileCache | None) -> FileRecord | None:
-    """The cached record of ``path`` if the file is unchanged since it was hashed, else None."""
+def _cached(path: str, cache: FileCache | None, at: str) -> FileRecord | None:
+    """The cached record of ``path`` (read at ``at``) if the file is unchanged since it was
+    hashed, else None."""
     if cache is None:
         return None
     try:
-        st = os.stat(path)
+        st = os.stat(at)
     except OSError:
         return None  # missing: hashing leaves it out
-    sha256 = cache.lookup(path, {path: stat_key(st)})
+    sha256 = cache.lookup(at, {at: stat_key(st)})
     if sha256 is None:
         return None
     try:
@@ -88,14 +89,14 @@ def _cached(path: str, cache: FileCache | None) -> FileRecord | None:
         return None  # a damaged entry only costs a re-hash
 
 
-def _hash_one(path: str, cache: FileCache | None) -> FileRecord | None:
+def _hash_one(path: str, cache: FileCache | None, at: str) -> FileRecord | None:
     try:
-        key = path_key(path)
+        key = path_key(at)
     except OSError:
         return None
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as handle:
+        with open(at, "rb") as handle:
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
             after = os.fstat(handle.fileno())
@@ -103,21 +104,28 @@ def _hash_one(path: str, cache: FileCache | None) -> FileRecord | None:
         return None
     record = FileRecord(path=path, size=after.st_size, sha256=digest.hexdigest())
     if cache is not None and stat_key(after) == key:  # not written to while we read it
-        cache.remember(path, {path: key}, record.sha256)
+        cache.remember(at, {at: key}, record.sha256)
     return record
 
 
-def hash_files(paths: list[str], cache_dir: Path | None) -> list[FileRecord]:
+def hash_files(
+    paths: list[str], cache_dir: Path | None, *, root: Path | None = None
+) -> list[FileRecord]:
     """Size and sha256 of each path that exists (missing ones are left out), in parallel;
-    cached in ``cache_dir`` by path and stat key (see :mod:`snapctl.images.filecache`)."""
+    cached in ``cache_dir`` by path and stat key (see :mod:`snapctl.images.filecache`).
+    ``root``: each path is read below it (a container's root), and recorded as given."""
+
+    def at(path: str) -> str:
+        return path if root is None else str(root / path.lstrip("/"))
+
     cache = FileCache(cache_dir) if cache_dir is not None else None
     # Cache hits first, one by one: a stat and a small read each, cheaper than handing them to
     # threads on a busy host, and every copy's identity check pays it (docs/images.md).
-    found = {path: _cached(path, cache) for path in paths}
+    found = {path: _cached(path, cache, at(path)) for path in paths}
     misses = [path for path, record in found.items() if record is None]
     if misses:
         # hashlib releases the GIL: a few threads keep every core and the disk busy.
         with ThreadPoolExecutor(max_workers=min(8, len(misses))) as pool:
-            hashed = pool.map(lambda p: _hash_one(p, cache), misses)
+            hashed = pool.map(lambda p: _hash_one(p, cache, at(p)), misses)
             found.update(zip(misses, hashed, strict=True))
     return [record for path in paths if (record := found[path]) is not None]

@@ -1,0 +1,393 @@
+"""A copy restored inside a running container (``copy --into-container``): the placeholder
+pattern, in which a container of the workload's image runs ``sleep infinity`` and the copy's
+tree is restored inside it.
+
+What the copy shares with the container, and how:
+
+- **PID namespace.** ``criu restore`` runs in the container's PID namespace (``nsenter --pid``
+  forks it there), so the tree's own PID namespace nests inside the container's: when the
+  container's first process ends, the kernel kills the tree with every other process of it.
+  CRIU then sees a ``/proc`` of that namespace, mounted in a mount namespace of its own, and
+  writes the tree's PID as the container counts it: :meth:`Container.host_pid` translates.
+- **Files.** The tree's root is the container's root (CRIU's ``--root``: the host's mount of
+  it, bound where CRIU's private ``/run`` does not hide it), so it reads the container's files;
+  the identity gate hashes the same files there (:meth:`Container.path`).
+- **cgroup.** The copy's cgroup is made below the container's (cgroup v1), or beside it below
+  its parent (cgroup v2, where a cgroup holding processes cannot hand controllers down: a
+  pod's cgroup on Kubernetes), and CRIU enters it before it forks the tree.
+- **Network.** The tree keeps the network namespace its image recorded (its loopback, where
+  the server listens); ``--publish`` listens inside the container's network namespace instead
+  of the host's, so the copy serves on the container's own network.
+
+Everything here is refused before CRIU runs, each with the fix: a reference that is no name,
+ID or PID; no such container; one not running; a process that is no container's first
+process; a root this host cannot see; a snapctl without the capabilities it needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapctl.cgroups.layout import CGROUP_ROOT, Layout, detect_layout
+from snapctl.criu import CriuBinary
+from snapctl.criu.external import host_key, host_mounts
+from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.phases import HostPhase
+from snapctl.supervision.process import ProcessGoneError, is_same_process, start_time
+
+# podman's names and IDs: a letter or digit, then letters, digits, '_', '.', '-'.
+REFERENCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+INSPECT_TIMEOUT_S = 30.0
+# The capabilities snapctl needs to enter a container's namespaces and run CRIU there.
+CAP_SYS_PTRACE = 19
+CAP_SYS_ADMIN = 21
+# Run in the container's PID namespace and a mount namespace of CRIU's own: a /proc of that
+# PID namespace (CRIU reads its own and its children's entries by the PIDs it sees), and the
+# container's root bound where a private /run cannot hide it ($1 onto $2), then CRIU.
+ENTER_SCRIPT = (
+    'mount -t proc snapctl-proc /proc && mount --bind "$1" "$2" || exit 125; shift 2; exec "$@"'
+)
+ROOT_BIND = "container-root"
+
+
+class ContainerError(SnapctlError):
+    """A container that cannot host the copy; nothing was started."""
+
+    exit_status = ExitStatus.UNAVAILABLE
+
+
+class ContainerReferenceError(ContainerError):
+    """``--into-container`` names no container, ID or PID in a form snapctl accepts."""
+
+    exit_status = ExitStatus.USAGE
+
+
+@dataclass(frozen=True)
+class Inspected:
+    """What the container runtime says of a container."""
+
+    pid: int
+    running: bool
+    status: str
+
+
+Inspect = Callable[[str], "Inspected | None"]
+
+
+def podman_inspect(reference: str) -> Inspected | None:
+    """``podman inspect`` of a container: None where there is no such container."""
+    podman = shutil.which("podman")
+    if podman is None:
+        raise ContainerError(
+            f"cannot look up container {reference!r}: podman is not installed here (give the "
+            "container's first process's PID instead)",
+            phase=HostPhase.RESTORE,
+        )
+    try:
+        proc = subprocess.run(
+            [podman, "inspect", "--type", "container", "--format", "json", "--", reference],
+            capture_output=True, text=True, timeout=INSPECT_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as error:
+        raise ContainerError(f"podman inspect {reference} timed out",
+                             phase=HostPhase.RESTORE) from error  # fmt: skip
+    if proc.returncode != 0:
+        return None
+    try:
+        state = json.loads(proc.stdout)[0]["State"]
+        return Inspected(
+            pid=int(state["Pid"]), running=bool(state["Running"]), status=str(state["Status"])
+        )
+    except (ValueError, LookupError, TypeError) as error:
+        raise ContainerError(f"podman inspect {reference} answered what snapctl cannot read",
+                             phase=HostPhase.RESTORE) from error  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Container:
+    """A running container that hosts a copy: its first process (``pid``, on this host),
+    its root as this host mounts it, its cgroups and its PID namespace's depth."""
+
+    reference: str
+    pid: int
+    start_time: float
+    root: Path
+    cgroup: str  # the text of /proc/PID/cgroup
+    level: int  # how deep its PID namespace is (0: this host's)
+    proc: Path = Path("/proc")
+
+    def alive(self) -> bool:
+        return is_same_process(self.pid, self.start_time)
+
+    def require_alive(self) -> None:
+        if not self.alive():
+            raise ContainerError(
+                f"container {self.reference} stopped (start it again: podman start "
+                f"{self.reference})",
+                phase=HostPhase.RESTORE, pid=self.pid,
+            )  # fmt: skip
+
+    def path(self, inside: str) -> Path:
+        """Where this host reads the container's file ``inside``."""
+        return self.root / inside.lstrip("/")
+
+    def cgroup_layout(self, cgroup_root: Path | None = None) -> Layout | None:
+        """Where the copy's cgroup goes: below the container's (v1), beside it (v2)."""
+        layout = detect_layout(cgroup_root or CGROUP_ROOT, self_cgroup=self.cgroup)
+        if layout is None:
+            return None
+        if layout.version == 1:
+            # detect_layout put snapctl's parent below the container's cgroup in each
+            # hierarchy, unless SNAPCTL_CGROUP_PARENT moved it: the container's decides here.
+            own = _cgroup_paths(self.cgroup)
+            parents = {
+                key: _inside(layout.mounts[key], own.get(key, "/"), layout.roots.get(key, "/"))
+                / "snapctl"
+                for key in layout.parents
+            }
+            return dataclasses.replace(layout, parents=parents)
+        mine = _cgroup_paths(self.cgroup).get("unified", "/")
+        base = str(Path(mine).parent) if mine.strip("/") else "/"
+        unified = layout.mounts["unified"]
+        parent = _inside(unified, base, layout.roots.get("unified", "/")) / "snapctl"
+        return dataclasses.replace(layout, parents={"unified": parent})
+
+    def criu(self, criu: CriuBinary, work_dir: Path) -> CriuBinary:
+        """``criu`` run in the container's PID namespace, with a /proc of it and the
+        container's root bound at :meth:`root_bind` (see the module's docstring)."""
+        bind = self.root_bind(work_dir)
+        bind.mkdir(mode=0o700, exist_ok=True)
+        nsenter, unshare = _tool("nsenter"), _tool("unshare")
+        command = (
+            nsenter, "--target", str(self.pid), "--pid", "--",
+            unshare, "--mount", "--propagation", "slave", "--",
+            "/bin/sh", "-c", ENTER_SCRIPT, "snapctl-container", str(self.root), str(bind),
+            *criu.argv,
+        )  # fmt: skip
+        return dataclasses.replace(criu, command=command)
+
+    @staticmethod
+    def root_bind(work_dir: Path) -> Path:
+        """Where CRIU's mount namespace binds the container's root (empty on the host)."""
+        return work_dir / ROOT_BIND
+
+    def mount_sources(self, external_mounts: Mapping[str, str], work_dir: Path) -> dict[str, Path]:
+        """For each ``host:`` mount of the image, the container's own file or directory at
+        that path (as CRIU sees it, under :meth:`root_bind`), checked to exist here."""
+        sources: dict[str, Path] = {}
+        for point in host_mounts(external_mounts):
+            here = self.path(point)
+            if not here.exists() or os.path.realpath(here) != str(here):
+                raise ContainerError(
+                    f"the image binds {point}, which container {self.reference} does not "
+                    "hold as a plain file or directory (run the container from the image the "
+                    "donor ran in)",
+                    phase=HostPhase.RESTORE, path=Path(point),
+                )  # fmt: skip
+            sources[host_key(point)] = self.root_bind(work_dir) / point.lstrip("/")
+        return sources
+
+    def host_pid(self, inside: int) -> int:
+        """The host's PID of the process the container's PID namespace numbers ``inside``
+        (a child of its first process: a restored tree's root is reparented there)."""
+        for pid in _children(self.proc, self.pid):
+            ns = _nspids(self.proc, pid)
+            if len(ns) > self.level and ns[self.level] == inside:
+                return pid
+        raise ProcessGoneError(
+            f"no process {inside} in container {self.reference}'s PID namespace", pid=inside
+        )
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found is None:
+        raise ContainerError(f"{name} (util-linux) is needed to restore into a container",
+                             phase=HostPhase.RESTORE)  # fmt: skip
+    return found
+
+
+def _inside(mount: Path, path: str, mount_root: str) -> Path:
+    """``path`` (as /proc/PID/cgroup names it) in a hierarchy mounted at ``mount`` from
+    ``mount_root`` down."""
+    base = mount_root.rstrip("/")
+    if base and (path == base or path.startswith(base + "/")):
+        path = path[len(base) :]
+    return mount / path.strip("/") if path.strip("/") else mount
+
+
+def _cgroup_paths(text: str) -> dict[str, str]:
+    """/proc/PID/cgroup's lines: each v1 controller, and ``unified`` for v2, to its path."""
+    paths: dict[str, str] = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        for controller in parts[1].split(",") if parts[1] else ["unified"]:
+            paths[controller] = parts[2]
+    return paths
+
+
+def _children(proc: Path, pid: int) -> list[int]:
+    found: list[int] = []
+    try:
+        tasks = os.listdir(proc / str(pid) / "task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            text = (proc / str(pid) / "task" / task / "children").read_text()
+        except OSError:
+            continue
+        found.extend(int(child) for child in text.split())
+    return found
+
+
+def _status_field(proc: Path, pid: int | str, name: str) -> str | None:
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(f"{name}:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def _nspids(proc: Path, pid: int) -> list[int]:
+    value = _status_field(proc, pid, "NSpid")
+    return [int(part) for part in value.split()] if value else []
+
+
+def _root_mount(mountinfo: str) -> tuple[str, str] | None:
+    """(device, root in its filesystem) of the mount at ``/`` of a mountinfo text (the top
+    one, where mounts are stacked)."""
+    found = None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == "/":
+            found = (fields[2], fields[3])
+    return found
+
+
+def _mounted_at(mountinfo: str, device: str, root: str) -> Path | None:
+    """Where a mountinfo text mounts ``device`` from ``root`` (its first such mount)."""
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4 and fields[2] == device and fields[3] == root:
+            return Path(fields[4].replace("\\040", " "))
+    return None
+
+
+def has_capabilities(proc: Path = Path("/proc")) -> bool:
+    """Whether this process holds CAP_SYS_ADMIN and CAP_SYS_PTRACE (effective)."""
+    value = _status_field(proc, "self", "CapEff") or "0"
+    caps = int(value, 16)
+    return all(caps >> bit & 1 for bit in (CAP_SYS_ADMIN, CAP_SYS_PTRACE))
+
+
+def check_reference(reference: str) -> str:
+    """``reference`` if it may name a container (a name, an ID or a PID), else refused."""
+    if not REFERENCE.fullmatch(reference):
+        raise ContainerReferenceError(
+            f"--into-container {reference!r} is no container name, ID or PID (a letter or "
+            "digit, then letters, digits, '_', '.' or '-')",
+            phase=HostPhase.RESTORE,
+        )
+    return reference
+
+
+def resolve_container(
+    reference: str,
+    *,
+    inspect: Inspect = podman_inspect,
+    proc: Path = Path("/proc"),
+    capable: Callable[[], bool] | None = None,
+) -> Container:
+    """The running container ``reference`` names (a podman name or ID, or its first process's
+    PID), or the refusal that says why it cannot host a copy and how to fix that. Nothing
+    runs in it here."""
+    check_reference(reference)
+    if not (capable or (lambda: has_capabilities(proc)))():
+        raise ContainerError(
+            "restoring into a container needs CAP_SYS_ADMIN and CAP_SYS_PTRACE: run snapctl "
+            "as root on the host (or in a privileged container with the host's PID namespace)",
+            phase=HostPhase.RESTORE,
+        )
+    if reference.isdigit():
+        pid = int(reference)
+    else:
+        inspected = inspect(reference)
+        if inspected is None:
+            raise ContainerError(
+                f"no container {reference!r} (podman ps lists those running; start the "
+                f"placeholder first: podman run -d --name {reference} IMAGE sleep infinity)",
+                phase=HostPhase.RESTORE,
+            )
+        if not inspected.running or inspected.pid <= 0:
+            raise ContainerError(
+                f"container {reference} is {inspected.status}, not running (start it: podman "
+                f"start {reference})",
+                phase=HostPhase.RESTORE,
+            )
+        pid = inspected.pid
+    nspids = _nspids(proc, pid)
+    if not nspids:
+        raise ContainerError(f"no process {pid} (is container {reference} running?)",
+                             phase=HostPhase.RESTORE, pid=pid)  # fmt: skip
+    level = len(nspids) - 1
+    if level == 0:
+        raise ContainerError(
+            f"process {pid} is not in a container (it is in this host's PID namespace): give "
+            "a running container's name, ID or first process's PID",
+            phase=HostPhase.RESTORE, pid=pid,
+        )  # fmt: skip
+    try:
+        own_pidns = os.stat(proc / "self" / "ns" / "pid").st_ino
+        its_pidns = os.stat(proc / str(pid) / "ns" / "pid").st_ino
+        own_mntns = os.stat(proc / "self" / "ns" / "mnt").st_ino
+        its_mntns = os.stat(proc / str(pid) / "ns" / "mnt").st_ino
+    except OSError as error:
+        raise ContainerError(f"cannot read process {pid}'s namespaces: {error.strerror}",
+                             phase=HostPhase.RESTORE, pid=pid) from error  # fmt: skip
+    if own_pidns == its_pidns or own_mntns == its_mntns:
+        raise ContainerError(
+            f"process {pid} is not in a container (it shares this host's PID or mount "
+            "namespace): give a running container's name, ID or first process's PID",
+            phase=HostPhase.RESTORE, pid=pid,
+        )  # fmt: skip
+    if nspids[-1] != 1:
+        raise ContainerError(
+            f"process {pid} is not its container's first process (PID 1 inside): give the "
+            "container's name, or its first process (podman inspect --format "
+            "'{{.State.Pid}}' NAME)",
+            phase=HostPhase.RESTORE, pid=pid,
+        )  # fmt: skip
+    try:
+        started = start_time(pid)
+        its_mounts = (proc / str(pid) / "mountinfo").read_text()
+        own_mounts = (proc / "self" / "mountinfo").read_text()
+        cgroup = (proc / str(pid) / "cgroup").read_text()
+    except (OSError, ProcessGoneError) as error:
+        raise ContainerError(f"container {reference} ended while snapctl looked at it",
+                             phase=HostPhase.RESTORE, pid=pid) from error  # fmt: skip
+    found = _root_mount(its_mounts)
+    root = _mounted_at(own_mounts, *found) if found is not None else None
+    if root is None or not root.is_dir():
+        raise ContainerError(
+            f"the root of container {reference} is not mounted where snapctl sees it (run "
+            "snapctl in the host's mount namespace, where the container runtime mounts it)",
+            phase=HostPhase.RESTORE, pid=pid,
+        )  # fmt: skip
+    return Container(
+        reference=reference, pid=pid, start_time=started, root=root, cgroup=cgroup,
+        level=level, proc=proc,
+    )  # fmt: skip

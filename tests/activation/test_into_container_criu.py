@@ -1,0 +1,231 @@
+"""``snapctl copy --into-container``, with real CRIU and real podman: an image baked on the host
+restored inside a placeholder container (``sleep infinity``, runc, ``--rootfs /:O`` so its files
+are the host's, ``--network none``, ``--memory 4g``), as a Kubernetes placeholder pod would run.
+
+The copy serves on the container's own loopback (reached with ``nsenter --net``, never the
+host's: the host's loopback does not answer), every process of its tree is in the container's
+memory cgroup, ``podman stop`` ends it and its supervisor cleans up, ``snapctl stop`` ends it
+and leaves the container running, and a stopped or missing container is refused before CRIU
+runs; the same through the agent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from snapctl.statedir import StateDir
+from snapctl.supervision.process import descendants
+from tests.activation.criu_helpers import API_KEY_ENV, leftovers
+from tests.agent.helpers import AgentProcess, cli, until
+
+pytestmark = [pytest.mark.criu, pytest.mark.podman, pytest.mark.timeout(420)]
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+# runc: crun refuses hybrid cgroup hosts; lowered rlimits: podman's defaults need
+# CAP_SYS_RESOURCE, which CI's machines lack.
+PODMAN = ("podman", "--runtime", "runc", "--cgroup-manager=cgroupfs")
+ASK = (
+    "import json, sys\n"
+    "from tests.activation.criu_helpers import complete\n"
+    "print(json.dumps(complete(sys.argv[1])))\n"
+)
+
+
+class Placeholder:
+    """A running placeholder container, by its unique name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def inspect(self, template: str) -> str:
+        return subprocess.run(
+            [*PODMAN, "inspect", "--format", template, self.name],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout.strip()  # fmt: skip
+
+    @property
+    def pid(self) -> int:
+        return int(self.inspect("{{.State.Pid}}"))
+
+    @property
+    def running(self) -> bool:
+        return self.inspect("{{.State.Running}}") == "true"
+
+    def memory_cgroup(self) -> str:
+        """The container's memory cgroup, as /proc/PID/cgroup names it."""
+        text = Path(f"/proc/{self.pid}/cgroup").read_text()
+        return next(line.split(":", 2)[2] for line in text.splitlines()
+                    if "memory" in line.split(":")[1].split(","))  # fmt: skip
+
+    def ask(self, address: str) -> tuple[list[float], str]:
+        """The fixture's greedy completion from ``address`` on the container's network."""
+        done = subprocess.run(
+            ["nsenter", "--net", "--target", str(self.pid), sys.executable, "-c", ASK, address],
+            capture_output=True, text=True, timeout=120, cwd=CHECKOUT, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        logprobs, text = json.loads(done.stdout)
+        return logprobs, text
+
+    def stop(self) -> None:
+        subprocess.run([*PODMAN, "stop", "--time", "1", self.name],
+                       capture_output=True, timeout=120, check=True)  # fmt: skip
+
+
+@pytest.fixture
+def placeholder() -> Iterator[Callable[..., Placeholder]]:
+    """Starts a placeholder when called (after the image exists: its overlay shows the host's
+    files as they were then; ``start=False``: created, never started); each removed by its
+    name afterwards."""
+    names: list[str] = []
+
+    def make(*, start: bool = True) -> Placeholder:
+        name = f"snapctl-placeholder-{uuid.uuid4().hex[:12]}"
+        names.append(name)
+        run = [
+            *PODMAN, "run" if start else "create", *(["--detach"] if start else []),
+            "--name", name, "--network", "none", "--memory", "4g",
+            "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000",
+            "--rootfs", "/:O", "sleep", "infinity",
+        ]  # fmt: skip
+        subprocess.run(run, check=True, capture_output=True, timeout=120)
+        return Placeholder(name)
+
+    try:
+        yield make
+    finally:
+        for name in names:
+            subprocess.run([*PODMAN, "rm", "--force", "--time", "1", name],
+                           capture_output=True, timeout=120, check=False)  # fmt: skip
+
+
+def copy_into(
+    state: StateDir, image: Path, name: str, container: str, port: int, *, agent: bool = False
+) -> subprocess.CompletedProcess[str]:
+    return cli(
+        state, *([] if agent else ["--no-agent"]), "copy", "--image", str(image), "--name", name,
+        "--into-container", container, "--publish", f"127.0.0.1:{port}", "--api-key-env",
+        API_KEY_ENV, "--timeout", "60", "--detach", "--json", check=False,
+    )  # fmt: skip
+
+
+def names(state: StateDir, *, agent: bool = False) -> list[str]:
+    rows = json.loads(cli(state, *([] if agent else ["--no-agent"]), "ps", "--json").stdout)
+    return sorted(str(row["name"]) for row in rows)
+
+
+def host_answers(port: int) -> bool:
+    """Whether anything listens on the host's own loopback at ``port``."""
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def served(report: dict[str, Any]) -> list[int]:
+    """Every process of the copy's tree now."""
+    return descendants(int(report["root_pid"]))
+
+
+def test_a_copy_restored_into_a_placeholder_serves_there_and_ends_with_it(
+    agent_state: StateDir, donor_image: tuple[Path, Any],
+    placeholder: Callable[..., Placeholder],
+) -> None:  # fmt: skip
+    state, (image, expected) = agent_state, donor_image
+    box = placeholder()
+    done = copy_into(state, image, "in-box", box.name, 18210)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["published"] == "127.0.0.1:18210"
+    assert box.ask("127.0.0.1:18210") == expected
+    assert not host_answers(18210)  # published on the container's network, not the host's
+    memory = box.memory_cgroup()
+    for pid in served(report):
+        line = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                    if "memory" in line.split(":")[1].split(","))  # fmt: skip
+        assert line.split(":", 2)[2].startswith(memory + "/"), (pid, line, memory)
+    assert names(state) == ["in-box"]
+
+    # snapctl stop ends the copy; the container keeps running.
+    stopped = json.loads(cli(state, "--no-agent", "stop", "in-box", "--json").stdout)
+    assert not any(stopped["audit"].values()), stopped
+    assert box.running and names(state) == []
+
+    # A second copy into the same container ends when the container stops.
+    done = copy_into(state, image, "ends-with-box", str(box.pid), 18211)
+    assert done.returncode == 0, done.stderr
+    second = json.loads(done.stdout)
+    assert box.ask("127.0.0.1:18211") == expected
+    root = int(second["root_pid"])
+    box.stop()
+    until(lambda: names(state) == [], timeout_s=60, shown=lambda: names(state))
+    assert not Path(f"/proc/{root}").exists() or "Z" in Path(f"/proc/{root}/stat").read_text()
+    until(lambda: leftovers(state) == [], timeout_s=30, shown=lambda: leftovers(state))
+    outcome = json.loads((Path(second["logs"]) / "stopped.json").read_text())
+    assert not any(outcome["audit"].values()), outcome
+
+
+def test_a_stopped_or_missing_container_is_refused_before_criu_runs(
+    agent_state: StateDir, donor_image: tuple[Path, Any],
+    placeholder: Callable[..., Placeholder],
+) -> None:  # fmt: skip
+    state, (image, _) = agent_state, donor_image
+    created = placeholder(start=False)
+    before = sorted(state.logs.iterdir())  # the donor's
+    missing = f"snapctl-no-such-{uuid.uuid4().hex[:8]}"
+    # This test's own process: a process, but no container's.
+    refusals = ((created.name, "not running"), (missing, "no container"),
+                (str(os.getpid()), "not in a container"))  # fmt: skip
+    for container, says in refusals:
+        done = copy_into(state, image, "refused", container, 18220)
+        assert done.returncode == 7, done.stderr  # UNAVAILABLE: the host lacks what it needs
+        assert says in done.stderr, done.stderr
+    # A container whose files differ from the donor's: the identity gate, on its files.
+    changed = placeholder()
+    manifest = json.loads((image / "manifest.json").read_text())
+    path = next(f["path"] for f in manifest["identity"]["files"] if f["path"].startswith("/usr/"))
+    subprocess.run([*PODMAN, "exec", changed.name, "sh", "-c", f"echo >> {path}"],
+                   check=True, capture_output=True, timeout=60)  # fmt: skip
+    done = copy_into(state, image, "refused", changed.name, 18220)
+    assert done.returncode == 5 and path in done.stderr, done.stderr  # VERIFY_FAILED
+    for hostile in ("../etc", "a;b", "-rf"):
+        done = copy_into(state, image, "refused", hostile, 18220)
+        assert done.returncode == 2, done.stderr  # a usage error, before anything looked
+    # Nothing ran: no activation, no CRIU log, no name kept.
+    assert sorted(state.logs.iterdir()) == before
+    assert names(state) == [] and leftovers(state) == []
+
+
+def test_the_same_through_the_agent(
+    agent_state: StateDir, donor_image: tuple[Path, Any],
+    placeholder: Callable[..., Placeholder],
+) -> None:  # fmt: skip
+    state, (image, expected) = agent_state, donor_image
+    box = placeholder()
+    agent = AgentProcess(state)
+    try:
+        done = copy_into(state, image, "via-agent", box.name, 18230, agent=True)
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout)
+        assert report["from_pool"] is False
+        assert box.ask("127.0.0.1:18230") == expected
+        assert not host_answers(18230)
+        assert names(state, agent=True) == ["via-agent"]
+        box.stop()
+        until(lambda: names(state, agent=True) == [], timeout_s=60,
+              shown=lambda: names(state, agent=True))  # fmt: skip
+        refused = copy_into(state, image, "via-agent", box.name, 18231, agent=True)
+        assert refused.returncode == 7 and "not running" in refused.stderr, refused.stderr
+    finally:
+        agent.kill(signal.SIGTERM)
+    until(lambda: leftovers(state) == [], timeout_s=30, shown=lambda: leftovers(state))
