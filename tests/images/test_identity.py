@@ -203,3 +203,25 @@ def test_schema_1_image_has_no_identity_and_needs_a_waiver() -> None:
     with pytest.raises(IdentityMismatchError, match="records no identity"):
         require_match(None, None)
     assert [d.field for d in require_match(None, None, allow=["identity"])] == ["identity"]
+
+
+def test_a_container_s_files_are_read_inside_its_root_whatever_its_links_say(
+    tmp_path: Path,
+) -> None:
+    import hashlib
+
+    root = tmp_path / "container"
+    (root / "lib").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "etc" / "passwd").write_bytes(b"the container's own\n")
+    (root / "lib" / "absolute").symlink_to("/etc/passwd")  # the host's, read from here
+    (root / "lib" / "climbing").symlink_to("../../../../../../../../etc/passwd")
+    (root / "lib" / "to-the-host-only").symlink_to("/etc/hostname")
+    own = hashlib.sha256(b"the container's own\n").hexdigest()
+    records = hash_files(["/lib/absolute", "/lib/climbing", "/lib/to-the-host-only"], None,
+                         root=root)  # fmt: skip
+    assert [(r.path, r.sha256) for r in records] == [
+        ("/lib/absolute", own), ("/lib/climbing", own),
+    ]  # fmt: skip
+    # On the host the same paths are the host's.
+    assert Path("/etc/hostname").exists()

@@ -3,6 +3,7 @@ paths), and their sizes and content digests, cached by stat (:mod:`snapctl.image
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import posixpath
@@ -11,7 +12,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from snapctl.images.filecache import FileCache, path_key, stat_key
+from snapctl.images.filecache import FileCache, stat_key
 from snapctl.images.identity.models import FileRecord
 
 CHUNK = 4 << 20
@@ -71,16 +72,65 @@ def tree_files(pids: Iterable[int]) -> list[str]:
     return sorted(found)
 
 
-def _cached(path: str, cache: FileCache | None, at: str) -> FileRecord | None:
-    """The cached record of ``path`` (read at ``at``) if the file is unchanged since it was
-    hashed, else None."""
+# openat2(2): its number (the same on every architecture) and the flags that keep a lookup
+# inside a directory taken as the root, as a process whose root it is sees it.
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def open_in_root(root_fd: int, path: str) -> int:
+    """A read-only descriptor of ``path`` as a process whose root is the directory ``root_fd``
+    opens it: every symbolic link on the way, absolute or with ``..``, resolved inside that
+    root (``RESOLVE_IN_ROOT``), in one lookup that a rename meanwhile cannot lead out. A
+    container's files read from the host are the container's, never the host's a link in the
+    container names."""
+    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    name = path.lstrip("/").encode() or b"."
+    fd = int(_libc.syscall(SYS_OPENAT2, root_fd, name, ctypes.byref(how), ctypes.sizeof(how)))
+    if fd < 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error), path)
+    return fd
+
+
+class _Files:
+    """Where the paths are read: on this host, or (``root_fd``) inside a container's root."""
+
+    def __init__(self, root_fd: int | None = None) -> None:
+        self.root_fd = root_fd
+
+    def open(self, path: str) -> int:
+        if self.root_fd is None:
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return open_in_root(self.root_fd, path)
+
+    def stat(self, path: str) -> os.stat_result:
+        if self.root_fd is None:
+            return os.stat(path)  # one call: every copy's identity check stats every file
+        fd = self.open(path)
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
+
+
+def _cached(path: str, cache: FileCache | None, files: _Files) -> FileRecord | None:
+    """The cached record of ``path`` if the file is unchanged since it was hashed, else None."""
     if cache is None:
         return None
     try:
-        st = os.stat(at)
+        st = files.stat(path)
     except OSError:
         return None  # missing: hashing leaves it out
-    sha256 = cache.lookup(at, {at: stat_key(st)})
+    sha256 = cache.lookup(path, {path: stat_key(st)})
     if sha256 is None:
         return None
     try:
@@ -89,14 +139,11 @@ def _cached(path: str, cache: FileCache | None, at: str) -> FileRecord | None:
         return None  # a damaged entry only costs a re-hash
 
 
-def _hash_one(path: str, cache: FileCache | None, at: str) -> FileRecord | None:
-    try:
-        key = path_key(at)
-    except OSError:
-        return None
+def _hash_one(path: str, cache: FileCache | None, files: _Files) -> FileRecord | None:
     digest = hashlib.sha256()
     try:
-        with open(at, "rb") as handle:
+        with os.fdopen(files.open(path), "rb") as handle:
+            key = stat_key(os.fstat(handle.fileno()))
             while chunk := handle.read(CHUNK):
                 digest.update(chunk)
             after = os.fstat(handle.fileno())
@@ -104,7 +151,7 @@ def _hash_one(path: str, cache: FileCache | None, at: str) -> FileRecord | None:
         return None
     record = FileRecord(path=path, size=after.st_size, sha256=digest.hexdigest())
     if cache is not None and stat_key(after) == key:  # not written to while we read it
-        cache.remember(at, {at: key}, record.sha256)
+        cache.remember(path, {path: key}, record.sha256)
     return record
 
 
@@ -113,19 +160,29 @@ def hash_files(
 ) -> list[FileRecord]:
     """Size and sha256 of each path that exists (missing ones are left out), in parallel;
     cached in ``cache_dir`` by path and stat key (see :mod:`snapctl.images.filecache`).
-    ``root``: each path is read below it (a container's root), and recorded as given."""
+    ``root``: each path is read inside it (a container's root: :func:`open_in_root`), and
+    recorded as given."""
+    if root is None:
+        return _hash_files(paths, cache_dir, _Files())
+    try:
+        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return []  # no root: every file missing
+    try:
+        return _hash_files(paths, cache_dir, _Files(root_fd))
+    finally:
+        os.close(root_fd)
 
-    def at(path: str) -> str:
-        return path if root is None else str(root / path.lstrip("/"))
 
+def _hash_files(paths: list[str], cache_dir: Path | None, files: _Files) -> list[FileRecord]:
     cache = FileCache(cache_dir) if cache_dir is not None else None
     # Cache hits first, one by one: a stat and a small read each, cheaper than handing them to
     # threads on a busy host, and every copy's identity check pays it (docs/images.md).
-    found = {path: _cached(path, cache, at(path)) for path in paths}
+    found = {path: _cached(path, cache, files) for path in paths}
     misses = [path for path, record in found.items() if record is None]
     if misses:
         # hashlib releases the GIL: a few threads keep every core and the disk busy.
         with ThreadPoolExecutor(max_workers=min(8, len(misses))) as pool:
-            hashed = pool.map(lambda p: _hash_one(p, cache, at(p)), misses)
+            hashed = pool.map(lambda p: _hash_one(p, cache, files), misses)
             found.update(zip(misses, hashed, strict=True))
     return [record for path in paths if (record := found[path]) is not None]
