@@ -25,6 +25,7 @@ import pytest
 from snapctl.criu import CriuBinary, find_criu
 from snapctl.errors import SnapctlError
 from snapctl.statedir import StateDir
+from tests.containers import Placeholder
 from tests.registry.server import BINARY as REGISTRY_BINARY
 from tests.registry.server import RegistryServer, registry_binary, start_registry
 
@@ -130,3 +131,21 @@ def donor_image(tmp_path: Path, agent_state: StateDir, criu_binary: CriuBinary) 
     from tests.agent.helpers import capture_donor
 
     return capture_donor(tmp_path, agent_state, criu_binary)
+
+
+@pytest.fixture
+def placeholder() -> Iterator[Callable[..., Placeholder]]:
+    """Starts a placeholder container when called (after the image exists: its overlay shows
+    the host's files as they were then; ``start=False``: created, never started); each
+    removed by its name afterwards."""
+    made: list[Placeholder] = []
+
+    def make(*, start: bool = True) -> Placeholder:
+        made.append(Placeholder.create(start=start))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for each in made:
+            each.remove()

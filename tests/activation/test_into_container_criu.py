@@ -16,9 +16,8 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,86 +27,9 @@ from snapctl.statedir import StateDir
 from snapctl.supervision.process import descendants
 from tests.activation.criu_helpers import API_KEY_ENV, leftovers
 from tests.agent.helpers import AgentProcess, cli, until
+from tests.containers import PODMAN, Placeholder
 
 pytestmark = [pytest.mark.criu, pytest.mark.podman, pytest.mark.timeout(420)]
-
-CHECKOUT = Path(__file__).resolve().parents[2]
-# runc: crun refuses hybrid cgroup hosts; lowered rlimits: podman's defaults need
-# CAP_SYS_RESOURCE, which CI's machines lack.
-PODMAN = ("podman", "--runtime", "runc", "--cgroup-manager=cgroupfs")
-ASK = (
-    "import json, sys\n"
-    "from tests.activation.criu_helpers import complete\n"
-    "print(json.dumps(complete(sys.argv[1])))\n"
-)
-
-
-class Placeholder:
-    """A running placeholder container, by its unique name."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def inspect(self, template: str) -> str:
-        return subprocess.run(
-            [*PODMAN, "inspect", "--format", template, self.name],
-            capture_output=True, text=True, timeout=60, check=True,
-        ).stdout.strip()  # fmt: skip
-
-    @property
-    def pid(self) -> int:
-        return int(self.inspect("{{.State.Pid}}"))
-
-    @property
-    def running(self) -> bool:
-        return self.inspect("{{.State.Running}}") == "true"
-
-    def memory_cgroup(self) -> str:
-        """The container's memory cgroup, as /proc/PID/cgroup names it."""
-        text = Path(f"/proc/{self.pid}/cgroup").read_text()
-        return next(line.split(":", 2)[2] for line in text.splitlines()
-                    if "memory" in line.split(":")[1].split(","))  # fmt: skip
-
-    def ask(self, address: str) -> tuple[list[float], str]:
-        """The fixture's greedy completion from ``address`` on the container's network."""
-        done = subprocess.run(
-            ["nsenter", "--net", "--target", str(self.pid), sys.executable, "-c", ASK, address],
-            capture_output=True, text=True, timeout=120, cwd=CHECKOUT, check=False,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stderr
-        logprobs, text = json.loads(done.stdout)
-        return logprobs, text
-
-    def stop(self) -> None:
-        subprocess.run([*PODMAN, "stop", "--time", "1", self.name],
-                       capture_output=True, timeout=120, check=True)  # fmt: skip
-
-
-@pytest.fixture
-def placeholder() -> Iterator[Callable[..., Placeholder]]:
-    """Starts a placeholder when called (after the image exists: its overlay shows the host's
-    files as they were then; ``start=False``: created, never started); each removed by its
-    name afterwards."""
-    names: list[str] = []
-
-    def make(*, start: bool = True) -> Placeholder:
-        name = f"snapctl-placeholder-{uuid.uuid4().hex[:12]}"
-        names.append(name)
-        run = [
-            *PODMAN, "run" if start else "create", *(["--detach"] if start else []),
-            "--name", name, "--network", "none", "--memory", "4g",
-            "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000",
-            "--rootfs", "/:O", "sleep", "infinity",
-        ]  # fmt: skip
-        subprocess.run(run, check=True, capture_output=True, timeout=120)
-        return Placeholder(name)
-
-    try:
-        yield make
-    finally:
-        for name in names:
-            subprocess.run([*PODMAN, "rm", "--force", "--time", "1", name],
-                           capture_output=True, timeout=120, check=False)  # fmt: skip
 
 
 def copy_into(
