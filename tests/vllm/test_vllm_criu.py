@@ -10,10 +10,12 @@ cold only three times (two references and one donor). Each run's wall time is pr
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 from snapctl.qualification.report import Report
 from snapctl.qualification.watch import HOST_SHM
 from snapctl.statedir import StateDir
+from tests.containers import Placeholder
 from tests.qualification.criu_helpers import assert_nothing_left
 from tests.vllm.conftest import ROOT, VLLM_ENV, VLLM_ENV_OPTIONS, RealVllm
 
@@ -197,3 +200,53 @@ def test_openai_client_gets_equal_answers_from_plain_and_lazy_copies(
     ):
         assert (lazy_text, lazy_ids) == (text, ids) and ids
         assert max(abs(a - b) for a, b in zip(logprobs, lazy_logprobs, strict=True)) <= 1e-3
+
+
+# The openai client's greedy completion of argv[2] from the server at argv[1], as JSON.
+ASK_OPENAI = """
+import json, sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key=sys.argv[3], max_retries=0, timeout=120)
+choice = client.completions.create(
+    model=sys.argv[4], prompt=sys.argv[2], max_tokens=8, temperature=0, logprobs=0,
+    extra_body={"return_token_ids": True, "ignore_eos": True},
+).choices[0]
+print(json.dumps([choice.text, list(getattr(choice, "token_ids", None) or []),
+                  [float(x) for x in choice.logprobs.token_logprobs]]))
+"""
+
+
+@pytest.mark.podman
+@pytest.mark.timeout(900)
+def test_a_copy_into_a_placeholder_container_answers_as_a_copy_on_the_host(
+    served: RealVllm, qualified: Qualified, placeholder: Callable[..., Placeholder]
+) -> None:
+    """The bridge restored inside a placeholder container (the pattern of a Kubernetes pod
+    that a restore fills): the same completion, token ids and log probabilities as a plain
+    copy on the host, asked on the container's own loopback."""
+    box = placeholder()
+    answers = []
+    for name, port, where in (("vllm-host", 18480, ()), ("vllm-in-box", 18481, (box.name,))):
+        done = _snapctl(
+            ["copy", "--image", str(qualified.image), "--name", name, "--detach", "--no-lazy",
+             "--publish", f"127.0.0.1:{port}", "--api-key-env", "SNAPCTL_VLLM_KEY",
+             *(("--into-container", *where) if where else ())],
+            qualified.state, 300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        try:
+            argv = [sys.executable, "-c", ASK_OPENAI, f"http://127.0.0.1:{port}/v1",
+                    "The capital of France is", API_KEY, str(served.model)]  # fmt: skip
+            asked = subprocess.run(
+                box.in_network(*argv) if where else argv,
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            assert asked.returncode == 0, asked.stderr[-3000:]
+            answers.append(json.loads(asked.stdout))
+        finally:
+            stopped = _snapctl(["stop", name], qualified.state, 120)
+            assert stopped.returncode == 0, stopped.stderr
+            assert "cleanup: clean" in stopped.stdout + stopped.stderr
+    (text, ids, logprobs), (box_text, box_ids, box_logprobs) = answers
+    assert (box_text, box_ids) == (text, ids) and ids
+    assert max(abs(a - b) for a, b in zip(logprobs, box_logprobs, strict=True)) <= 1e-3
+    assert box.running  # snapctl stop left the container as it was
