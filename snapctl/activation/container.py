@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapctl.cgroups.layout import CGROUP_ROOT, Layout, detect_layout
+from snapctl.cgroups.layout import CGROUP_ROOT, UNIFIED, Layout, cgroup_paths, detect_layout
 from snapctl.criu import CriuBinary
 from snapctl.criu.external import host_key, host_mounts
 from snapctl.errors import ExitStatus, SnapctlError
@@ -147,17 +147,17 @@ class Container:
         if layout.version == 1:
             # detect_layout put snapctl's parent below the container's cgroup in each
             # hierarchy, unless SNAPCTL_CGROUP_PARENT moved it: the container's decides here.
-            own = _cgroup_paths(self.cgroup)
+            own = cgroup_paths(self.cgroup)
             parents = {
                 key: _inside(layout.mounts[key], own.get(key, "/"), layout.roots.get(key, "/"))
                 / "snapctl"
                 for key in layout.parents
             }
             return dataclasses.replace(layout, parents=parents)
-        mine = _cgroup_paths(self.cgroup).get("unified", "/")
+        mine = cgroup_paths(self.cgroup).get(UNIFIED, "/")
         base = str(Path(mine).parent) if mine.strip("/") else "/"
         unified = layout.mounts["unified"]
-        parent = _inside(unified, base, layout.roots.get("unified", "/")) / "snapctl"
+        parent = _inside(unified, base, layout.roots.get(UNIFIED, "/")) / "snapctl"
         return dataclasses.replace(layout, parents={"unified": parent})
 
     def criu(self, criu: CriuBinary, work_dir: Path) -> CriuBinary:
@@ -222,18 +222,6 @@ def _inside(mount: Path, path: str, mount_root: str) -> Path:
     if base and (path == base or path.startswith(base + "/")):
         path = path[len(base) :]
     return mount / path.strip("/") if path.strip("/") else mount
-
-
-def _cgroup_paths(text: str) -> dict[str, str]:
-    """/proc/PID/cgroup's lines: each v1 controller, and ``unified`` for v2, to its path."""
-    paths: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        for controller in parts[1].split(",") if parts[1] else ["unified"]:
-            paths[controller] = parts[2]
-    return paths
 
 
 def _children(proc: Path, pid: int) -> list[int]:

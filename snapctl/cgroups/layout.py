@@ -57,16 +57,17 @@ class Layout:
         return f"{base}/{inside}" if inside != "." else base or "/"
 
 
-def _own_paths(text: str) -> dict[str, str]:
-    """``/proc/self/cgroup``'s lines: each controller (``""`` for v2) to its cgroup path."""
-    own: dict[str, str] = {}
+def cgroup_paths(text: str) -> dict[str, str]:
+    """A ``/proc/PID/cgroup``'s lines: each v1 controller (``name=systemd`` too), and
+    :data:`UNIFIED` for v2, to the process's cgroup path there."""
+    paths: dict[str, str] = {}
     for line in text.splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
-        for controller in parts[1].split(",") if parts[1] else [""]:
-            own[controller] = parts[2]
-    return own
+        for controller in parts[1].split(",") if parts[1] else [UNIFIED]:
+            paths[controller] = parts[2]
+    return paths
 
 
 def _inside(mount: Path, path: str) -> Path:
@@ -128,12 +129,12 @@ def detect_layout(
             return None
     roots = mount_roots(root, mountinfo)
     own = {
-        controller: _below_root(path, roots.get(controller or UNIFIED, "/"))
-        for controller, path in _own_paths(self_cgroup).items()
+        controller: _below_root(path, roots.get(controller, "/"))
+        for controller, path in cgroup_paths(self_cgroup).items()
     }
     parent = parent or os.environ.get(PARENT_ENV) or None
     if (root / "cgroup.controllers").is_file():
-        mine = own.get("", "/")
+        mine = own.get(UNIFIED, "/")
         if parent is None:
             base = str(Path(mine).parent) if mine.strip("/") else "/"
             parent = f"{base.rstrip('/')}/{PARENT_NAME}"

@@ -13,20 +13,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from snapctl.cgroups.group import ActivationCgroup, own_pid_cgroup
-from snapctl.cgroups.layout import CGROUP_ROOT, UNIFIED, Layout, detect_layout
+from snapctl.cgroups.layout import CGROUP_ROOT, UNIFIED, Layout, cgroup_paths, detect_layout
 
 
 def proc_cgroup_path(text: str, key: str) -> str | None:
     """The cgroup path of hierarchy ``key`` (``unified`` for v2, else a v1 controller) in
     ``text``, a ``/proc/PID/cgroup``; None where it names none."""
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        controllers = parts[1].split(",") if parts[1] else []
-        if (key == UNIFIED and parts[0] == "0" and not controllers) or key in controllers:
-            return parts[2]
-    return None
+    return cgroup_paths(text).get(key)
 
 
 def cgroup_named(
