@@ -47,6 +47,7 @@ def check_copy_start(
     state: StateDir | None,
     note: Note,
     into_container: str | None = None,
+    check_owner: bool = True,
 ) -> Path | None:
     """Refuse, in this order: an unknown or unwaivable ``--allow-mismatch`` name, a ``--name``
     that cannot be numbered ``--count`` times, a name in use, an ``into_container`` that cannot
@@ -57,10 +58,11 @@ def check_copy_start(
     note each waiver that waives nothing.
 
     ``state`` None: names are checked but not looked up (where the start's own reservation
-    is the next step anyway). Returns the image directory, or None when ``image`` is a
-    registry reference (the caller pulls it). Usage errors are :class:`CopyUsageError`; the
-    others are raised as the step that would meet them later raises them
-    (``NameInUseError``, ``PortInUseError``, ...).
+    is the next step anyway); ``check_owner`` False: the image's owners are not checked
+    again (a supervisor's recheck of what its agent checked). Returns the image directory,
+    or None when ``image`` is a registry reference (the caller pulls it). Usage errors are
+    :class:`CopyUsageError`; the others are raised as the step that would meet them later
+    raises them (``NameInUseError``, ``PortInUseError``, ...).
     """
     from snapctl.images.identity.compare import check_waivers, needless_waivers
 
@@ -75,7 +77,7 @@ def check_copy_start(
 
         inside = resolve_container(into_container).pid
     check_publish_target(publish, expose, count, inside=inside)
-    published = _published_image(image)
+    published = _published_image(image, check_owner)
     for waiver in needless_waivers(allow_mismatch):
         note(f"--allow-mismatch {waiver} is not needed: {waiver} never refuses a copy")
     return published
@@ -131,12 +133,12 @@ def check_publish_target(
         there.call(lambda: check_publish(address, ports, exposed=expose))
 
 
-def _published_image(image: str) -> Path | None:
+def _published_image(image: str, check_owner: bool) -> Path | None:
     from snapctl.registry.source import is_reference, require_image
 
     if is_reference(image):
         return None
-    return require_image(image).absolute()
+    return require_image(image, restore=check_owner).absolute()
 
 
 def decide_lazy(requested: bool | None, image: Path, note: Note | None = None) -> bool:

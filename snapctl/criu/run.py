@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -161,6 +163,10 @@ class CriuProcess:
                 output, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0))
                 break
             except subprocess.TimeoutExpired as error:
+                # Its whole process group: a wrapper (nsenter into a container) forks CRIU,
+                # which a kill of the wrapper alone would leave running, holding the pipe.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.kill()
                 proc.communicate()
                 raise CriuError(action, None, log_path) from error

@@ -212,3 +212,25 @@ def test_a_requested_lazy_is_kept_without_reading_the_image(
 
 def test_the_lazy_option_s_help_names_the_tuned_threshold() -> None:
     assert f"at least {LAZY_DEFAULT_MIN_BYTES >> 20} MiB of pages" in lazy_help()
+
+
+def test_a_supervisor_checks_the_publish_target_where_the_agent_did(
+    state: StateDir, image: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A copy bound for a container: its port is looked at in the container's network (its
+    # first process's), never the host's, by the agent and by the supervisor alike.
+    from types import SimpleNamespace
+
+    from snapctl.activation import container, precheck
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(container, "resolve_container", lambda ref: SimpleNamespace(pid=4242))
+    monkeypatch.setattr(
+        precheck, "check_publish_target",
+        lambda publish, expose, count, *, inside=None: seen.append(inside),
+    )  # fmt: skip
+    fields = request_fields(image, publish=("127.0.0.1", 18000))
+    request = as_request(fields).model_copy(update={"into_container": "placeholder"})
+    agent_service(state).check_copy(request, print)
+    check_request(request, state)
+    assert seen == [4242, 4242]

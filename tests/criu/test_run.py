@@ -30,6 +30,7 @@ case "$FAKE_MODE" in
         do echo "(00.000060) filler line $i" >> "$log"; done
         echo "on stdout" ; exit 1 ;;
     hang) exec sleep 30 ;;
+    forked) sleep 300 & wait ;;
 esac
 exit 42
 """
@@ -109,6 +110,17 @@ def test_timeout_raises_without_a_returncode(fake: CriuBinary, tmp_path: Path) -
         )
 
     assert caught.value.returncode is None
+
+
+@pytest.mark.timeout(60)
+def test_a_timeout_ends_what_a_wrapper_forked(fake: CriuBinary, tmp_path: Path) -> None:
+    # As nsenter forks CRIU into a container: killing the wrapper alone left its child
+    # holding the output pipe, and the wait for it lasted as long as the child.
+    with pytest.raises(CriuError, match="criu restore timed out"):
+        run_criu(
+            fake, "restore", tmp_path, tmp_path / "r.log", timeout_s=0.5,
+            env={"FAKE_MODE": "forked"},
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1, float("inf"), float("nan")])

@@ -29,16 +29,17 @@ def launch_options(request: CopyRequest) -> LaunchOptions:
 
 
 def check_request(request: CopyRequest, state: StateDir | None = None) -> None:
-    """What the CLI and the agent refused before this start, checked again where it runs
-    (a port or a name may have been taken since; ``state`` None: names are left to the
-    activation's own reservation); their notes were shown already."""
+    """What the agent refused before this start, checked again where it runs (a port or a
+    name may have been taken since, a container stopped; ``state`` None: names are left to
+    the activation's own reservation); its notes were shown already, and the image's owners
+    were checked by the agent that sent the request."""
     from snapctl.activation.precheck import check_copy_start
 
     publish = publish_pair(request.publish)
     check_copy_start(
         image=request.image, allow_mismatch=request.allow_mismatch, name=request.name,
         count=request.count, publish=publish, expose=request.expose, state=state,
-        note=lambda text: None,
+        note=lambda text: None, into_container=request.into_container, check_owner=False,
     )  # fmt: skip
 
 
