@@ -225,3 +225,15 @@ def test_a_container_s_files_are_read_inside_its_root_whatever_its_links_say(
     ]  # fmt: skip
     # On the host the same paths are the host's.
     assert Path("/etc/hostname").exists()
+
+
+def test_a_fifo_or_a_device_at_a_recorded_path_is_left_out_unopened(tmp_path: Path) -> None:
+    root = tmp_path / "container"
+    (root / "lib").mkdir(parents=True)
+    os.mkfifo(root / "lib" / "fifo")  # its open would wait for a writer
+    (root / "lib" / "null").symlink_to("/dev/null")  # in the root: none there
+    (root / "lib" / "file").write_bytes(b"x")
+    found = hash_files(["/lib/fifo", "/lib/null", "/lib/file"], None, root=root)
+    assert [record.path for record in found] == ["/lib/file"]
+    os.mkfifo(tmp_path / "host-fifo")
+    assert hash_files([str(tmp_path / "host-fifo")], None) == []

@@ -4,6 +4,7 @@ paths), and their sizes and content digests, cached by stat (:mod:`snapctl.image
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import posixpath
@@ -87,12 +88,12 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def open_in_root(root_fd: int, path: str) -> int:
-    """A read-only descriptor of ``path`` as a process whose root is the directory ``root_fd``
-    opens it: every symbolic link on the way, absolute or with ``..``, resolved inside that
-    root (``RESOLVE_IN_ROOT``), in one lookup that a rename meanwhile cannot lead out. A
-    container's files read from the host are the container's, never the host's a link in the
-    container names."""
-    how = _OpenHow(os.O_RDONLY | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    """An ``O_PATH`` descriptor of ``path`` as a process whose root is the directory
+    ``root_fd`` finds it: every symbolic link on the way, absolute or with ``..``, resolved
+    inside that root (``RESOLVE_IN_ROOT``), in one lookup that a rename meanwhile cannot lead
+    out. A container's files read from the host are the container's, never the host's a link
+    in the container names."""
+    how = _OpenHow(os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
     name = path.lstrip("/").encode() or b"."
     fd = int(_libc.syscall(SYS_OPENAT2, root_fd, name, ctypes.byref(how), ctypes.sizeof(how)))
     if fd < 0:
@@ -102,24 +103,36 @@ def open_in_root(root_fd: int, path: str) -> int:
 
 
 class _Files:
-    """Where the paths are read: on this host, or (``root_fd``) inside a container's root."""
+    """Where the paths are read: on this host, or (``root_fd``) inside a container's root.
+    Only regular files are read: a FIFO or a device at a recorded path is found with
+    ``O_PATH`` (which opens nothing) and left out, never opened (a FIFO's open would wait for
+    a writer for ever)."""
 
     def __init__(self, root_fd: int | None = None) -> None:
         self.root_fd = root_fd
 
-    def open(self, path: str) -> int:
+    def _find(self, path: str) -> int:
         if self.root_fd is None:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return os.open(path, os.O_PATH | os.O_CLOEXEC)
         return open_in_root(self.root_fd, path)
+
+    def open(self, path: str) -> int:
+        found = self._find(path)
+        try:
+            if not stat.S_ISREG(os.fstat(found).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            return os.open(f"/proc/self/fd/{found}", os.O_RDONLY | os.O_CLOEXEC)
+        finally:
+            os.close(found)
 
     def stat(self, path: str) -> os.stat_result:
         if self.root_fd is None:
             return os.stat(path)  # one call: every copy's identity check stats every file
-        fd = self.open(path)
+        found = self._find(path)
         try:
-            return os.fstat(fd)
+            return os.fstat(found)
         finally:
-            os.close(fd)
+            os.close(found)
 
 
 def _cached(path: str, cache: FileCache | None, files: _Files) -> FileRecord | None:
