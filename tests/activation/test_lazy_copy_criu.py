@@ -282,8 +282,8 @@ def test_a_copy_with_no_working_set_yet_leaves_its_big_process_all_lazy_and_lear
 ) -> None:
     """Its short runs, restored eagerly, would hide their touches: one copy learns the set."""
     for known in [
-        *donor.state.views.glob("*.touched.json"),
-        *donor.state.views.glob("*.unlearnable"),
+        *donor.state.views.glob("*.touched-runs.json"),
+        *donor.state.views.glob("*.scattered"),
     ]:
         known.unlink()
     big = [
@@ -300,9 +300,10 @@ def test_a_copy_with_no_working_set_yet_leaves_its_big_process_all_lazy_and_lear
     assert session.lazy.wait(120).state == "complete"
     stop_clean(session)
     try:
-        assert list(donor.state.views.glob("*.touched.json")), "the copy learned no working set"
+        learned_sets = list(donor.state.views.glob("*.touched-runs.json"))
+        assert learned_sets, "the copy learned no working set"
     finally:
-        for learned in donor.state.views.glob("*.touched.json"):
+        for learned in donor.state.views.glob("*.touched-runs.json"):
             learned.unlink()  # the other tests' copies restore by the view's own rule
 
 
@@ -311,7 +312,7 @@ def test_little_lazy_memory_is_not_held(
 ) -> None:
     monkeypatch.setattr(tuning, "HOLD_TRANSFER_MIN_BYTES", (RETAINED_MB + 1) * 2**20)
     # A view with a learned working set, or one to learn it, always holds it: nothing to learn.
-    for learned in donor.state.views.glob("*.touched.json"):
+    for learned in donor.state.views.glob("*.touched-runs.json"):
         learned.unlink()
     markers = [
         unlearnable_path(donor.state.views, pagemap_key(path.read_bytes()))

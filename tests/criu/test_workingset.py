@@ -94,3 +94,12 @@ def test_a_set_in_the_earlier_page_list_format_is_learned_again(tmp_path: Path) 
     assert read_working_set(cache, "k" * 64) is None
     assert workingset.add_pages(cache, "k" * 64, [7]) == 1
     assert read_working_set(cache, "k" * 64) == {7}
+
+
+def test_sets_and_marks_an_earlier_version_kept_are_not_read(tmp_path: Path) -> None:
+    cache = tmp_path / "views"
+    cache.mkdir()
+    (cache / f"{'k' * 64}.touched.json").write_text('{"version": 1, "pages": [1, 2]}')
+    (cache / f"{'k' * 64}.unlearnable").write_bytes(b"")  # sets past 1 GiB were refused
+    assert read_working_set(cache, "k" * 64) is None
+    assert learnable(cache, "k" * 64)

@@ -133,7 +133,7 @@ def test_a_pulled_image_brings_the_working_sets_its_lazy_copies_learned(
         assert session.lazy is not None and session.lazy.wait(120).state == "complete"
     finally:
         session.stop(10.0)
-    learned = sorted(p.name for p in host_a.views.glob("*.touched.json"))
+    learned = sorted(p.name for p in host_a.views.glob("*.touched-runs.json"))
     assert learned, "the lazy copy learned nothing"
 
     pushed = json.loads(snapctl(state, "image", "push", str(image), ref, "--plain-http", "--json"))
@@ -149,7 +149,7 @@ def test_a_pulled_image_brings_the_working_sets_its_lazy_copies_learned(
     finally:
         client.close()
     assert pulled.working_sets.processes == len(learned) and pulled.working_sets.error is None
-    assert sorted(p.name for p in host_b.views.glob("*.touched.json")) == learned
+    assert sorted(p.name for p in host_b.views.glob("*.touched-runs.json")) == learned
     summary = lazy_view(Path(pulled.image) / "criu", tmp_path / "view", cache_dir=host_b.views)
     assert summary.learned_processes >= 1
 

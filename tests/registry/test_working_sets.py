@@ -166,7 +166,7 @@ def test_adopt_takes_only_the_images_own_processes(tmp_path: Path) -> None:
         processes=1, pages=2
     )
     assert read_working_set(views, engine) == frozenset([1, 2])
-    assert sorted(p.name for p in views.iterdir()) == [f"{engine}.touched.json"]
+    assert sorted(p.name for p in views.iterdir()) == [f"{engine}.touched-runs.json"]
     with pytest.raises(ValueError, match="not the sha256 of a pagemap"):
         workingsets.WorkingSets(sets={"../escape": [1]})
     with pytest.raises(ValueError, match="negative"):

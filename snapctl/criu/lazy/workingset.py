@@ -21,7 +21,7 @@ sets, kept beside the view cache under the sha256 of each process's pagemap: a d
 or a changed process, has a different key, so a set never applies to memory it was not learned
 on. The first copy of a process learns its whole set alone: with no set known, its view leaves
 the process all lazy (:mod:`.pagemap`), so every page it touches is a fault; a process whose
-copies touch too much for a set is marked ``<key>.unlearnable``, and its next copies get the
+copies touch too scattered a set is marked ``<key>.scattered``, and its next copies get the
 short-run rule again. Nothing here is needed for correctness: a page missing from the set is
 a fault, a page in it that the copy does not touch is a page restored early.
 """
@@ -50,7 +50,7 @@ PageRun = tuple[int, int]
 
 
 class WorkingSet(StrictModel):
-    """``STATE/views/<pagemap sha256>.touched.json``: the pages that copies of one process
+    """``STATE/views/<pagemap sha256>.touched-runs.json``: the pages that copies of one process
     touched before they were ready, as runs, sorted and apart (a model's weights are a few
     long runs, an interpreter's heap many short ones)."""
 
@@ -90,11 +90,13 @@ def union_runs(first: list[PageRun], second: list[PageRun]) -> list[PageRun]:
 
 
 def working_set_path(cache_dir: Path, pagemap_key: str) -> Path:
-    return cache_dir / f"{pagemap_key}.touched.json"
+    # Named for its format: sets and marks kept by earlier versions (page lists, and marks
+    # of sets too big to learn) are never read as today's.
+    return cache_dir / f"{pagemap_key}.touched-runs.json"
 
 
 def unlearnable_path(cache_dir: Path, pagemap_key: str) -> Path:
-    return cache_dir / f"{pagemap_key}.unlearnable"
+    return cache_dir / f"{pagemap_key}.scattered"
 
 
 def learnable(cache_dir: Path, key: str) -> bool:
