@@ -251,30 +251,36 @@ class WarmPool:
     def listing(self) -> PoolListing:
         now = time.monotonic()
         with self._lock:
-            entries = []
-            for entry in self._images.values():
-                rows = tuple(
-                    ParkedCopyRow(
-                        id=slot.id,
-                        state="parked" if slot.state is SlotState.PARKED else "restoring",
-                        age_s=round(now - (slot.parked_at or slot.started), 3),
-                        memory_bytes=slot.memory_bytes,
-                        supervisor_pid=slot.record.supervisor_pid if slot.record else 0,
-                        root_pid=slot.record.root_pid if slot.record else None,
-                        **cgroup_columns(slot.record, self.state.cgroup_prefix),
-                    )
-                    for slot in entry.live()
+            snapshot = [
+                (entry.target, entry.watch.identity, entry.last_failure,
+                 [(slot.id, slot.state, slot.parked_at or slot.started, slot.memory_bytes,
+                   slot.record) for slot in entry.live()])
+                for entry in self._images.values()
+            ]  # fmt: skip
+        # The cgroups are read outside the lock: a take must never wait for a scrape's reads.
+        entries = []
+        for target, identity, last_failure, slots in snapshot:
+            rows = tuple(
+                ParkedCopyRow(
+                    id=slot_id,
+                    state="parked" if state is SlotState.PARKED else "restoring",
+                    age_s=round(now - since, 3),
+                    memory_bytes=memory_bytes,
+                    supervisor_pid=record.supervisor_pid if record else 0,
+                    root_pid=record.root_pid if record else None,
+                    **cgroup_columns(record, self.state.cgroup_prefix),
                 )
-                identity = entry.watch.identity
-                entries.append(
-                    PoolEntry(
-                        target=entry.target,
-                        image_id=None if identity is None else identity[0],
-                        memory_bytes=sum(row.memory_bytes or 0 for row in rows),
-                        parked=rows,
-                        last_failure=entry.last_failure,
-                    )
+                for slot_id, state, since, memory_bytes, record in slots
+            )
+            entries.append(
+                PoolEntry(
+                    target=target,
+                    image_id=None if identity is None else identity[0],
+                    memory_bytes=sum(row.memory_bytes or 0 for row in rows),
+                    parked=rows,
+                    last_failure=last_failure,
                 )
+            )
         return PoolListing(
             entries=tuple(entries), memory_bytes=sum(e.memory_bytes for e in entries),
             ksm=read_ksm(),
@@ -494,7 +500,7 @@ class WarmPool:
         if self._closing.is_set() or entry.watch.identity is None or now < entry.retry_at:
             return None
         if self._held(now):
-            return None  # settled() wakes the tick again
+            return None  # the next ticks sample the taken copies again
         with self._lock:
             live = entry.live()
             restoring = [slot for slot in live if slot.state is SlotState.RESTORING]
