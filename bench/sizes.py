@@ -30,7 +30,7 @@ from snapctl.activation.launch import repo_root
 from snapctl.activation.native import NoNativeStep
 from snapctl.criu import CriuBinary
 from snapctl.criu.lazy.tuning import WORKING_SET_MIN_GROWTH
-from snapctl.criu.lazy.workingset import read_working_set
+from snapctl.criu.lazy.workingset import read_runs
 from snapctl.pool.records import load_parked_records
 from snapctl.registry.workingsets import image_pagemaps
 from snapctl.statedir import StateDir
@@ -143,8 +143,8 @@ def _learn_working_sets(
 
 
 def _learned_pages(image: Path, state: StateDir) -> int:
-    return sum(len(read_working_set(state.views, key) or ())
-               for key in image_pagemaps(image))  # fmt: skip
+    sets = [read_runs(state.views, key) for key in image_pagemaps(image)]
+    return sum(learned.page_count for learned in sets if learned is not None)
 
 
 def _learning(samples: list[dict[str, Any]]) -> str:

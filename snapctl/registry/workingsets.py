@@ -29,7 +29,7 @@ from typing import Any, Final, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from snapctl.criu.lazy.workingset import add_pages, pagemap_key, read_working_set
+from snapctl.criu.lazy.workingset import add_pages, pagemap_key, read_runs
 from snapctl.errors import SnapctlError
 from snapctl.models import StrictModel
 from snapctl.registry import layout
@@ -44,8 +44,8 @@ EMPTY_MEDIA_TYPE: Final = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG: Final = b"{}"
 PAGES_ANNOTATION: Final = "io.snapctl.working-sets.pages"
 # Bounds on what is read whole: an index lists referrers; a blob holds sets of at most
-# MAX_SET_PAGES pages (about 12 MB of JSON each: the weights of a 3 GB model that its recovery
-# reads whole) for at most MAX_PROCESSES processes. A bigger set stays on its host.
+# MAX_SET_PAGES pages (room for the weights of a model whose recovery reads them whole) for at
+# most MAX_PROCESSES processes. A bigger set stays on its host.
 MAX_INDEX_BYTES = 4 << 20
 MAX_BLOB_BYTES = 32 << 20
 MAX_PROCESSES = 1024
@@ -158,9 +158,10 @@ def learned_sets(image: Path, views: Path) -> dict[str, list[int]]:
     """What this host learned of the image's processes (those that fit a blob)."""
     found = {}
     for key in image_pagemaps(image):
-        pages = read_working_set(views, key)
-        if pages and len(pages) <= MAX_SET_PAGES:
-            found[key] = sorted(pages)
+        learned = read_runs(views, key)
+        if learned is not None and 0 < learned.page_count <= MAX_SET_PAGES:
+            found[key] = [page for start, count in learned.runs
+                          for page in range(start, start + count)]  # fmt: skip
     return found
 
 

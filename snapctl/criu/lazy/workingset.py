@@ -113,13 +113,14 @@ def pagemap_key(data: bytes) -> str:
 def read_working_set(cache_dir: Path, key: str) -> frozenset[int] | None:
     """The learned pages of the process whose pagemap has ``key``; None if none (or unreadable:
     a cache)."""
-    found = _read(cache_dir, key)
+    found = read_runs(cache_dir, key)
     if found is None:
         return None
     return frozenset(page for start, count in found.runs for page in range(start, start + count))
 
 
-def _read(cache_dir: Path, key: str) -> WorkingSet | None:
+def read_runs(cache_dir: Path, key: str) -> WorkingSet | None:
+    """The learned set of the process whose pagemap has ``key``, as runs; None if none."""
     try:
         return WorkingSet.model_validate_json(working_set_path(cache_dir, key).read_bytes())
     except (OSError, ValidationError):
@@ -157,7 +158,7 @@ def record_working_sets(images_dir: Path, cache_dir: Path, log_path: Path, until
 def add_pages(cache_dir: Path, key: str, pages: Iterable[int]) -> int:
     """Add ``pages`` to the working set of the process whose pagemap has ``key``; the number
     new to it (0 when too few to be worth a new view, or too many to be a working set)."""
-    known = _read(cache_dir, key) or WorkingSet(runs=[])
+    known = read_runs(cache_dir, key) or WorkingSet(runs=[])
     union = WorkingSet(runs=union_runs(known.runs, page_runs(pages)))
     new = union.page_count - known.page_count
     if new <= known.page_count * WORKING_SET_MIN_GROWTH:
