@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapctl.activation.requests import CONTAINER_REFERENCE
 from snapctl.cgroups.layout import CGROUP_ROOT, UNIFIED, Layout, cgroup_paths, detect_layout
 from snapctl.criu import CriuBinary
 from snapctl.criu.external import host_key, host_mounts
@@ -43,8 +44,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.phases import HostPhase
 from snapctl.supervision.process import ProcessGoneError, is_same_process, start_time
 
-# podman's names and IDs: a letter or digit, then letters, digits, '_', '.', '-'.
-REFERENCE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+REFERENCE = re.compile(CONTAINER_REFERENCE)
 INSPECT_TIMEOUT_S = 30.0
 # The capabilities snapctl needs to enter a container's namespaces and run CRIU there.
 CAP_SYS_PTRACE = 19

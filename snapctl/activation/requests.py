@@ -37,6 +37,11 @@ def publish_pair(target: PublishTarget | None) -> tuple[str, int] | None:
     return None if target is None else (target.address, target.port)
 
 
+# podman's container names and IDs, and PIDs: a letter or digit, then letters, digits, '_',
+# '.', '-' (nothing a shell or a path could read as more).
+CONTAINER_REFERENCE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+
+
 class CopyRequest(StrictModel):
     """One ``snapctl copy``, as the CLI parsed it (a registry reference already pulled:
     ``image`` is a published image directory, absolute).
@@ -69,7 +74,7 @@ class CopyRequest(StrictModel):
     cpus: float | None = Field(default=None, ge=0.01)
     # Restore inside this running container (its name, ID or first process's PID) and publish
     # on its network (``--into-container``; see snapctl.activation.container). None: here.
-    into_container: str | None = Field(default=None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    into_container: str | None = Field(default=None, pattern=CONTAINER_REFERENCE)
 
     _seconds = field_validator("timeout_s")(positive_seconds)
 
