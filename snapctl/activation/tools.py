@@ -9,6 +9,7 @@ its own seam already (:class:`snapctl.activation.native.NativeStep`).
 
 from __future__ import annotations
 
+import errno
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -32,6 +33,7 @@ from snapctl.images.identity.models import Difference, Identity
 from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
+from snapctl.phases import HostPhase
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady
 from snapctl.statedir import StateDir
@@ -233,9 +235,24 @@ class RealServerLink:
     ) -> Publisher:  # fmt: skip
         if inside is None:
             return Publisher(connector, address[0], address[1], target)
-        with NetnsConnector(inside) as there:
-            listener = there.listen(*address)
-        return Publisher(connector, address[0], address[1], target, listener=listener)
+        try:
+            with NetnsConnector(inside) as there:
+                listener = there.listen(*address)
+        except OSError as error:
+            if error.errno not in (errno.ENOENT, errno.ESRCH, errno.EINVAL, errno.EPERM):
+                raise  # the port: refused as a publish on the host is
+            from snapctl.activation.container import ContainerError
+
+            raise ContainerError(
+                f"the container's network (process {inside}) cannot be entered: "
+                f"{error.strerror or error}; is the container still running?",
+                phase=HostPhase.PUBLISH,
+            ) from error
+        try:
+            return Publisher(connector, address[0], address[1], target, listener=listener)
+        except BaseException:
+            listener.close()
+            raise
 
 
 class RealImageChecks:

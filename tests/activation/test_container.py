@@ -218,3 +218,20 @@ def test_the_identity_gate_hashes_the_containers_files(tmp_path: Path) -> None:
     (root / "lib" / "x.so").write_bytes(b"changed in the container")
     assert hash_files(["/lib/x.so"], tmp_path / "cache", root=root)[0].sha256 != record.sha256
     assert hash_files(["/lib/x.so"], None, root=tmp_path / "elsewhere") == []
+
+
+def test_publishing_into_a_container_that_is_gone_is_its_error(tmp_path: Path) -> None:
+    import subprocess as sp
+
+    from snapctl.activation.container import ContainerError
+    from snapctl.activation.tools import RealServerLink
+
+    gone = sp.Popen(["true"])
+    gone.wait()
+    with pytest.raises(ContainerError, match="is the container still running"):
+        RealServerLink().publish(
+            None,
+            ("127.0.0.1", 0),
+            ("127.0.0.1", 8000),
+            inside=gone.pid,  # type: ignore[arg-type]
+        )
