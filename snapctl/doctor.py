@@ -31,6 +31,7 @@ from snapctl.models import StrictModel
 from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.hostview import HostMount, hidden_mounts, hides
 from snapctl.namespaces.mounts import mount_lines, mount_type
+from snapctl.supervision.process import status_field
 
 CheckStatus = Literal["ok", "warn", "fail", "info"]
 
@@ -110,11 +111,8 @@ class ContainerFacts:
 
 
 def _seccomp_mode(status_text: str) -> int | None:
-    for line in status_text.splitlines():
-        if line.startswith("Seccomp:"):
-            value = line.split(":", 1)[1].strip()
-            return int(value) if value.isdigit() else None
-    return None
+    value = status_field(status_text, "Seccomp")
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def _probe_mknod() -> str | None:
@@ -245,10 +243,10 @@ def check_root(system: System) -> Check:
 
 def effective_capabilities(status_text: str) -> int:
     """The ``CapEff`` mask from the text of ``/proc/self/status``."""
-    for line in status_text.splitlines():
-        if line.startswith("CapEff:"):
-            return int(line.split(":", 1)[1].strip(), 16)
-    raise ValueError("no CapEff line in /proc/self/status")
+    value = status_field(status_text, "CapEff")
+    if value is None:
+        raise ValueError("no CapEff line in /proc/self/status")
+    return int(value, 16)
 
 
 def check_capabilities(system: System) -> Check:

@@ -42,7 +42,12 @@ from snapctl.criu import CriuBinary
 from snapctl.criu.external import host_key, host_mounts
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.phases import HostPhase
-from snapctl.supervision.process import ProcessGoneError, is_same_process, start_time
+from snapctl.supervision.process import (
+    ProcessGoneError,
+    is_same_process,
+    start_time,
+    status_field,
+)
 
 REFERENCE = re.compile(CONTAINER_REFERENCE)
 INSPECT_TIMEOUT_S = 30.0
@@ -241,13 +246,9 @@ def _children(proc: Path, pid: int) -> list[int]:
 
 def _status_field(proc: Path, pid: int | str, name: str) -> str | None:
     try:
-        text = (proc / str(pid) / "status").read_text()
+        return status_field((proc / str(pid) / "status").read_text(), name)
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith(f"{name}:"):
-            return line.split(":", 1)[1].strip()
-    return None
 
 
 def _nspids(proc: Path, pid: int) -> list[int]:

@@ -159,6 +159,15 @@ def each_argv() -> Iterator[tuple[int, list[str]]]:
             yield int(entry.name), [os.fsdecode(arg) for arg in raw.rstrip(b"\0").split(b"\0")]
 
 
+def status_field(status_text: str, name: str) -> str | None:
+    """The value of field ``name`` (``CapEff``, ``Seccomp``, ``NSpid``, ...) in the text of a
+    ``/proc/PID/status``; None where it has none."""
+    for line in status_text.splitlines():
+        if line.startswith(f"{name}:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it, parents before their children, from each task's
     ``/proc/PID/task/TID/children`` (a few reads per process, where psutil scans every
