@@ -75,6 +75,19 @@ class Placeholder:
         address)."""
         return ["nsenter", "--net", "--target", str(self.pid), *argv]
 
+    def run_in_network(self, *argv: str) -> str:
+        """What ``argv`` prints, run in the container's network namespace."""
+        return subprocess.run(
+            self.in_network(*argv), capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+
+    def network_sysctl(self, name: str) -> str:
+        """A setting of the container's network namespace (``name`` under /proc/sys)."""
+        return self.run_in_network("cat", f"/proc/sys/{name}").strip()
+
+    def set_network_sysctl(self, name: str, value: str) -> None:
+        self.run_in_network("sh", "-c", 'echo "$1" > "/proc/sys/$2"', "-", value, name)
+
     def ask(self, address: str) -> tuple[list[float], str]:
         """The fixture's greedy completion from ``address`` on the container's network."""
         done = subprocess.run(

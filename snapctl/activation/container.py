@@ -15,9 +15,11 @@ What the copy shares with the container, and how:
 - **cgroup.** The copy's cgroup is made below the container's (cgroup v1), or beside it below
   its parent (cgroup v2, where a cgroup holding processes cannot hand controllers down: a
   pod's cgroup on Kubernetes), and CRIU enters it before it forks the tree.
-- **Network.** The tree keeps the network namespace its image recorded (its loopback, where
-  the server listens); ``--publish`` listens inside the container's network namespace instead
-  of the host's, so the copy serves on the container's own network.
+- **Network.** The tree joins the container's network namespace (``criu restore --join-ns``),
+  and none of the image's network state is restored into it (the donor's firewall rules,
+  sysctls and links stay out: ``netdumps.joined_view``). The server listens on the
+  container's own network, where ``--publish`` names (no relay: a pod's address and port
+  reach it directly); the image's extra loopback addresses must be there already.
 
 Everything here is refused before CRIU runs, each with the fix: a reference that is no name,
 ID or PID; no such container; one not running; a process that is no container's first
@@ -179,6 +181,12 @@ class Container:
         )  # fmt: skip
         return dataclasses.replace(criu, command=command)
 
+    @property
+    def netns(self) -> str:
+        """The container's network namespace as CRIU names it (in the container's PID
+        namespace, with a /proc of it: its first process is PID 1)."""
+        return "/proc/1/ns/net"
+
     @staticmethod
     def root_bind(work_dir: Path) -> Path:
         """Where CRIU's mount namespace binds the container's root (empty on the host)."""
@@ -199,6 +207,32 @@ class Container:
                 )  # fmt: skip
             sources[host_key(point)] = self.root_bind(work_dir) / point.lstrip("/")
         return sources
+
+    def require_addresses(self, addresses: list[str]) -> None:
+        """Refuse unless the container's network has every one of ``addresses`` (an image's
+        extra loopback addresses: its server may listen or connect there)."""
+        if not addresses:
+            return
+        from snapctl.namespaces.netns import NetnsConnector
+        from snapctl.namespaces.publish import host_addresses
+
+        try:
+            with NetnsConnector(self.pid) as there:
+                present = there.call(host_addresses)
+        except OSError as error:
+            raise ContainerError(
+                f"the network of container {self.reference} cannot be entered: "
+                f"{error.strerror or error} (is it still running?)",
+                phase=HostPhase.RESTORE, pid=self.pid,
+            ) from error  # fmt: skip
+        missing = [address for address in addresses if address not in present]
+        if missing:
+            raise ContainerError(
+                f"the image's server uses the loopback address(es) {', '.join(missing)}, which "
+                f"container {self.reference}'s network lacks (add each to its lo, as the "
+                "donor's sandbox had them: ip address add ADDR dev lo)",
+                phase=HostPhase.RESTORE, pid=self.pid,
+            )  # fmt: skip
 
     def host_pid(self, inside: int) -> int:
         """The host's PID of the process the container's PID namespace numbers ``inside``

@@ -20,6 +20,7 @@ from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest
 from snapctl.images.lock import ImageHold
 from snapctl.namespaces.layout import ActivationDirs
+from snapctl.namespaces.netns import NetnsConnector
 from snapctl.statedir import StateDir
 from snapctl.statedir.names import NameReservation
 
@@ -134,6 +135,12 @@ def activate_and_probe(
     # already (stopped by a failing lazy transfer, say) fails the handshake, with its reason.
     with contextlib.suppress(OSError):
         session.connector = session.connector or tools.server.connect(root.pid)
+    if publish is not None and session.container is not None:
+        # On the container's own network (a pod's address, where its clients are) the server
+        # itself listens where --publish names: nothing relays.
+        session.host, session.port = session.published_directly = chosen_port(
+            session.connector or tools.server.connect(root.pid), publish
+        )
     started = tools.clock()
     phases = tools.server.handshake(
         session.control,
@@ -153,19 +160,23 @@ def activate_and_probe(
         alive=root.alive,
     )  # fmt: skip
     session.memory.serving()
-    if publish is not None:
+    if publish is not None and session.container is None:
         # Only once it serves: a client connecting earlier would reach nothing.
-        if session.container is None:
-            session.publisher = tools.server.publish(connector, publish, target)
-        else:
-            # On the container's own network, where its clients are (a pod's address).
-            session.publisher = tools.server.publish(
-                connector, publish, target, inside=session.container.pid
-            )
+        session.publisher = tools.server.publish(connector, publish, target)
     session.remember_tree()
     session.advance(SessionState.SERVING)
     session.save_record()
     return phases
+
+
+def chosen_port(connector: NetnsConnector, publish: tuple[str, int]) -> tuple[str, int]:
+    """``publish``, its port 0 ("any free one") replaced by one free in ``connector``'s
+    network namespace now."""
+    address, port = publish
+    if port == 0:
+        with connector.listen(address, 0) as probe:
+            port = probe.getsockname()[1]
+    return address, port
 
 
 def activation_report(

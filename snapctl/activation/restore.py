@@ -21,7 +21,7 @@ from snapctl.activation.tools import Tools
 from snapctl.criu import CriuBinary, CriuError
 from snapctl.criu.external import host_mount_sources, is_host_key
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
-from snapctl.criu.lazy.netdumps import redundant_net_dumps
+from snapctl.criu.lazy.netdumps import joined_view, redundant_net_dumps
 from snapctl.criu.lazy.pagemap import cache_views, lazy_view
 from snapctl.criu.lazy.transfer import LazyTransfer
 from snapctl.criu.lazy.workingset import record_working_sets
@@ -70,10 +70,15 @@ class PlainRestore(RestoreStrategy):
                     pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
                 )  # fmt: skip
             else:
+                # The tree joins the container's network namespace: the image's own network
+                # state stays out of it (netdumps.joined_view).
+                view = session.dirs.work / "images"
+                joined_view(image / "criu", view)
                 self._tools.criu.restore(
-                    criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
+                    criu, view, session.dirs.work, session.dirs.logs / "restore.log",
                     pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
                     root=session.container.root_bind(session.dirs.work),
+                    netns=session.container.netns,
                 )  # fmt: skip
         except SnapctlError as error:
             raise criu_failed("criu restore failed", error, session, "restore") from error

@@ -214,6 +214,9 @@ class Session:
     current_pids: list[int] = field(default_factory=list)
     connector: NetnsConnector | None = None
     publisher: Publisher | None = None
+    # Where the server itself listens on a network others reach (a copy in a container, on
+    # the container's), with nothing relaying; None: ``publisher`` relays, if anything does.
+    published_directly: tuple[str, int] | None = None
     host: str | None = None
     port: int = 8000
     # A shared hold on the image while the copy still reads it: through the restore, and for a
@@ -280,10 +283,13 @@ class Session:
 
     @property
     def published(self) -> str | None:
-        """``HOST:PORT`` where the host side publishes the server, or None."""
-        if self.publisher is None:
-            return None
-        return "{}:{}".format(*self.publisher.address)
+        """``HOST:PORT`` where the server is published (by the host side's relay, or where it
+        listens itself), or None."""
+        if self.publisher is not None:
+            return "{}:{}".format(*self.publisher.address)
+        if self.published_directly is not None:
+            return "{}:{}".format(*self.published_directly)
+        return None
 
     def remember_tree(self) -> None:
         """Record every PID of the tree now (root and parents first, as ``current_pids``), to

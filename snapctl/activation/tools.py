@@ -9,7 +9,6 @@ its own seam already (:class:`snapctl.activation.native.NativeStep`).
 
 from __future__ import annotations
 
-import errno
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,7 +32,6 @@ from snapctl.images.identity.models import Difference, Identity
 from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
-from snapctl.phases import HostPhase
 from snapctl.protocol.controldir import ControlDir
 from snapctl.protocol.models import CaptureReady
 from snapctl.statedir import StateDir
@@ -52,10 +50,12 @@ class CriuOps(Protocol):
         external_mounts: Mapping[str, str], action_script: Path, timeout_s: float,
     ) -> DumpStats: ...  # fmt: skip
 
-    # ``root``: the tree's root directory (None: CRIU's ``/``; a container's, see container).
+    # ``root``: the tree's root directory (None: CRIU's ``/``; a container's, see container);
+    # ``netns``: a network namespace to join (a container's), not a new one.
     def restore(
         self, criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path, pidfile: Path,
         *, external_dirs: Mapping[str, Path], timeout_s: float, root: Path | None = None,
+        netns: str | None = None,
     ) -> None: ...  # fmt: skip
 
     def restore_lazily(
@@ -110,11 +110,9 @@ class ServerLink(Protocol):
         timeout_s: float, alive: Callable[[], bool],
     ) -> float: ...  # fmt: skip
 
-    # ``inside``: listen in that process's network namespace (a container's), not the host's.
     def publish(
-        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int],
-        *, inside: int | None = None,
-    ) -> Publisher: ...  # fmt: skip
+        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int]
+    ) -> Publisher: ...
 
 
 class ImageChecks(Protocol):
@@ -155,10 +153,11 @@ class RealCriu:
     def restore(
         self, criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path, pidfile: Path,
         *, external_dirs: Mapping[str, Path], timeout_s: float, root: Path | None = None,
+        netns: str | None = None,
     ) -> None:  # fmt: skip
         restore_tree(
             criu, images_dir, work_dir, log_path, pidfile, external_dirs=external_dirs,
-            timeout_s=timeout_s, root=root,
+            timeout_s=timeout_s, root=root, netns=netns,
         )  # fmt: skip
 
     def restore_lazily(
@@ -230,29 +229,9 @@ class RealServerLink:
         )
 
     def publish(
-        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int],
-        *, inside: int | None = None,
-    ) -> Publisher:  # fmt: skip
-        if inside is None:
-            return Publisher(connector, address[0], address[1], target)
-        try:
-            with NetnsConnector(inside) as there:
-                listener = there.listen(*address)
-        except OSError as error:
-            if error.errno not in (errno.ENOENT, errno.ESRCH, errno.EINVAL, errno.EPERM):
-                raise  # the port: refused as a publish on the host is
-            from snapctl.activation.container import ContainerError
-
-            raise ContainerError(
-                f"the container's network (process {inside}) cannot be entered: "
-                f"{error.strerror or error}; is the container still running?",
-                phase=HostPhase.PUBLISH,
-            ) from error
-        try:
-            return Publisher(connector, address[0], address[1], target, listener=listener)
-        except BaseException:
-            listener.close()
-            raise
+        self, connector: NetnsConnector, address: tuple[str, int], target: tuple[str, int]
+    ) -> Publisher:
+        return Publisher(connector, address[0], address[1], target)
 
 
 class RealImageChecks:

@@ -66,9 +66,9 @@ class LazyOption(click.Option):
 @click.option(
     "--into-container", "into_container", metavar="NAME|ID|PID",
     help="Restore the copy inside this running container (a podman name or ID, or its first "
-    "process's PID): its tree joins the container's PID namespace and cgroup (on cgroup v2, "
-    "the container's parent), reads the container's files, publishes on the container's "
-    "network (--publish) and ends with the container.",
+    "process's PID): its tree joins the container's PID and network namespaces and cgroup "
+    "(on cgroup v2, the container's parent), reads the container's files, listens itself "
+    "where --publish names on the container's network, and ends with the container.",
 )  # fmt: skip
 @activation_options
 @click.argument("server_cmd", nargs=-1, type=click.UNPROCESSED)

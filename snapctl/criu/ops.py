@@ -88,15 +88,17 @@ def restore_tree(
     env: Mapping[str, str] | None = None,
     lazy: bool = False,
     root: Path | None = None,
+    netns: str | None = None,
 ) -> CriuResult:
     """``criu restore`` detached into new namespaces; the image directory is only read.
 
     With ``lazy``, private anonymous memory is left to the lazy-pages daemon already listening
     in ``work_dir`` (see :func:`spawn_lazy_pages_daemon`; :func:`restore_tree_lazily` starts
     both at once): the tree runs as soon as CRIU returns. ``root``: the tree's root
-    directory (None: CRIU's own ``/``).
+    directory (None: CRIU's own ``/``). ``netns``: a network namespace for the tree to join, as
+    CRIU's ``/proc`` names it, instead of a new one (None: new).
     """
-    args = restore_args(work_dir, pidfile, external_dirs, lazy=lazy, root=root)
+    args = restore_args(work_dir, pidfile, external_dirs, lazy=lazy, root=root, netns=netns)
     return run_criu(
         criu, "restore", images_dir, log_path, args, timeout_s=timeout_s, env=env,
         log_level=RESTORE_LOG_LEVEL,
@@ -110,8 +112,13 @@ def restore_args(
     *,
     lazy: bool,
     root: Path | None = None,
+    netns: str | None = None,
 ) -> list[str]:
     args = ["--work-dir", str(work_dir), "--restore-detached", "--root", str(root or "/")]
+    if netns is not None:
+        # CRIU restores whatever network dumps it finds into the namespace it joins: the images
+        # directory must hold none (netdumps.joined_view).
+        args += ["--join-ns", f"net:{netns}"]
     args += ["--pidfile", str(pidfile), *TREE_OPTIONS]
     # The tree stays in the cgroup ``criu restore`` runs in (the copy's own, see
     # snapctl.cgroups), not moved into the cgroups the image recorded (the donor's).

@@ -98,18 +98,14 @@ def _pump(source: socket.socket, sink: socket.socket) -> None:
 
 
 class Publisher:
-    """Forwards ``host_address:host_port`` on the host (or where ``listener`` listens) to
-    ``inner_host:inner_port`` inside."""
+    """Forwards ``host_address:host_port`` on the host to ``inner_host:inner_port`` inside."""
 
     def __init__(
-        self, connector: NetnsConnector, host_address: str, host_port: int, inner: tuple[str, int],
-        *, listener: socket.socket | None = None,
-    ) -> None:  # fmt: skip
-        """``listener``: listen there instead (one made in another network namespace, a
-        container's: :meth:`NetnsConnector.listen`)."""
+        self, connector: NetnsConnector, host_address: str, host_port: int, inner: tuple[str, int]
+    ) -> None:
         self._connector = connector
         self._inner = inner
-        self._listener = listener or bind_listener(host_address, host_port)
+        self._listener = bind_listener(host_address, host_port)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._accept, name="publish", daemon=True)

@@ -80,7 +80,8 @@ class FakeCriu:
 
     def restore(
         self, criu: CriuBinary, images_dir: Path, work_dir: Path, log_path: Path, pidfile: Path,
-        *, external_dirs: Mapping[str, Path], timeout_s: float,
+        *, external_dirs: Mapping[str, Path], timeout_s: float, root: Path | None = None,
+        netns: str | None = None,
     ) -> None:  # fmt: skip
         self.steps("restore")
         pidfile.write_text(f"{self.steps.start_tree().pid}\n")

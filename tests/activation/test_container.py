@@ -220,18 +220,38 @@ def test_the_identity_gate_hashes_the_containers_files(tmp_path: Path) -> None:
     assert hash_files(["/lib/x.so"], None, root=tmp_path / "elsewhere") == []
 
 
-def test_publishing_into_a_container_that_is_gone_is_its_error(tmp_path: Path) -> None:
-    import subprocess as sp
+def test_criu_joins_the_containers_network_namespace_as_its_proc_names_it(
+    tmp_path: Path,
+) -> None:
+    from snapctl.criu.ops import restore_args
 
-    from snapctl.activation.container import ContainerError
-    from snapctl.activation.tools import RealServerLink
+    # CRIU runs in the container's PID namespace with a /proc of it: PID 1 is the container's.
+    netns = container(tmp_path).netns
+    assert netns == "/proc/1/ns/net"
+    args = restore_args(Path("/w"), Path("/w/root.pid"), {}, lazy=False, root=Path("/r"),
+                        netns=netns)  # fmt: skip
+    assert args[args.index("--join-ns") + 1] == "net:/proc/1/ns/net"
+    assert "--join-ns" not in restore_args(Path("/w"), Path("/w/root.pid"), {}, lazy=False)
 
-    gone = sp.Popen(["true"])
-    gone.wait()
-    with pytest.raises(ContainerError, match="is the container still running"):
-        RealServerLink().publish(
-            None,
-            ("127.0.0.1", 0),
-            ("127.0.0.1", 8000),
-            inside=gone.pid,  # type: ignore[arg-type]
-        )
+
+def test_the_images_extra_loopback_addresses_must_be_on_the_containers_network(
+    tmp_path: Path,
+) -> None:
+    # The container's first process is this test's own: its network is this host's.
+    box = container(tmp_path)
+    box.require_addresses(["127.0.0.1"])
+    box.require_addresses([])
+    with pytest.raises(ContainerError, match=r"198\.51\.100\.7.*ip address add ADDR dev lo"):
+        box.require_addresses(["127.0.0.1", "198.51.100.7"])
+
+
+def test_publish_port_0_in_a_container_is_a_port_free_there_now() -> None:
+    from snapctl.activation.core import chosen_port
+    from snapctl.namespaces.netns import NetnsConnector
+
+    with NetnsConnector(os.getpid()) as there:
+        assert chosen_port(there, ("127.0.0.1", 18555)) == ("127.0.0.1", 18555)
+        address, port = chosen_port(there, ("127.0.0.1", 0))
+        assert address == "127.0.0.1" and port > 0
+        with there.listen(address, port):  # free: it can be bound
+            pass

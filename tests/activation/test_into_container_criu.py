@@ -30,6 +30,7 @@ from tests.agent.helpers import AgentProcess, cli, until
 from tests.containers import PODMAN, Placeholder
 
 pytestmark = [pytest.mark.criu, pytest.mark.podman, pytest.mark.timeout(420)]
+QLEN_SYSCTL = "net/unix/max_dgram_qlen"
 
 
 def copy_into(
@@ -65,12 +66,22 @@ def test_a_copy_restored_into_a_placeholder_serves_there_and_ends_with_it(
 ) -> None:  # fmt: skip
     state, (image, expected) = agent_state, donor_image
     box = placeholder()
+    # A setting of the container's network namespace that the donor's differs in: restoring
+    # the image's network state into the container would put the donor's back.
+    box.set_network_sysctl(QLEN_SYSCTL, "123")
     done = copy_into(state, image, "in-box", box.name, 18210)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["published"] == "127.0.0.1:18210"
     assert box.ask("127.0.0.1:18210") == expected
     assert not host_answers(18210)  # published on the container's network, not the host's
+    # The tree is in the container's network namespace, and its server itself listens there:
+    # nothing relays.
+    netns = os.stat(f"/proc/{box.pid}/ns/net").st_ino
+    assert {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in served(report)} == {netns}
+    listening = box.run_in_network("ss", "-Hltnp", "sport = :18210")
+    assert f"pid={report['root_pid']}," in listening, listening
+    assert box.network_sysctl(QLEN_SYSCTL) == "123"
     memory = box.memory_cgroup()
     for pid in served(report):
         line = next(line for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()

@@ -12,6 +12,7 @@ from snapctl.criu.lazy.netdumps import (
     IFADDR_MAGIC,
     ROUTE_MAGIC,
     RULE_MAGIC,
+    joined_view,
     redundant_net_dumps,
 )
 from snapctl.criu.lazy.pagemap import lazy_view
@@ -152,3 +153,19 @@ def test_the_lazy_view_leaves_out_what_it_is_told(tmp_path: Path) -> None:
     directory = image(tmp_path)
     lazy_view(directory, tmp_path / "view", omit=redundant_net_dumps(directory))
     assert sorted(p.name for p in (tmp_path / "view").iterdir()) == ["core-1.img", "netdev-10.img"]
+
+
+def test_a_joined_view_leaves_out_every_dump_of_the_namespaces_own_state(tmp_path: Path) -> None:
+    directory = image(tmp_path)
+    state = ["iptables-10.img", "ip6tables-10.img", "nftables-10.img", "netns-10.img",
+             "netns-ct-10.img", "netns-exp-10.img", "route6-10.img"]  # fmt: skip
+    sockets = ["inetsk.img", "netlinksk.img", "unixsk.img", "netns-10-extra.img"]
+    for name in [*state, *sockets]:
+        (directory / name).write_bytes(b"x")
+    left_out = joined_view(directory, tmp_path / "view")
+    assert left_out == ALL | {"netdev-10.img", *state}
+    seen = sorted(p.name for p in (tmp_path / "view").iterdir())
+    assert seen == sorted(["core-1.img", *sockets])
+    # Each a link to the image's file, not a copy of it.
+    assert (tmp_path / "view" / "inetsk.img").resolve() == (directory / "inetsk.img").resolve()
+    assert (tmp_path / "view" / "inetsk.img").is_symlink()

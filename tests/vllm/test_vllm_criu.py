@@ -228,11 +228,15 @@ def test_a_copy_into_a_placeholder_container_answers_as_a_copy_on_the_host(
     for name, port, where in (("vllm-host", 18480, ()), ("vllm-in-box", 18481, (box.name,))):
         done = _snapctl(
             ["copy", "--image", str(qualified.image), "--name", name, "--detach", "--no-lazy",
-             "--publish", f"127.0.0.1:{port}", "--api-key-env", "SNAPCTL_VLLM_KEY",
+             "--publish", f"127.0.0.1:{port}", "--api-key-env", "SNAPCTL_VLLM_KEY", "--json",
              *(("--into-container", *where) if where else ())],
             qualified.state, 300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
+        if where:  # the server is in the container's own network namespace
+            root_pid = json.loads(done.stdout)["root_pid"]
+            netns = os.stat(f"/proc/{root_pid}/ns/net").st_ino
+            assert netns == os.stat(f"/proc/{box.pid}/ns/net").st_ino
         try:
             argv = [sys.executable, "-c", ASK_OPENAI, f"http://127.0.0.1:{port}/v1",
                     "The capital of France is", API_KEY, str(served.model)]  # fmt: skip

@@ -18,6 +18,11 @@ more than the ``ip`` runs it would save (docs/lazy.md, step 2); the few fixed fi
 read here.
 ``netdev-N.img`` (CRIU's own format, a proto2 ``net_device_entry`` per link) tells whether
 ``lo`` comes back up, without which the kernel adds no address to it.
+
+A restore that joins a network namespace that exists (a container's, ``criu restore --join-ns``)
+leaves out every dump of the namespace's own state (:func:`joined_view`): CRIU restores whatever
+of those it finds into the namespace it joins, so the container's firewall rules, sysctls and
+link settings would become the donor's.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+from snapctl.criu.lazy.pagemap import link_relative, relative_dir_of
 from snapctl.criu.wire import read_varint
 
 # iproute2's dump magics (ip/ipaddress.c, ip/iproute.c, ip/iprule.c).
@@ -50,6 +56,26 @@ FR_ACT_TO_TBL, RTPROT_KERNEL, IFF_UP, ND_TYPE_LOOPBACK = 1, 2, 0x1, 1
 LOOPBACK_ADDRESSES = frozenset({(socket.AF_INET, "127.0.0.1", 8), (socket.AF_INET6, "::1", 128)})
 DEFAULT_RULES = frozenset({(255, 0), (254, 32766), (253, 32767)})
 _DUMP_NAME = re.compile(r"(ifaddr|route|route6|rule)-(\d+)\.img")
+# Every dump of a network namespace's own state: links, addresses, routes, rules, firewall
+# (iptables-save's, ip6tables-save's, nft's), sysctls, conntrack and expectation tables.
+_NAMESPACE_DUMP = re.compile(
+    r"(netdev|ifaddr|route6?|rule|ip6?tables|nftables|netns|netns-ct|netns-exp)-\d+\.img"
+)
+
+
+def joined_view(images_dir: Path, target: Path) -> frozenset[str]:
+    """Create ``target``: ``images_dir`` through symbolic links, without the dumps of its
+    network namespaces' own state, for a restore that joins a namespace that exists (see the
+    module docstring). Returns the names left out."""
+    target.mkdir(mode=0o700)
+    relative_dir = relative_dir_of(images_dir, target)
+    left_out = set()
+    for path in sorted(images_dir.resolve().iterdir()):
+        if _NAMESPACE_DUMP.fullmatch(path.name):
+            left_out.add(path.name)
+            continue
+        link_relative(path, target / path.name, relative_dir)
+    return frozenset(left_out)
 
 
 def redundant_net_dumps(images_dir: Path) -> frozenset[str]:
