@@ -31,27 +31,17 @@ from snapctl.models import StrictModel
 from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.hostview import HostMount, hidden_mounts, hides
 from snapctl.namespaces.mounts import mount_lines, mount_type
-from snapctl.supervision.process import status_field
+from snapctl.supervision.process import (
+    CAPABILITIES,
+    effective_capabilities,
+    missing_capabilities,
+    status_field,
+)
 
 CheckStatus = Literal["ok", "warn", "fail", "info"]
 
-# Capability bit numbers from linux/capability.h. A root-mode CRIU dump/restore of a tree in its
-# own namespaces needs all of these; CAP_SYS_RESOURCE only lets CRIU raise its own RLIMIT_NOFILE.
-CAPABILITIES: dict[str, int] = {
-    "CAP_CHOWN": 0,
-    "CAP_DAC_OVERRIDE": 1,
-    "CAP_DAC_READ_SEARCH": 2,
-    "CAP_FOWNER": 3,
-    "CAP_KILL": 5,
-    "CAP_SETGID": 6,
-    "CAP_SETUID": 7,
-    "CAP_NET_ADMIN": 12,
-    "CAP_SYS_CHROOT": 18,
-    "CAP_SYS_PTRACE": 19,
-    "CAP_SYS_ADMIN": 21,
-    "CAP_SYS_RESOURCE": 24,
-    "CAP_CHECKPOINT_RESTORE": 40,
-}
+# A root-mode CRIU dump/restore of a tree in its own namespaces needs every capability of
+# CAPABILITIES; CAP_SYS_RESOURCE only lets CRIU raise its own RLIMIT_NOFILE.
 OPTIONAL_CAPABILITIES = frozenset({"CAP_SYS_RESOURCE"})
 NAMESPACE_PROBE = ("--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "true")
 MINIMUM_PYTHON = (3, 11)
@@ -241,20 +231,13 @@ def check_root(system: System) -> Check:
     )
 
 
-def effective_capabilities(status_text: str) -> int:
-    """The ``CapEff`` mask from the text of ``/proc/self/status``."""
-    value = status_field(status_text, "CapEff")
-    if value is None:
-        raise ValueError("no CapEff line in /proc/self/status")
-    return int(value, 16)
-
-
 def check_capabilities(system: System) -> Check:
     try:
-        mask = effective_capabilities(system.read_text("/proc/self/status"))
+        status = system.read_text("/proc/self/status")
+        effective_capabilities(status)
     except (OSError, ValueError) as error:
         return Check(name="capabilities", status="fail", detail=f"cannot read CapEff: {error}")
-    missing = [name for name, bit in CAPABILITIES.items() if not mask >> bit & 1]
+    missing = missing_capabilities(status, CAPABILITIES)
     needed = [name for name in missing if name not in OPTIONAL_CAPABILITIES]
     if needed:
         return Check(

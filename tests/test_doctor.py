@@ -15,10 +15,10 @@ from snapctl.doctor import (
     ContainerFacts,
     DoctorReport,
     System,
-    effective_capabilities,
     run_doctor,
 )
 from snapctl.namespaces.mounts import mount_type
+from snapctl.supervision.process import effective_capabilities, missing_capabilities
 
 CRIU_PATH = Path("/opt/fake/criu")
 ALL_CAPS = 0x1FFFFFFFFFF
@@ -271,6 +271,9 @@ def test_effective_capabilities_reads_cap_eff() -> None:
     assert effective_capabilities(status) == NO_SYS_RESOURCE
     with pytest.raises(ValueError, match="CapEff"):
         effective_capabilities("Name:\tx\n")
+    needed = ("CAP_SYS_ADMIN", "CAP_SYS_RESOURCE", "CAP_SYS_PTRACE")
+    assert missing_capabilities(status, needed) == ["CAP_SYS_RESOURCE"]
+    assert missing_capabilities("Name:\tx\n", needed) == list(needed)
 
 
 def test_mount_type_takes_the_top_of_stacked_mounts_and_unescapes() -> None:

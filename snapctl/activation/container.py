@@ -47,6 +47,7 @@ from snapctl.phases import HostPhase
 from snapctl.supervision.process import (
     ProcessGoneError,
     is_same_process,
+    missing_capabilities,
     start_time,
     status_field,
 )
@@ -54,8 +55,7 @@ from snapctl.supervision.process import (
 REFERENCE = re.compile(CONTAINER_REFERENCE)
 INSPECT_TIMEOUT_S = 30.0
 # The capabilities snapctl needs to enter a container's namespaces and run CRIU there.
-CAP_SYS_PTRACE = 19
-CAP_SYS_ADMIN = 21
+NEEDED_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SYS_PTRACE")
 # Run in the container's PID namespace and a mount namespace of CRIU's own: a /proc of that
 # PID namespace (CRIU reads its own and its children's entries by the PIDs it sees), and the
 # container's root bound where a private /run cannot hide it ($1 onto $2), then CRIU.
@@ -312,9 +312,11 @@ def _mounted_at(mountinfo: str, device: str, root: str) -> Path | None:
 
 def has_capabilities(proc: Path = Path("/proc")) -> bool:
     """Whether this process holds CAP_SYS_ADMIN and CAP_SYS_PTRACE (effective)."""
-    value = _status_field(proc, "self", "CapEff") or "0"
-    caps = int(value, 16)
-    return all(caps >> bit & 1 for bit in (CAP_SYS_ADMIN, CAP_SYS_PTRACE))
+    try:
+        status = (proc / "self" / "status").read_text()
+    except OSError:
+        return False
+    return not missing_capabilities(status, NEEDED_CAPABILITIES)
 
 
 def check_reference(reference: str) -> str:

@@ -9,7 +9,7 @@ import os
 import select
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import psutil
 
@@ -166,6 +166,42 @@ def status_field(status_text: str, name: str) -> str | None:
         if line.startswith(f"{name}:"):
             return line.split(":", 1)[1].strip()
     return None
+
+
+# Capability bit numbers from linux/capability.h: those snapctl checks it holds.
+CAPABILITIES: dict[str, int] = {
+    "CAP_CHOWN": 0,
+    "CAP_DAC_OVERRIDE": 1,
+    "CAP_DAC_READ_SEARCH": 2,
+    "CAP_FOWNER": 3,
+    "CAP_KILL": 5,
+    "CAP_SETGID": 6,
+    "CAP_SETUID": 7,
+    "CAP_NET_ADMIN": 12,
+    "CAP_SYS_CHROOT": 18,
+    "CAP_SYS_PTRACE": 19,
+    "CAP_SYS_ADMIN": 21,
+    "CAP_SYS_RESOURCE": 24,
+    "CAP_CHECKPOINT_RESTORE": 40,
+}
+
+
+def effective_capabilities(status_text: str) -> int:
+    """The ``CapEff`` mask from the text of a ``/proc/PID/status``; ValueError without one."""
+    value = status_field(status_text, "CapEff")
+    if value is None:
+        raise ValueError("no CapEff line in the process's status")
+    return int(value, 16)
+
+
+def missing_capabilities(status_text: str, names: Iterable[str]) -> list[str]:
+    """Which of the capabilities ``names`` (keys of :data:`CAPABILITIES`) the process whose
+    ``/proc/PID/status`` text this is lacks (all of them where it shows no mask)."""
+    try:
+        mask = effective_capabilities(status_text)
+    except ValueError:
+        mask = 0
+    return [name for name in names if not mask >> CAPABILITIES[name] & 1]
 
 
 def descendants(pid: int) -> list[int]:
