@@ -1,6 +1,6 @@
-"""Cgroups per activation with real CRIU and the bundled fixture: a donor and its copies each
-in their own cgroup with their limits, a copy killed by its memory limit reported as such with
-nothing left, and gc removing a cgroup a killed snapctl left."""
+"""Cgroups per activation with real CRIU and the bundled fixture: a donor and its copies (plain
+and lazy) each in their own cgroup with their limits, a copy killed by its memory limit
+reported as such with nothing left, and gc removing a cgroup a killed snapctl left."""
 
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ def test_donor_and_copy_each_in_own_cgroup_with_limits(
     row = next(r for r in activation_rows(state) if r["name"] == copy.name)
     assert row["cgroup"] == group.path and row["memory_limit_bytes"] == parse_size("1g")
     assert row["cgroup_memory_bytes"] and row["cgroup_memory_bytes"] > 0
+    # A lazy copy too: its tree is restored into its own cgroup, its pages charged there.
+    lazy, lazy_report = restore_copy(image, state, criu_binary, limits=limits, lazy=True)
+    running.append(lazy)
+    assert lazy_report.lazy and lazy.cgroup is not None
+    lazy_pids = tree_pids(lazy_report.root_pid)
+    assert lazy_pids and all(_in_cgroup(pid, lazy.cgroup.path) for pid in lazy_pids)
+    lazy_usage = lazy.cgroup.usage()
+    assert lazy_usage.memory_limit_bytes == parse_size("1g") and lazy_usage.cpus == 1.5
+    assert lazy_usage.memory_bytes and lazy_usage.memory_bytes > 0
+    stop_clean(lazy)
     stop_clean(copy)
     stop_clean(donor)
     assert not any(d.exists() for d in group.dirs.values())
