@@ -10,6 +10,7 @@ import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Any
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 # runc: crun refuses hybrid cgroup hosts; lowered rlimits: podman's defaults need
@@ -19,6 +20,11 @@ ASK = (
     "import json, sys\n"
     "from tests.activation.criu_helpers import complete\n"
     "print(json.dumps(complete(sys.argv[1])))\n"
+)
+GET = (
+    "import json, sys\n"
+    "from tests.activation.criu_helpers import get\n"
+    "print(json.dumps(get(sys.argv[1], sys.argv[2])))\n"
 )
 
 
@@ -90,13 +96,21 @@ class Placeholder:
 
     def ask(self, address: str) -> tuple[list[float], str]:
         """The fixture's greedy completion from ``address`` on the container's network."""
+        logprobs, text = self._python(ASK, address)
+        return logprobs, text
+
+    def get(self, address: str, path: str) -> tuple[int, dict[str, Any]]:
+        """An authenticated GET of ``path`` from ``address`` on the container's network."""
+        status, body = self._python(GET, address, path)
+        return status, body
+
+    def _python(self, script: str, *args: str) -> Any:
         done = subprocess.run(
-            self.in_network(sys.executable, "-c", ASK, address),
+            self.in_network(sys.executable, "-c", script, *args),
             capture_output=True, text=True, timeout=120, cwd=CHECKOUT, check=False,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
-        logprobs, text = json.loads(done.stdout)
-        return logprobs, text
+        return json.loads(done.stdout)
 
     def stop(self) -> None:
         subprocess.run([*PODMAN, "stop", "--time", "1", self.name],

@@ -106,10 +106,6 @@ def restore_copy(
             if reservation is not None:
                 reservation.release()
             raise
-        if lazy:
-            # Its lazy-pages daemon would have to run in the container too; not done yet.
-            progress("restoring every page first: a copy in a container restores plainly")
-            lazy = False
     if reservation is None:
         reservation = reserve_session_name(state, "copy", options.name)
     timings: dict[str, float] = {}

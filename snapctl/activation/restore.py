@@ -21,7 +21,7 @@ from snapctl.activation.tools import Tools
 from snapctl.criu import CriuBinary, CriuError
 from snapctl.criu.external import host_mount_sources, is_host_key
 from snapctl.criu.lazy.daemon import LazyPagesDaemon
-from snapctl.criu.lazy.netdumps import joined_view, redundant_net_dumps
+from snapctl.criu.lazy.netdumps import joined_view, network_state_dumps, redundant_net_dumps
 from snapctl.criu.lazy.pagemap import cache_views, lazy_view
 from snapctl.criu.lazy.transfer import LazyTransfer
 from snapctl.criu.lazy.workingset import record_working_sets
@@ -50,9 +50,19 @@ class RestoreStrategy(ABC):
     @abstractmethod
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,
-        criu: CriuBinary, timeout_s: float, timings: dict[str, float],
+        criu: CriuBinary, host_criu: CriuBinary, timeout_s: float, timings: dict[str, float],
     ) -> None:  # fmt: skip
-        """Restore the tree; its pid is in ``session.dirs.work / "root.pid"`` when it returns."""
+        """Restore the tree with ``criu`` (which enters the session's container, if it has
+        one), helpers with ``host_criu`` (which does not); the tree's pid is in
+        ``session.dirs.work / "root.pid"`` when it returns."""
+
+
+def placement(session: Session) -> tuple[Path | None, str | None]:
+    """The tree's root directory and the network namespace it joins, as CRIU sees them: those
+    of the session's container, or (None, None) for CRIU's own root and a new namespace."""
+    if session.container is None:
+        return None, None
+    return session.container.root_bind(session.dirs.work), session.container.netns
 
 
 class PlainRestore(RestoreStrategy):
@@ -60,26 +70,22 @@ class PlainRestore(RestoreStrategy):
 
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,
-        criu: CriuBinary, timeout_s: float, timings: dict[str, float],
+        criu: CriuBinary, host_criu: CriuBinary, timeout_s: float, timings: dict[str, float],
     ) -> None:  # fmt: skip
         started = self._tools.clock()
+        images = image / "criu"
+        root, netns = placement(session)
         try:
-            if session.container is None:
-                self._tools.criu.restore(
-                    criu, image / "criu", session.dirs.work, session.dirs.logs / "restore.log",
-                    pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
-                )  # fmt: skip
-            else:
-                # The tree joins the container's network namespace: the image's own network
-                # state stays out of it (netdumps.joined_view).
-                view = session.dirs.work / "images"
-                joined_view(image / "criu", view)
-                self._tools.criu.restore(
-                    criu, view, session.dirs.work, session.dirs.logs / "restore.log",
-                    pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s,
-                    root=session.container.root_bind(session.dirs.work),
-                    netns=session.container.netns,
-                )  # fmt: skip
+            if netns is not None:
+                # The tree joins a network namespace that exists: the image's own network
+                # state stays out of it (netdumps.network_state_dumps).
+                images = session.dirs.work / "images"
+                joined_view(image / "criu", images)
+            self._tools.criu.restore(
+                criu, images, session.dirs.work, session.dirs.logs / "restore.log",
+                pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s, root=root,
+                netns=netns,
+            )  # fmt: skip
         except SnapctlError as error:
             raise criu_failed("criu restore failed", error, session, "restore") from error
         timings["restore"] = self._tools.clock() - started
@@ -103,13 +109,18 @@ class LazyRestore(RestoreStrategy):
 
     def restore(
         self, session: Session, image: Path, external_dirs: dict[str, Path], *,
-        criu: CriuBinary, timeout_s: float, timings: dict[str, float],
+        criu: CriuBinary, host_criu: CriuBinary, timeout_s: float, timings: dict[str, float],
     ) -> None:  # fmt: skip
         clock = self._tools.clock
         view_started = clock()
         view = session.dirs.work / "images"
+        root, netns = placement(session)
         try:
-            omit = redundant_net_dumps(image / "criu")
+            omit = (
+                redundant_net_dumps(image / "criu")
+                if netns is None
+                else network_state_dumps(image / "criu")
+            )
             summary = lazy_view(image / "criu", view, cache_dir=session.state_dir.views, omit=omit)
         except (SnapctlError, OSError) as error:
             raise RestoreError(
@@ -136,12 +147,14 @@ class LazyRestore(RestoreStrategy):
             )  # fmt: skip
 
         try:
+            # The daemon runs here; only the restore enters a container.
             self._tools.criu.restore_lazily(
-                criu, view, session.dirs.work, session.dirs.logs, pidfile(session),
+                host_criu, view, session.dirs.work, session.dirs.logs, pidfile(session),
                 external_dirs=external_dirs, timeout_s=timeout_s, on_daemon_ready=watch,
                 hold_transfer=(
                     summary.holds_transfer if self._hold_transfer is None else self._hold_transfer
                 ),
+                restore_criu=criu, root=root, netns=netns,
             )  # fmt: skip
         except SnapctlError as error:
             if isinstance(error, CriuError) and error.action == "lazy-pages":
@@ -205,15 +218,21 @@ def restore_tree(
         ),
     }
     progress("restoring with CRIU")
+    tree_criu = criu
     if container is not None:
         # Last look before CRIU: a container that stopped meanwhile is refused, not entered.
         container.require_alive()
-        criu = container.criu(criu, session.dirs.work)
+        tree_criu = container.criu(criu, session.dirs.work)
     if session.cgroup is not None:
         # CRIU restore enters the copy's cgroup before it forks the tree (restored with
         # --manage-cgroups=ignore): every process and page of the copy is the cgroup's.
-        criu = dataclasses.replace(criu, command=tuple(session.cgroup.enter_argv([*criu.argv])))
-    strategy.restore(session, image, external_dirs, criu=criu, timeout_s=timeout_s, timings=timings)
+        cgroup = session.cgroup
+        criu, tree_criu = (
+            dataclasses.replace(each, command=tuple(cgroup.enter_argv([*each.argv])))
+            for each in (criu, tree_criu)
+        )
+    strategy.restore(session, image, external_dirs, criu=tree_criu, host_criu=criu,
+                     timeout_s=timeout_s, timings=timings)  # fmt: skip
     pin_restored(session)
     session.remember_tree()
     session.advance(SessionState.RESTORED)

@@ -58,10 +58,14 @@ class CriuOps(Protocol):
         netns: str | None = None,
     ) -> None: ...  # fmt: skip
 
+    # ``restore_criu``: the restore's own criu (one entering a container), the daemon's is
+    # ``criu``; ``root``, ``netns``: as ``restore`` takes them.
     def restore_lazily(
         self, criu: CriuBinary, view: Path, work_dir: Path, logs: Path, pidfile: Path, *,
         external_dirs: Mapping[str, Path], timeout_s: float,
         on_daemon_ready: Callable[[LazyPagesDaemon], None], hold_transfer: bool,
+        restore_criu: CriuBinary | None = None, root: Path | None = None,
+        netns: str | None = None,
     ) -> None: ...  # fmt: skip
 
     def restore_stats(self, work_dir: Path) -> dict[str, int]: ...
@@ -164,10 +168,13 @@ class RealCriu:
         self, criu: CriuBinary, view: Path, work_dir: Path, logs: Path, pidfile: Path, *,
         external_dirs: Mapping[str, Path], timeout_s: float,
         on_daemon_ready: Callable[[LazyPagesDaemon], None], hold_transfer: bool,
+        restore_criu: CriuBinary | None = None, root: Path | None = None,
+        netns: str | None = None,
     ) -> None:  # fmt: skip
         restore_tree_lazily(
             criu, view, work_dir, logs, pidfile, external_dirs=external_dirs,
             timeout_s=timeout_s, on_daemon_ready=on_daemon_ready, hold_transfer=hold_transfer,
+            restore_criu=restore_criu, root=root, netns=netns,
         )  # fmt: skip
 
     def restore_stats(self, work_dir: Path) -> dict[str, int]:

@@ -23,29 +23,37 @@ from typing import Any
 
 import pytest
 
+from snapctl.criu import CriuBinary
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import descendants
-from tests.activation.criu_helpers import API_KEY_ENV, leftovers
+from tests.activation.criu_helpers import API_KEY_ENV, get, launch_donor, leftovers
 from tests.agent.helpers import AgentProcess, cli, until
 from tests.containers import PODMAN, Placeholder
 
 pytestmark = [pytest.mark.criu, pytest.mark.podman, pytest.mark.timeout(420)]
 QLEN_SYSCTL = "net/unix/max_dgram_qlen"
+RETAINED_MB = 256
 
 
 def copy_into(
-    state: StateDir, image: Path, name: str, container: str, port: int, *, agent: bool = False
-) -> subprocess.CompletedProcess[str]:
+    state: StateDir, image: Path, name: str, container: str, port: int, *more: str,
+    agent: bool = False,
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
     return cli(
         state, *([] if agent else ["--no-agent"]), "copy", "--image", str(image), "--name", name,
         "--into-container", container, "--publish", f"127.0.0.1:{port}", "--api-key-env",
-        API_KEY_ENV, "--timeout", "60", "--detach", "--json", check=False,
+        API_KEY_ENV, "--timeout", "60", "--detach", "--json", *more, check=False,
     )  # fmt: skip
 
 
 def names(state: StateDir, *, agent: bool = False) -> list[str]:
     rows = json.loads(cli(state, *([] if agent else ["--no-agent"]), "ps", "--json").stdout)
     return sorted(str(row["name"]) for row in rows)
+
+
+def pages_complete(state: StateDir, name: str) -> bool:
+    rows = json.loads(cli(state, "--no-agent", "ps", "--json").stdout)
+    return any(row["name"] == name and row.get("pages_complete") is True for row in rows)
 
 
 def host_answers(port: int) -> bool:
@@ -106,6 +114,45 @@ def test_a_copy_restored_into_a_placeholder_serves_there_and_ends_with_it(
     until(lambda: leftovers(state) == [], timeout_s=30, shown=lambda: leftovers(state))
     outcome = json.loads((Path(second["logs"]) / "stopped.json").read_text())
     assert not any(outcome["audit"].values()), outcome
+
+
+def test_a_lazy_copy_into_a_placeholder_has_the_donors_memory(
+    agent_state: StateDir, tmp_path: Path, criu_binary: CriuBinary,
+    placeholder: Callable[..., Placeholder],
+) -> None:  # fmt: skip
+    state = agent_state
+    image = tmp_path / "retaining"
+    donor, report = launch_donor(
+        image, state, criu_binary, publish=("127.0.0.1", 0), fixture_retained_mb=RETAINED_MB
+    )
+    try:
+        assert report.published is not None
+        status, retained = get(report.published, "/v1/debug/retained-digest")
+        assert status == 200 and retained["mb"] == RETAINED_MB
+    finally:
+        donor.stop()
+    box = placeholder()
+    box.set_network_sysctl(QLEN_SYSCTL, "123")
+    done = copy_into(state, image, "lazy-in-box", box.name, 18250, "--lazy")
+    assert done.returncode == 0, done.stderr
+    copied = json.loads(done.stdout)
+    assert copied["lazy"] is True
+    # Its daemon runs on the host; only the restore enters the container.
+    logs = Path(copied["logs"])
+    assert "nsenter" in (logs / "restore.argv").read_text()
+    assert "nsenter" not in (logs / "lazy-pages.argv").read_text()
+    netns = os.stat(f"/proc/{box.pid}/ns/net").st_ino
+    assert {os.stat(f"/proc/{pid}/ns/net").st_ino for pid in served(copied)} == {netns}
+    manifest = json.loads((image / "manifest.json").read_text())
+    # The retained memory was left to the daemon, not restored with the tree.
+    assert copied["restore_stats"]["pages_restored"] < manifest["dump_stats"]["pages_written"]
+    until(lambda: pages_complete(state, "lazy-in-box"), timeout_s=120,
+          shown=lambda: cli(state, "--no-agent", "ps", "--json").stdout)  # fmt: skip
+    assert box.get("127.0.0.1:18250", "/v1/debug/retained-digest") == (200, retained)
+    assert box.network_sysctl(QLEN_SYSCTL) == "123"  # its view has no network state either
+    stopped = json.loads(cli(state, "--no-agent", "stop", "lazy-in-box", "--json").stdout)
+    assert not any(stopped["audit"].values()), stopped
+    assert leftovers(state) == []
 
 
 def test_a_stopped_or_missing_container_is_refused_before_criu_runs(

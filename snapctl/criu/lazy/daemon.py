@@ -214,6 +214,9 @@ def restore_tree_lazily(
     on_daemon_ready: Callable[[LazyPagesDaemon], None],
     env: Mapping[str, str] | None = None,
     hold_transfer: bool = False,
+    restore_criu: CriuBinary | None = None,
+    root: Path | None = None,
+    netns: str | None = None,
 ) -> tuple[CriuResult, LazyPagesDaemon]:
     """Start a copy's lazy-pages daemon and its ``criu restore --lazy-pages`` together, the
     restore held at an :class:`InventoryGate` until the daemon listens; return once the restore
@@ -225,10 +228,13 @@ def restore_tree_lazily(
     daemon in its own directory under ``work_dir``.
 
     ``view`` is the image as both read it; logs are ``lazy-pages.log`` and ``restore.log`` in
-    ``logs``. ``on_daemon_ready`` takes the daemon over as soon as it listens (to watch it while
-    the restore runs); if it was not called, a failure here leaves no daemon behind, and in no
-    case a restore process. A daemon that fails to start raises its own :class:`CriuError`
-    (action ``lazy-pages``), not the restore's that follows from it.
+    ``logs``. ``restore_criu`` runs the restore (None: ``criu``, which runs the daemon): one
+    that enters a container, say, while the daemon stays here; ``root`` and ``netns`` as
+    :func:`~snapctl.criu.ops.restore_tree` takes them. ``on_daemon_ready`` takes the daemon
+    over as soon as it listens (to watch it while the restore runs); if it was not called, a
+    failure here leaves no daemon behind, and in no case a restore process. A daemon that fails
+    to start raises its own :class:`CriuError` (action ``lazy-pages``), not the restore's that
+    follows from it.
     """
     gate: InventoryGate | None = None
     hold: TransferHold | None = None
@@ -249,10 +255,10 @@ def restore_tree_lazily(
     handed_over = False
     try:
         daemon = spawn_lazy_pages_daemon(criu, view, daemon_dir, logs / "lazy-pages.log", hold=hold)
-        args = restore_args(work_dir, pidfile, external_dirs, lazy=True)
+        args = restore_args(work_dir, pidfile, external_dirs, lazy=True, root=root, netns=netns)
         restore = start_criu(
-            criu, "restore", work_dir / "restore-images", logs / "restore.log", args, env=env,
-            log_level=RESTORE_LOG_LEVEL,
+            restore_criu or criu, "restore", work_dir / "restore-images", logs / "restore.log",
+            args, env=env, log_level=RESTORE_LOG_LEVEL,
         )  # fmt: skip
         daemon.wait_ready(timeout_s)
         if hold is not None:

@@ -63,19 +63,23 @@ _NAMESPACE_DUMP = re.compile(
 )
 
 
+def network_state_dumps(images_dir: Path) -> frozenset[str]:
+    """The names of the dumps in ``images_dir`` of its network namespaces' own state, which a
+    restore that joins a namespace that exists leaves out (see the module docstring)."""
+    return frozenset(path.name for path in images_dir.iterdir()
+                     if _NAMESPACE_DUMP.fullmatch(path.name))  # fmt: skip
+
+
 def joined_view(images_dir: Path, target: Path) -> frozenset[str]:
-    """Create ``target``: ``images_dir`` through symbolic links, without the dumps of its
-    network namespaces' own state, for a restore that joins a namespace that exists (see the
-    module docstring). Returns the names left out."""
+    """Create ``target``: ``images_dir`` through symbolic links, without its
+    :func:`network_state_dumps`, which it returns."""
     target.mkdir(mode=0o700)
     relative_dir = relative_dir_of(images_dir, target)
-    left_out = set()
+    left_out = network_state_dumps(images_dir)
     for path in sorted(images_dir.resolve().iterdir()):
-        if _NAMESPACE_DUMP.fullmatch(path.name):
-            left_out.add(path.name)
-            continue
-        link_relative(path, target / path.name, relative_dir)
-    return frozenset(left_out)
+        if path.name not in left_out:
+            link_relative(path, target / path.name, relative_dir)
+    return left_out
 
 
 def redundant_net_dumps(images_dir: Path) -> frozenset[str]:
