@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any, TypeVar
@@ -140,8 +140,8 @@ def placeholder() -> Iterator[Callable[..., Placeholder]]:
     removed by its name afterwards."""
     made: list[Placeholder] = []
 
-    def make(*, start: bool = True) -> Placeholder:
-        made.append(Placeholder.create(start=start))
+    def make(*, start: bool = True, volumes: Sequence[str] = ()) -> Placeholder:
+        made.append(Placeholder.create(start=start, volumes=volumes))
         return made[-1]
 
     try:

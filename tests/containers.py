@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +36,14 @@ class Placeholder:
         self.name = name
 
     @classmethod
-    def create(cls, *, start: bool = True) -> Placeholder:
-        """A new placeholder (``start``: running ``sleep infinity``; else created only)."""
+    def create(cls, *, start: bool = True, volumes: Sequence[str] = ()) -> Placeholder:
+        """A new placeholder (``start``: running ``sleep infinity``; else created only), with
+        ``volumes`` (podman's ``-v`` values)."""
         name = f"snapctl-placeholder-{uuid.uuid4().hex[:12]}"
         run = [
             *PODMAN, "run" if start else "create", *(["--detach"] if start else []),
             "--name", name, "--network", "none", "--memory", "4g",
+            *(option for volume in volumes for option in ("--volume", volume)),
             "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1000:1000",
             "--rootfs", "/:O", "sleep", "infinity",
         ]  # fmt: skip

@@ -11,7 +11,10 @@ What the copy shares with the container, and how:
   writes the tree's PID as the container counts it: :meth:`Container.host_pid` translates.
 - **Files.** The tree's root is the container's root (CRIU's ``--root``: the host's mount of
   it, bound where CRIU's private ``/run`` does not hide it), so it reads the container's files;
-  the identity gate hashes the same files there (:meth:`Container.path`).
+  the identity gate hashes them as the container sees them, volumes included
+  (:attr:`Container.files`). Each mount the image recorded as external (a model's own disk)
+  comes from the container's mount at that path: its root, or the volume there, found through
+  the host's mount of the same filesystem (:meth:`Container.host_path`) and bound the same way.
 - **cgroup.** The copy's cgroup is made below the container's (cgroup v1), or beside it below
   its parent (cgroup v2, where a cgroup holding processes cannot hand controllers down: a
   pod's cgroup on Kubernetes), and CRIU enters it before it forks the tree.
@@ -58,11 +61,14 @@ INSPECT_TIMEOUT_S = 30.0
 NEEDED_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SYS_PTRACE")
 # Run in the container's PID namespace and a mount namespace of CRIU's own: a /proc of that
 # PID namespace (CRIU reads its own and its children's entries by the PIDs it sees), and the
-# container's root bound where a private /run cannot hide it ($1 onto $2), then CRIU.
+# container's root and volumes bound where a private /run cannot hide them ($1 pairs of
+# source and target), then CRIU.
 ENTER_SCRIPT = (
-    'mount -t proc snapctl-proc /proc && mount --bind "$1" "$2" || exit 125; shift 2; exec "$@"'
+    'mount -t proc snapctl-proc /proc || exit 125; n=$1; shift; while [ "$n" -gt 0 ]; do '
+    'mount --bind "$1" "$2" || exit 125; shift 2; n=$((n-1)); done; exec "$@"'
 )
 ROOT_BIND = "container-root"
+VOLUME_BINDS = "container-volumes"
 
 
 class ContainerError(SnapctlError):
@@ -130,6 +136,7 @@ class Container:
     cgroup: str  # the text of /proc/PID/cgroup
     level: int  # how deep its PID namespace is (0: this host's)
     proc: Path = Path("/proc")
+    mountinfo: str = ""  # the text of /proc/PID/mountinfo
 
     def alive(self) -> bool:
         return is_same_process(self.pid, self.start_time)
@@ -142,9 +149,32 @@ class Container:
                 phase=HostPhase.RESTORE, pid=self.pid,
             )  # fmt: skip
 
-    def path(self, inside: str) -> Path:
-        """Where this host reads the container's file ``inside``."""
-        return self.root / inside.lstrip("/")
+    @property
+    def files(self) -> Path:
+        """The container's files as its first process sees them, volumes included: where the
+        identity gate reads them (``/proc/PID/root``)."""
+        return self.proc / str(self.pid) / "root"
+
+    def host_path(self, inside: str) -> Path | None:
+        """Where this host mounts the container's file or directory ``inside``: below the
+        container's root, or below the host's mount of the volume that holds it; None where
+        this host does not mount it (a volume of another mount namespace)."""
+        covering = _covering_mount(_mount_entries(self.mountinfo), inside)
+        if covering is None:
+            return None
+        device, root, point = covering
+        within = os.path.normpath(os.path.join(root, os.path.relpath(inside, point)))
+        own = _mount_entries((self.proc / "self" / "mountinfo").read_text())
+        found = [
+            (host_root, host_point)
+            for host_device, host_root, host_point in own
+            if host_device == device and _below(within, host_root)
+        ]
+        if not found:
+            return None
+        host_root, host_point = max(found, key=lambda entry: len(entry[0]))
+        rest = os.path.relpath(within, host_root)
+        return Path(host_point) if rest == "." else Path(host_point) / rest
 
     def cgroup_layout(self, cgroup_root: Path | None = None) -> Layout | None:
         """Where the copy's cgroup goes: below the container's (v1), beside it (v2)."""
@@ -167,17 +197,27 @@ class Container:
         parent = _inside(unified, base, layout.roots.get(UNIFIED, "/")) / "snapctl"
         return dataclasses.replace(layout, parents={"unified": parent})
 
-    def criu(self, criu: CriuBinary, work_dir: Path) -> CriuBinary:
-        """``criu`` run in the container's PID namespace, with a /proc of it and the
-        container's root bound at :meth:`root_bind` (see the module's docstring)."""
+    def criu(
+        self, criu: CriuBinary, work_dir: Path, external_mounts: Mapping[str, str]
+    ) -> CriuBinary:
+        """``criu`` run in the container's PID namespace, with a /proc of it, the container's
+        root bound at :meth:`root_bind` and each volume an image's ``host:`` mount comes from
+        bound below the work dir (see the module's docstring and :meth:`mount_sources`)."""
         bind = self.root_bind(work_dir)
         bind.mkdir(mode=0o700, exist_ok=True)
+        binds = [(self.root, bind), *self._volume_binds(external_mounts, work_dir)]
+        for source, target in binds[1:]:
+            target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if source.is_dir():
+                target.mkdir(mode=0o700, exist_ok=True)
+            else:
+                target.touch(mode=0o600, exist_ok=True)
         nsenter, unshare = _tool("nsenter"), _tool("unshare")
         command = (
             nsenter, "--target", str(self.pid), "--pid", "--",
             unshare, "--mount", "--propagation", "slave", "--",
-            "/bin/sh", "-c", ENTER_SCRIPT, "snapctl-container", str(self.root), str(bind),
-            *criu.argv,
+            "/bin/sh", "-c", ENTER_SCRIPT, "snapctl-container", str(len(binds)),
+            *(str(path) for pair in binds for path in pair), *criu.argv,
         )  # fmt: skip
         return dataclasses.replace(criu, command=command)
 
@@ -194,19 +234,41 @@ class Container:
 
     def mount_sources(self, external_mounts: Mapping[str, str], work_dir: Path) -> dict[str, Path]:
         """For each ``host:`` mount of the image, the container's own file or directory at
-        that path (as CRIU sees it, under :meth:`root_bind`), checked to exist here."""
-        sources: dict[str, Path] = {}
-        for point in host_mounts(external_mounts):
-            here = self.path(point)
-            if not here.exists() or os.path.realpath(here) != str(here):
+        that path (as CRIU sees it: under :meth:`root_bind`, or a volume's bind below the work
+        dir), checked to exist here."""
+        sources = {
+            host_key(point): self.root_bind(work_dir) / point.lstrip("/")
+            for point in host_mounts(external_mounts)
+        }
+        for key, (_, target) in self._volume_sources(external_mounts, work_dir).items():
+            sources[key] = target
+        return sources
+
+    def _volume_binds(
+        self, external_mounts: Mapping[str, str], work_dir: Path
+    ) -> list[tuple[Path, Path]]:
+        return list(self._volume_sources(external_mounts, work_dir).values())
+
+    def _volume_sources(
+        self, external_mounts: Mapping[str, str], work_dir: Path
+    ) -> dict[str, tuple[Path, Path]]:
+        """For each ``host:`` mount of the image that a volume of the container holds: its
+        key, and where this host mounts it and where CRIU's mount namespace binds it; refused
+        where the container holds no plain file or directory there."""
+        found: dict[str, tuple[Path, Path]] = {}
+        for index, point in enumerate(host_mounts(external_mounts)):
+            here = self.host_path(point)
+            if here is None or not here.exists() or os.path.realpath(here) != str(here):
                 raise ContainerError(
                     f"the image binds {point}, which container {self.reference} does not "
-                    "hold as a plain file or directory (run the container from the image the "
-                    "donor ran in)",
+                    "hold as a plain file or directory on a mount this host sees (run the "
+                    "container from the image the donor ran in, with the same volumes)",
                     phase=HostPhase.RESTORE, path=Path(point),
                 )  # fmt: skip
-            sources[host_key(point)] = self.root_bind(work_dir) / point.lstrip("/")
-        return sources
+            if _below(str(here), str(self.root)):
+                continue  # on the container's root: seen through root_bind
+            found[host_key(point)] = (here, work_dir / VOLUME_BINDS / str(index))
+        return found
 
     def require_addresses(self, addresses: list[str]) -> None:
         """Refuse unless the container's network has every one of ``addresses`` (an image's
@@ -288,6 +350,34 @@ def _status_field(proc: Path, pid: int | str, name: str) -> str | None:
 def _nspids(proc: Path, pid: int) -> list[int]:
     value = _status_field(proc, pid, "NSpid")
     return [int(part) for part in value.split()] if value else []
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field with its octal escapes (``\\040`` for a space) decoded."""
+    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
+
+
+def _mount_entries(mountinfo: str) -> list[tuple[str, str, str]]:
+    """(device, root in its filesystem, mount point) of each line of a mountinfo text."""
+    entries = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 4:
+            entries.append((fields[2], _unescape(fields[3]), _unescape(fields[4])))
+    return entries
+
+
+def _below(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _covering_mount(entries: list[tuple[str, str, str]], path: str) -> tuple[str, str, str] | None:
+    """The mount ``path`` is on: the deepest mount point above it (the last of those stacked)."""
+    found = None
+    for entry in entries:
+        if _below(path, entry[2]) and (found is None or len(entry[2]) >= len(found[2])):
+            found = entry
+    return found
 
 
 def _root_mount(mountinfo: str) -> tuple[str, str] | None:
@@ -414,5 +504,5 @@ def resolve_container(
         )  # fmt: skip
     return Container(
         reference=reference, pid=pid, start_time=started, root=root, cgroup=cgroup,
-        level=level, proc=proc,
+        level=level, proc=proc, mountinfo=its_mounts,
     )  # fmt: skip

@@ -122,7 +122,7 @@ def restore_copy(
         raise
     try:
         manifest = _check_image(image, options, criu, state, timings, progress, tools,
-                                root=None if container is None else container.root)  # fmt: skip
+                                root=None if container is None else container.files)  # fmt: skip
         if container is not None:
             container.require_addresses(manifest.lo_addresses)
         tools.sandbox.adopt_restored_trees()

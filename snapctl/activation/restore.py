@@ -222,7 +222,7 @@ def restore_tree(
     if container is not None:
         # Last look before CRIU: a container that stopped meanwhile is refused, not entered.
         container.require_alive()
-        tree_criu = container.criu(criu, session.dirs.work)
+        tree_criu = container.criu(criu, session.dirs.work, manifest.external_mounts)
     if session.cgroup is not None:
         # CRIU restore enters the copy's cgroup before it forks the tree (restored with
         # --manage-cgroups=ignore): every process and page of the copy is the cgroup's.

@@ -47,8 +47,15 @@ def fake_proc(
             os.link(proc / "self" / "ns" / ns, proc / str(PID) / "ns" / ns)
         else:
             (proc / str(PID) / "ns" / ns).write_text(ns)
-    (proc / str(PID) / "mountinfo").write_text("94 64 0:45 / / rw - overlay overlay rw\n")
+    # The container's root, a volume (from a directory of the host's second disk) and a
+    # volume of a device this host does not mount.
+    (proc / str(PID) / "mountinfo").write_text(
+        "94 64 0:45 / / rw - overlay overlay rw\n"
+        "95 94 254:1 /vol /models ro - ext4 /dev/vdb rw\n"
+        "96 94 0:99 / /elsewhere rw - tmpfs tmpfs rw\n"
+    )
     host = "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
+    host += f"28 27 254:1 / {tmp_path / 'disk'} rw - ext4 /dev/vdb rw\n"
     if root_visible:
         host += f"62 27 0:45 / {root} rw - overlay overlay rw\n"
     (proc / "self" / "mountinfo").write_text(host)
@@ -74,7 +81,11 @@ def test_a_running_container_by_name_or_by_its_first_process(tmp_path: Path) -> 
     by_name = resolve_container("placeholder-1", inspect=inspect, proc=proc)
     assert asked == ["placeholder-1"]
     assert by_name.pid == PID and by_name.level == 1 and by_name.root == tmp_path / "merged"
-    assert by_name.path("/etc/hosts") == tmp_path / "merged" / "etc" / "hosts"
+    assert by_name.host_path("/etc/hosts") == tmp_path / "merged" / "etc" / "hosts"
+    assert by_name.host_path("/models/m/w.bin") == tmp_path / "disk" / "vol" / "m" / "w.bin"
+    assert by_name.host_path("/models") == tmp_path / "disk" / "vol"
+    assert by_name.host_path("/elsewhere/x") is None  # no mount of it here
+    assert by_name.files == proc / str(PID) / "root"  # the gate reads volumes too
     by_pid = resolve_container(str(PID), inspect=inspect, proc=proc)
     assert asked == ["placeholder-1"] and by_pid.root == by_name.root  # no lookup for a PID
 
@@ -180,28 +191,39 @@ def test_the_pid_criu_writes_is_translated_to_the_hosts(tmp_path: Path) -> None:
 
 def test_the_images_host_mounts_are_the_containers_files(tmp_path: Path) -> None:
     box = container(tmp_path)
-    (box.root / "models" / "m").mkdir(parents=True)
+    (box.root / "opt" / "m").mkdir(parents=True)
+    (tmp_path / "disk" / "vol" / "m").mkdir(parents=True)
     work = tmp_path / "work"
-    mounts = {"control": "/run/snapctl/control", host_key("/models/m"): "/models/m"}
-    assert box.mount_sources(mounts, work) == {host_key("/models/m"): work / "container-root"
-                                               / "models" / "m"}  # fmt: skip
+    mounts = {"control": "/run/snapctl/control", host_key("/opt/m"): "/opt/m",
+              host_key("/models/m"): "/models/m"}  # fmt: skip
+    # On the container's root: under its bind; on a volume: that volume's own bind.
+    assert box.mount_sources(mounts, work) == {
+        host_key("/opt/m"): work / "container-root" / "opt" / "m",
+        host_key("/models/m"): work / "container-volumes" / "1",
+    }
     with pytest.raises(ContainerError, match="does not hold"):
-        box.mount_sources({host_key("/elsewhere"): "/elsewhere"}, work)
-    (box.root / "link").symlink_to(box.root / "models")
+        box.mount_sources({host_key("/srv/none"): "/srv/none"}, work)
+    with pytest.raises(ContainerError, match="does not hold"):
+        box.mount_sources({host_key("/elsewhere/x"): "/elsewhere/x"}, work)
+    (box.root / "link").symlink_to(box.root / "opt")
     with pytest.raises(ContainerError, match="does not hold"):
         box.mount_sources({host_key("/link"): "/link"}, work)
 
 
 def test_criu_runs_in_the_containers_pid_namespace_with_its_root_bound(tmp_path: Path) -> None:
     box = container(tmp_path)
+    (tmp_path / "disk" / "vol" / "m").mkdir(parents=True)
     criu = CriuBinary(path=Path("/opt/criu"), version="4.2", source="option")
     work = tmp_path / "work"
     work.mkdir()
-    argv = box.criu(criu, work).argv
+    argv = box.criu(criu, work, {host_key("/models/m"): "/models/m"}).argv
     assert argv[argv.index("--target") + 1] == str(PID) and "--pid" in argv
-    assert "--mount" in argv and argv[-3:] == (str(box.root), str(work / "container-root"),
-                                               "/opt/criu")  # fmt: skip
-    assert (work / "container-root").is_dir()
+    # Two binds: the root, then the volume, each onto its target below the work dir.
+    assert "--mount" in argv and argv[-6:] == (
+        "2", str(box.root), str(work / "container-root"),
+        str(tmp_path / "disk" / "vol" / "m"), str(work / "container-volumes" / "0"), "/opt/criu",
+    )  # fmt: skip
+    assert (work / "container-root").is_dir() and (work / "container-volumes" / "0").is_dir()
 
 
 def test_the_identity_gate_hashes_the_containers_files(tmp_path: Path) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +26,8 @@ from typing import Any
 import pytest
 
 from snapctl.criu import CriuBinary
+from snapctl.criu.external import host_key
+from snapctl.namespaces import mounts
 from snapctl.statedir import StateDir
 from snapctl.supervision.process import descendants
 from tests.activation.criu_helpers import API_KEY_ENV, get, launch_donor, leftovers
@@ -152,6 +156,40 @@ def test_a_lazy_copy_into_a_placeholder_has_the_donors_memory(
     assert box.network_sysctl(QLEN_SYSCTL) == "123"  # its view has no network state either
     stopped = json.loads(cli(state, "--no-agent", "stop", "lazy-in-box", "--json").stdout)
     assert not any(stopped["audit"].values()), stopped
+    assert leftovers(state) == []
+
+
+def test_a_host_mount_of_the_image_comes_from_the_containers_volume(
+    agent_state: StateDir, tmp_path: Path, criu_binary: CriuBinary,
+    placeholder: Callable[..., Placeholder],
+) -> None:  # fmt: skip
+    """An image whose donor saw a mount CRIU cannot dump (a model on its own disk: a ramfs
+    here) binds it back from the container's volume at that path, as a pod mounts its model,
+    not from the container's root filesystem (which holds only the empty mount point)."""
+    state = agent_state
+    driver = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="snapctl-test-model-"))
+    volume = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="snapctl-test-volume-"))
+    mounts.mount("snapctl-test-ramfs", driver, "ramfs", 0)
+    try:
+        (driver / "marker").write_text("donor's disk\n")
+        image = tmp_path / "with-model"
+        donor, _ = launch_donor(image, state, criu_binary, activate=False)
+        donor.stop()
+        recorded = json.loads((image / "manifest.json").read_text())["external_mounts"]
+        assert recorded[host_key(str(driver))] == str(driver)
+        (volume / "marker").write_text("pod's volume\n")
+        box = placeholder(volumes=[f"{volume}:{driver}:ro"])
+        done = copy_into(state, image, "model-in-box", box.name, 18260)
+        assert done.returncode == 0, done.stderr
+        copied = json.loads(done.stdout)
+        seen = Path(f"/proc/{copied['root_pid']}/root") / str(driver).lstrip("/") / "marker"
+        assert seen.read_text() == "pod's volume\n"
+        stopped = json.loads(cli(state, "--no-agent", "stop", "model-in-box", "--json").stdout)
+        assert not any(stopped["audit"].values()), stopped
+    finally:
+        mounts.umount(driver, detach=True)
+        driver.rmdir()
+        shutil.rmtree(volume)
     assert leftovers(state) == []
 
 
