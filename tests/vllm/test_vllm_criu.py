@@ -221,21 +221,25 @@ def test_a_copy_into_a_placeholder_container_answers_as_a_copy_on_the_host(
     served: RealVllm, qualified: Qualified, placeholder: Callable[..., Placeholder]
 ) -> None:
     """The bridge restored inside a placeholder container (the pattern of a Kubernetes pod
-    that a restore fills): the same completion, token ids and log probabilities as a plain
-    copy on the host, asked on the container's own loopback."""
+    that a restore fills), plainly and lazily: the same completion, token ids and log
+    probabilities as a plain copy on the host, asked on the container's own loopback."""
     box = placeholder()
     answers = []
-    for name, port, where in (("vllm-host", 18480, ()), ("vllm-in-box", 18481, (box.name,))):
+    copies = (("vllm-host", 18480, (), "--no-lazy"),
+              ("vllm-in-box", 18481, (box.name,), "--no-lazy"),
+              ("vllm-lazy-in-box", 18482, (box.name,), "--lazy"))  # fmt: skip
+    for name, port, where, lazy in copies:
         done = _snapctl(
-            ["copy", "--image", str(qualified.image), "--name", name, "--detach", "--no-lazy",
+            ["copy", "--image", str(qualified.image), "--name", name, "--detach", lazy,
              "--publish", f"127.0.0.1:{port}", "--api-key-env", "SNAPCTL_VLLM_KEY", "--json",
              *(("--into-container", *where) if where else ())],
             qualified.state, 300,
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout)
+        assert report["lazy"] is (lazy == "--lazy")
         if where:  # the server is in the container's own network namespace
-            root_pid = json.loads(done.stdout)["root_pid"]
-            netns = os.stat(f"/proc/{root_pid}/ns/net").st_ino
+            netns = os.stat(f"/proc/{report['root_pid']}/ns/net").st_ino
             assert netns == os.stat(f"/proc/{box.pid}/ns/net").st_ino
         try:
             argv = [sys.executable, "-c", ASK_OPENAI, f"http://127.0.0.1:{port}/v1",
@@ -250,7 +254,9 @@ def test_a_copy_into_a_placeholder_container_answers_as_a_copy_on_the_host(
             stopped = _snapctl(["stop", name], qualified.state, 120)
             assert stopped.returncode == 0, stopped.stderr
             assert "cleanup: clean" in stopped.stdout + stopped.stderr
-    (text, ids, logprobs), (box_text, box_ids, box_logprobs) = answers
-    assert (box_text, box_ids) == (text, ids) and ids
-    assert max(abs(a - b) for a, b in zip(logprobs, box_logprobs, strict=True)) <= 1e-3
+    (text, ids, logprobs), *in_box = answers
+    assert ids
+    for box_text, box_ids, box_logprobs in in_box:  # plain, then lazy
+        assert (box_text, box_ids) == (text, ids)
+        assert max(abs(a - b) for a, b in zip(logprobs, box_logprobs, strict=True)) <= 1e-3
     assert box.running  # snapctl stop left the container as it was
