@@ -26,27 +26,37 @@ What the copy shares with the container, and how:
 
 Everything here is refused before CRIU runs, each with the fix: a reference that is no name,
 ID or PID; no such container; one not running; a process that is no container's first
-process; a root this host cannot see; a snapctl without the capabilities it needs.
+process; a root this host cannot see; a file or volume the image binds that the container
+lacks or this host does not mount; a loopback address the image's server uses that the
+container's network lacks, or a port taken there; a container that already hosts a copy (one
+copy per container: copies there would share its network); a snapctl without the
+capabilities it needs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from snapctl.activation.requests import CONTAINER_REFERENCE
 from snapctl.cgroups.layout import CGROUP_ROOT, UNIFIED, Layout, cgroup_paths, detect_layout
 from snapctl.criu import CriuBinary
 from snapctl.criu.external import host_key, host_mounts
 from snapctl.errors import ExitStatus, SnapctlError
+from snapctl.images.identity.tree import FileView
+from snapctl.namespaces.mounts import unescape_mount_field
 from snapctl.phases import HostPhase
+from snapctl.statedir.records import ActivationRecord
 from snapctl.supervision.process import (
     ProcessGoneError,
     is_same_process,
@@ -61,14 +71,24 @@ INSPECT_TIMEOUT_S = 30.0
 NEEDED_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SYS_PTRACE")
 # Run in the container's PID namespace and a mount namespace of CRIU's own: a /proc of that
 # PID namespace (CRIU reads its own and its children's entries by the PIDs it sees), and the
-# container's root and volumes bound where a private /run cannot hide them ($1 pairs of
-# source and target), then CRIU.
+# container's root and volumes bound where a private /run cannot hide them ($1 times a source,
+# a target and "ro" or "rw": a read-only volume stays read-only), then CRIU.
 ENTER_SCRIPT = (
     'mount -t proc snapctl-proc /proc || exit 125; n=$1; shift; while [ "$n" -gt 0 ]; do '
-    'mount --bind "$1" "$2" || exit 125; shift 2; n=$((n-1)); done; exec "$@"'
+    'mount --bind "$1" "$2" || exit 125; if [ "$3" = ro ]; then '
+    'mount -o remount,bind,ro "$2" || exit 125; fi; shift 3; n=$((n-1)); done; exec "$@"'
 )
 ROOT_BIND = "container-root"
 VOLUME_BINDS = "container-volumes"
+
+
+class Located(NamedTuple):
+    """Where this host mounts a file or directory of a container, and how the container has
+    it: on its root filesystem (else on a volume), read-only."""
+
+    path: Path
+    on_root: bool
+    read_only: bool
 
 
 class ContainerError(SnapctlError):
@@ -149,32 +169,44 @@ class Container:
                 phase=HostPhase.RESTORE, pid=self.pid,
             )  # fmt: skip
 
-    @property
-    def files(self) -> Path:
-        """The container's files as its first process sees them, volumes included: where the
-        identity gate reads them (``/proc/PID/root``)."""
-        return self.proc / str(self.pid) / "root"
+    def file_view(self, external_mounts: Mapping[str, str]) -> FileView:
+        """The container's files as the copy's tree will see them, where the identity gate
+        reads them: its root filesystem, and the volumes that the image's ``host:`` mounts
+        come from (:meth:`mount_sources`)."""
+        return FileView(
+            root=self.root,
+            mounts={
+                external_mounts[key]: located.path
+                for key, (_, located) in self._host_mounts(external_mounts).items()
+                if not located.on_root
+            },
+        )
 
-    def host_path(self, inside: str) -> Path | None:
-        """Where this host mounts the container's file or directory ``inside``: below the
-        container's root, or below the host's mount of the volume that holds it; None where
-        this host does not mount it (a volume of another mount namespace)."""
+    def host_path(self, inside: str) -> Located | None:
+        """Where this host mounts the container's file or directory ``inside`` (below the
+        host's mount of the filesystem the container's mount at ``inside`` comes from), and
+        how the container has it; None where this host does not mount it (a volume of another
+        mount namespace)."""
         covering = _covering_mount(_mount_entries(self.mountinfo), inside)
         if covering is None:
             return None
-        device, root, point = covering
+        device, root, point, options = covering
         within = os.path.normpath(os.path.join(root, os.path.relpath(inside, point)))
         own = _mount_entries((self.proc / "self" / "mountinfo").read_text())
         found = [
             (host_root, host_point)
-            for host_device, host_root, host_point in own
+            for host_device, host_root, host_point, _ in own
             if host_device == device and _below(within, host_root)
         ]
         if not found:
             return None
         host_root, host_point = max(found, key=lambda entry: len(entry[0]))
         rest = os.path.relpath(within, host_root)
-        return Path(host_point) if rest == "." else Path(host_point) / rest
+        return Located(
+            path=Path(host_point) if rest == "." else Path(host_point) / rest,
+            on_root=point == "/",
+            read_only="ro" in options.split(","),
+        )
 
     def cgroup_layout(self, cgroup_root: Path | None = None) -> Layout | None:
         """Where the copy's cgroup goes: below the container's (v1), beside it (v2)."""
@@ -205,8 +237,8 @@ class Container:
         bound below the work dir (see the module's docstring and :meth:`mount_sources`)."""
         bind = self.root_bind(work_dir)
         bind.mkdir(mode=0o700, exist_ok=True)
-        binds = [(self.root, bind), *self._volume_binds(external_mounts, work_dir)]
-        for source, target in binds[1:]:
+        binds = [(self.root, bind, False), *self._volume_binds(external_mounts, work_dir)]
+        for source, target, _ in binds[1:]:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             if source.is_dir():
                 target.mkdir(mode=0o700, exist_ok=True)
@@ -217,7 +249,9 @@ class Container:
             nsenter, "--target", str(self.pid), "--pid", "--",
             unshare, "--mount", "--propagation", "slave", "--",
             "/bin/sh", "-c", ENTER_SCRIPT, "snapctl-container", str(len(binds)),
-            *(str(path) for pair in binds for path in pair), *criu.argv,
+            *(field for source, target, read_only in binds
+              for field in (str(source), str(target), "ro" if read_only else "rw")),
+            *criu.argv,
         )  # fmt: skip
         return dataclasses.replace(criu, command=command)
 
@@ -236,65 +270,129 @@ class Container:
         """For each ``host:`` mount of the image, the container's own file or directory at
         that path (as CRIU sees it: under :meth:`root_bind`, or a volume's bind below the work
         dir), checked to exist here."""
-        sources = {
-            host_key(point): self.root_bind(work_dir) / point.lstrip("/")
-            for point in host_mounts(external_mounts)
-        }
-        for key, (_, target) in self._volume_sources(external_mounts, work_dir).items():
-            sources[key] = target
+        sources = {}
+        for key, (index, located) in self._host_mounts(external_mounts).items():
+            point = external_mounts[key]
+            sources[key] = (
+                self.root_bind(work_dir) / point.lstrip("/")
+                if located.on_root
+                else _volume_bind(work_dir, index)
+            )
         return sources
 
     def _volume_binds(
         self, external_mounts: Mapping[str, str], work_dir: Path
-    ) -> list[tuple[Path, Path]]:
-        return list(self._volume_sources(external_mounts, work_dir).values())
+    ) -> list[tuple[Path, Path, bool]]:
+        """(where this host mounts it, where CRIU's mount namespace binds it, read-only) of
+        each volume that one of the image's ``host:`` mounts comes from."""
+        return [
+            (located.path, _volume_bind(work_dir, index), located.read_only)
+            for index, located in self._host_mounts(external_mounts).values()
+            if not located.on_root
+        ]
 
-    def _volume_sources(
-        self, external_mounts: Mapping[str, str], work_dir: Path
-    ) -> dict[str, tuple[Path, Path]]:
-        """For each ``host:`` mount of the image that a volume of the container holds: its
-        key, and where this host mounts it and where CRIU's mount namespace binds it; refused
-        where the container holds no plain file or directory there."""
-        found: dict[str, tuple[Path, Path]] = {}
+    def _host_mounts(self, external_mounts: Mapping[str, str]) -> dict[str, tuple[int, Located]]:
+        """For each ``host:`` mount of the image: its key, and its index among them, where
+        this host mounts the container's file or directory at that path and whether that is
+        on the container's root; refused where the container holds no plain file or
+        directory there that this host mounts (checked to be the very file the container
+        sees)."""
+        found = {}
         for index, point in enumerate(host_mounts(external_mounts)):
-            here = self.host_path(point)
-            if here is None or not here.exists() or os.path.realpath(here) != str(here):
+            located = self.host_path(point)
+            seen = self.proc / str(self.pid) / "root" / point.lstrip("/")
+            if (
+                located is None or os.path.realpath(located.path) != str(located.path)
+                or not _same_file(located.path, seen)
+            ):  # fmt: skip
                 raise ContainerError(
                     f"the image binds {point}, which container {self.reference} does not "
                     "hold as a plain file or directory on a mount this host sees (run the "
                     "container from the image the donor ran in, with the same volumes)",
                     phase=HostPhase.RESTORE, path=Path(point),
                 )  # fmt: skip
-            if _below(str(here), str(self.root)):
-                continue  # on the container's root: seen through root_bind
-            found[host_key(point)] = (here, work_dir / VOLUME_BINDS / str(index))
+            found[host_key(point)] = (index, located)
         return found
 
-    def require_addresses(self, addresses: list[str]) -> None:
-        """Refuse unless the container's network has every one of ``addresses`` (an image's
-        extra loopback addresses: its server may listen or connect there)."""
-        if not addresses:
-            return
+    def claim_network(self, lo_addresses: list[str], listen: tuple[str, int]) -> tuple[str, int]:
+        """Where the copy's server will listen on the container's network: ``listen``, its
+        port free there now (0: a port free there now). Refused unless the container's network
+        has each of an image's extra loopback addresses (its server may listen or connect
+        there), or where the port is taken (an earlier copy, the container's own process)."""
         from snapctl.namespaces.netns import NetnsConnector
-        from snapctl.namespaces.publish import host_addresses
+        from snapctl.namespaces.publish import PortInUseError, host_addresses
 
+        address, port = listen
         try:
             with NetnsConnector(self.pid) as there:
-                present = there.call(host_addresses)
+                present = {ipaddress.ip_address(each) for each in there.call(host_addresses)}
+                missing = [each for each in lo_addresses
+                           if ipaddress.ip_address(each) not in present]  # fmt: skip
+                if missing:
+                    raise ContainerError(
+                        f"the image's server uses the loopback address(es) "
+                        f"{', '.join(missing)}, which container {self.reference}'s network "
+                        "lacks (add each to its lo, as the donor's sandbox had them: ip address "
+                        "add ADDR dev lo)",
+                        phase=HostPhase.RESTORE, pid=self.pid,
+                    )  # fmt: skip
+                try:
+                    with there.listen(address, port) as probe:
+                        return address, int(probe.getsockname()[1])
+                except PortInUseError as error:
+                    raise PortInUseError(
+                        f"{address}:{port} is in use on container {self.reference}'s network "
+                        "(by a copy restored there before, or by the container's own process: "
+                        "give another --publish port, or 0 for any free one)",
+                        phase=HostPhase.PUBLISH,
+                    ) from error
         except OSError as error:
             raise ContainerError(
                 f"the network of container {self.reference} cannot be entered: "
                 f"{error.strerror or error} (is it still running?)",
                 phase=HostPhase.RESTORE, pid=self.pid,
             ) from error  # fmt: skip
-        missing = [address for address in addresses if address not in present]
-        if missing:
+
+    def keep_read_only(self, tree_pid: int, external_mounts: Mapping[str, str]) -> None:
+        """Make read-only in the restored tree whatever of it the container has read-only:
+        its root, and the volumes the image's ``host:`` mounts come from. CRIU restores each
+        mount with the donor's flags, so a pod's read-only model volume would otherwise be
+        writable to the copy, and the host's directory behind it too."""
+        points = [
+            external_mounts[key]
+            for key, (_, located) in self._host_mounts(external_mounts).items()
+            if located.read_only and not located.on_root
+        ]
+        root = _covering_mount(_mount_entries(self.mountinfo), "/")
+        if root is not None and "ro" in root[3].split(","):
+            points.insert(0, "/")
+        if not points:
+            return
+        done = subprocess.run(
+            [sys.executable, "-m", "snapctl.namespaces.readonly", str(tree_pid), *points],
+            capture_output=True, text=True, timeout=INSPECT_TIMEOUT_S, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
             raise ContainerError(
-                f"the image's server uses the loopback address(es) {', '.join(missing)}, which "
-                f"container {self.reference}'s network lacks (add each to its lo, as the "
-                "donor's sandbox had them: ip address add ADDR dev lo)",
-                phase=HostPhase.RESTORE, pid=self.pid,
+                f"cannot keep {', '.join(points)} read-only in the copy, as container "
+                f"{self.reference} has them: {done.stderr.strip() or done.returncode}",
+                phase=HostPhase.RESTORE, pid=tree_pid,
             )  # fmt: skip
+
+    def require_no_copy(self, records: list[ActivationRecord]) -> None:
+        """Refuse a container that already hosts a running copy: copies in one container
+        would share its network, where what each brings back (its loopback connections, its
+        server's port) is the same."""
+        for record in records:
+            if record.container_pid == self.pid and is_same_process(
+                record.root_pid, record.root_start_time
+            ):
+                raise ContainerError(
+                    f"container {self.reference} already hosts copy {record.name} (a "
+                    "container hosts one copy: copies would share its network; stop it first: "
+                    f"snapctl stop {record.name})",
+                    phase=HostPhase.RESTORE, pid=self.pid,
+                )  # fmt: skip
 
     def host_pid(self, inside: int) -> int:
         """The host's PID of the process the container's PID namespace numbers ``inside``
@@ -306,6 +404,20 @@ class Container:
         raise ProcessGoneError(
             f"no process {inside} in container {self.reference}'s PID namespace", pid=inside
         )
+
+
+def _volume_bind(work_dir: Path, index: int) -> Path:
+    return work_dir / VOLUME_BINDS / str(index)
+
+
+def _same_file(here: Path, seen: Path) -> bool:
+    """Whether ``here`` is the file or directory the container sees at ``seen`` (its path
+    through ``/proc/PID/root``): another mount on the host may cover ``here``."""
+    try:
+        ours, theirs = os.stat(here), os.stat(seen)
+    except OSError:
+        return False
+    return (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino)
 
 
 def _tool(name: str) -> str:
@@ -352,18 +464,17 @@ def _nspids(proc: Path, pid: int) -> list[int]:
     return [int(part) for part in value.split()] if value else []
 
 
-def _unescape(field: str) -> str:
-    """A mountinfo path field with its octal escapes (``\\040`` for a space) decoded."""
-    return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
-
-
-def _mount_entries(mountinfo: str) -> list[tuple[str, str, str]]:
-    """(device, root in its filesystem, mount point) of each line of a mountinfo text."""
+def _mount_entries(mountinfo: str) -> list[tuple[str, str, str, str]]:
+    """(device, root in its filesystem, mount point, the mount's own options) of each line of
+    a mountinfo text."""
     entries = []
     for line in mountinfo.splitlines():
         fields = line.split()
-        if len(fields) > 4:
-            entries.append((fields[2], _unescape(fields[3]), _unescape(fields[4])))
+        if len(fields) > 5:
+            entries.append(
+                (fields[2], unescape_mount_field(fields[3]), unescape_mount_field(fields[4]),
+                 fields[5])
+            )  # fmt: skip
     return entries
 
 
@@ -371,7 +482,9 @@ def _below(path: str, top: str) -> bool:
     return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _covering_mount(entries: list[tuple[str, str, str]], path: str) -> tuple[str, str, str] | None:
+def _covering_mount(
+    entries: list[tuple[str, str, str, str]], path: str
+) -> tuple[str, str, str, str] | None:
     """The mount ``path`` is on: the deepest mount point above it (the last of those stacked)."""
     found = None
     for entry in entries:
@@ -396,7 +509,7 @@ def _mounted_at(mountinfo: str, device: str, root: str) -> Path | None:
     for line in mountinfo.splitlines():
         fields = line.split()
         if len(fields) > 4 and fields[2] == device and fields[3] == root:
-            return Path(fields[4].replace("\\040", " "))
+            return Path(unescape_mount_field(fields[4]))
     return None
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.container import resolve_container
+from snapctl.activation.container import Container, resolve_container
 from snapctl.activation.core import (
     ActivationReport,
     activate_and_probe,
@@ -81,10 +81,13 @@ def restore_copy(
     hold_transfer: bool | None = None,
     reservation: NameReservation | None = None,
     after_restore: Callable[[Session], None] | None = None,
+    publish: tuple[str, int] | None = None,
     tools: Tools = REAL_TOOLS,
 ) -> ParkedCopy:
     """Verify, check identity, restore and run the native restore: the copy is parked at the
     activation barrier. On failure everything started is stopped and cleaned up, then raised.
+    In a container (``options.into_container``) its server will listen where ``publish``
+    names on the container's network (else at ``options``' host and port there).
 
     ``after_restore`` (qualification's hook) runs once CRIU restored the tree, before the
     native step (a lazy-fault run kills the daemon there, before a native restore pulls every
@@ -122,9 +125,14 @@ def restore_copy(
         raise
     try:
         manifest = _check_image(image, options, criu, state, timings, progress, tools,
-                                root=None if container is None else container.files)  # fmt: skip
+                                container=container)  # fmt: skip
         if container is not None:
-            container.require_addresses(manifest.lo_addresses)
+            container.require_no_copy(state.load_records())
+            # On the container's network the server listens where it is published.
+            host, port = container.claim_network(
+                manifest.lo_addresses, publish or (options.host, options.port)
+            )
+            options = replace(options, host=host, port=port)
         tools.sandbox.adopt_restored_trees()
     except BaseException:
         hold.release()
@@ -228,7 +236,7 @@ def start_copy(
     parked = restore_copy(
         image, options, criu=criu, native=native, state=state, progress=progress, lazy=lazy,
         hold_transfer=hold_transfer, reservation=reservation, after_restore=after_restore,
-        tools=tools,
+        publish=publish, tools=tools,
     )  # fmt: skip
     return activate_copy(
         parked, options, publish=publish, progress=progress,
@@ -245,24 +253,25 @@ def _check_image(
     progress: Progress,
     tools: Tools,
     *,
-    root: Path | None = None,
+    container: Container | None = None,
 ) -> Manifest:
     """Verify every entry of the image, then this host against its identity (the files
-    where the copy will read them: below ``root``, a container's, when given)."""
+    where the copy will read them: ``container``'s, when given)."""
     progress("verifying the image")
     started = tools.clock()
     manifest = tools.images.verify(image, state)
     timings["verify"] = tools.clock() - started
     progress("checking this host against the image's identity")
     started = tools.clock()
-    if root is None:
+    if container is None:
         shown = tools.images.check_identity(
             manifest, image, criu_version=criu.version, options=options, state=state
         )
     else:
-        progress(f"checking the container's files against the image's identity ({root})")
+        view = container.file_view(manifest.external_mounts)
+        progress(f"checking the container's files against the image's identity ({view.root})")
         shown = tools.images.check_identity(
-            manifest, image, criu_version=criu.version, options=options, state=state, root=root
+            manifest, image, criu_version=criu.version, options=options, state=state, view=view
         )
     timings["identity"] = tools.clock() - started
     waived = [d for d in shown if d.refuses]

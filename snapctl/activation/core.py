@@ -20,7 +20,6 @@ from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest
 from snapctl.images.lock import ImageHold
 from snapctl.namespaces.layout import ActivationDirs
-from snapctl.namespaces.netns import NetnsConnector
 from snapctl.statedir import StateDir
 from snapctl.statedir.names import NameReservation
 
@@ -137,10 +136,9 @@ def activate_and_probe(
         session.connector = session.connector or tools.server.connect(root.pid)
     if publish is not None and session.container is not None:
         # On the container's own network (a pod's address, where its clients are) the server
-        # itself listens where --publish names: nothing relays.
-        session.host, session.port = session.published_directly = chosen_port(
-            session.connector or tools.server.connect(root.pid), publish
-        )
+        # itself listens where --publish named (restore_copy chose its host and port): nothing
+        # relays.
+        session.published_directly = (session.host or publish[0], session.port)
     started = tools.clock()
     phases = tools.server.handshake(
         session.control,
@@ -167,16 +165,6 @@ def activate_and_probe(
     session.advance(SessionState.SERVING)
     session.save_record()
     return phases
-
-
-def chosen_port(connector: NetnsConnector, publish: tuple[str, int]) -> tuple[str, int]:
-    """``publish``, its port 0 ("any free one") replaced by one free in ``connector``'s
-    network namespace now."""
-    address, port = publish
-    if port == 0:
-        with connector.listen(address, 0) as probe:
-            port = probe.getsockname()[1]
-    return address, port
 
 
 def activation_report(

@@ -12,7 +12,7 @@ from snapctl.activation.launch import LaunchOptions, redact_argv, snapshot_confi
 from snapctl.images.identity.compare import IdentityMismatchError, require_match
 from snapctl.images.identity.host import current_identity
 from snapctl.images.identity.models import Difference, Identity
-from snapctl.images.identity.tree import tree_files
+from snapctl.images.identity.tree import FileView, tree_files
 from snapctl.images.manifest import Manifest
 from snapctl.statedir import StateDir
 
@@ -56,7 +56,7 @@ def check_identity(
     options: LaunchOptions,
     state: StateDir,
     env: Mapping[str, str] | None = None,
-    root: Path | None = None,
+    view: FileView | None = None,
 ) -> list[Difference]:
     """Compare this host with the image's identity; raise :class:`IdentityMismatchError`
     listing what differs and is not waived by ``options.allow_mismatch``; return the
@@ -64,7 +64,7 @@ def check_identity(
 
     Without a server command the copy does not claim to stand for one, so argv is taken as
     recorded; with one it must match the captured argv (secrets redacted on both sides).
-    ``root``: the files are compared where the copy will read them (a container's root).
+    ``view``: the files are compared where the copy will read them (a container's).
     """
     recorded = manifest.identity
     current = None
@@ -77,7 +77,7 @@ def check_identity(
             files=[record.path for record in recorded.files],
             cache_dir=file_hash_cache(state),
             env_salt=recorded.env_salt,
-            root=root,
+            view=view,
         )
     shown = require_match(recorded, current, allow=options.allow_mismatch, path=image)
     if recorded is None and manifest.criu_version != criu_version:

@@ -50,10 +50,11 @@ def check_copy_start(
     check_owner: bool = True,
 ) -> Path | None:
     """Refuse, in this order: an unknown or unwaivable ``--allow-mismatch`` name, a ``--name``
-    that cannot be numbered ``--count`` times, a name in use, an ``into_container`` that cannot
-    host the copy (:func:`~snapctl.activation.container.resolve_container`), a ``--publish``
-    that cannot be bound (on the container's network with ``into_container``; or ``--expose``
-    without it), an ``image`` that is no image directory, or one that
+    that cannot be numbered ``--count`` times, a name in use, an ``into_container`` with a
+    ``--count`` over 1 or that cannot host the copy
+    (:func:`~snapctl.activation.container.resolve_container`), a ``--publish`` that cannot be
+    bound (on the container's network with ``into_container``; or ``--expose`` without it),
+    an ``image`` that is no image directory, or one that
     someone other than root can change (:func:`~snapctl.registry.source.require_image`); then
     note each waiver that waives nothing.
 
@@ -74,6 +75,13 @@ def check_copy_start(
     inside = None
     if into_container is not None:
         from snapctl.activation.container import resolve_container
+
+        if count > 1:
+            raise CopyUsageError(
+                f"--count {count} with --into-container: a container hosts one copy (copies "
+                "there would share its network); restore each into a container of its own",
+                option="'--count' with '--into-container'",
+            )
 
         inside = resolve_container(into_container).pid
     check_publish_target(publish, expose, count, inside=inside)

@@ -88,6 +88,9 @@ class PlainRestore(RestoreStrategy):
             )  # fmt: skip
         except SnapctlError as error:
             raise criu_failed("criu restore failed", error, session, "restore") from error
+        except OSError as error:
+            raise RestoreError(f"cannot build the restore's image view: {error}",
+                               phase=HostPhase.RESTORE, path=images) from error  # fmt: skip
         timings["restore"] = self._tools.clock() - started
 
 
@@ -234,6 +237,9 @@ def restore_tree(
     strategy.restore(session, image, external_dirs, criu=tree_criu, host_criu=criu,
                      timeout_s=timeout_s, timings=timings)  # fmt: skip
     pin_restored(session)
+    if container is not None:
+        # Parked at the barrier until activated: it writes nothing there before this.
+        container.keep_read_only(session.tree.pid, manifest.external_mounts)
     session.remember_tree()
     session.advance(SessionState.RESTORED)
     pages = session.memory.status()

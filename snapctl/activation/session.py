@@ -358,6 +358,7 @@ class Session:
                 lazy_pages_start_time=None if transfer is None else transfer.daemon.start_time,
                 **self.memory.report_fields(),
                 **cgroup_fields(self.cgroup),
+                container_pid=None if self.container is None else self.container.pid,
             )
         )
 

@@ -29,6 +29,7 @@ from snapctl.criu.ops import dump_tree, restore_tree
 from snapctl.criu.stats import DumpStats
 from snapctl.images import Manifest, stage_shm_copy, verify_image
 from snapctl.images.identity.models import Difference, Identity
+from snapctl.images.identity.tree import FileView
 from snapctl.namespaces.devices import dev_fstype
 from snapctl.namespaces.layout import EXTERNAL_MOUNT_KEYS, ActivationDirs
 from snapctl.namespaces.netns import NetnsConnector, Publisher
@@ -129,10 +130,10 @@ class ImageChecks(Protocol):
         server_env: Mapping[str, str], state: StateDir,
     ) -> Identity: ...  # fmt: skip
 
-    # ``root``: where the files the copy will read are (a container's root; None: ``/``).
+    # ``view``: where the files the copy will read are (a container's; None: ``/``).
     def check_identity(
         self, manifest: Manifest, image: Path, *, criu_version: str, options: LaunchOptions,
-        state: StateDir, root: Path | None = None,
+        state: StateDir, view: FileView | None = None,
     ) -> list[Difference]: ...  # fmt: skip
 
 
@@ -256,10 +257,10 @@ class RealImageChecks:
 
     def check_identity(
         self, manifest: Manifest, image: Path, *, criu_version: str, options: LaunchOptions,
-        state: StateDir, root: Path | None = None,
+        state: StateDir, view: FileView | None = None,
     ) -> list[Difference]:  # fmt: skip
         return gate.check_identity(
-            manifest, image, criu_version=criu_version, options=options, state=state, root=root
+            manifest, image, criu_version=criu_version, options=options, state=state, view=view
         )
 
 

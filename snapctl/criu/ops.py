@@ -24,7 +24,8 @@ INVENTORY = "inventory.img"
 
 # Options shared by dump and restore: the tree's loopback TCP connection (a TCPStore-like
 # peer) and Unix sockets, glibc named semaphores (link remaps), file locks; no iptables
-# network lock (not installed, and the tree has its own netns).
+# network lock (not installed, and the tree's connections are its own, on the loopback of its
+# own netns or of the container it is restored into).
 TREE_OPTIONS: tuple[str, ...] = (
     "--tcp-established",
     "--ext-unix-sk",

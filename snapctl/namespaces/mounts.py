@@ -18,12 +18,16 @@ MS_REMOUNT = 0x20
 MS_BIND = 0x1000
 MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
+CLONE_NEWNS = 0x00020000
 MNT_DETACH = 2
 # open_tree(2) and move_mount(2) (x86_64 and every other architecture since Linux 5.2).
 SYS_OPEN_TREE = 428
 SYS_MOVE_MOUNT = 429
 # openat2(2) (every architecture since Linux 5.6).
 SYS_OPENAT2 = 437
+# mount_setattr(2) (every architecture since Linux 5.12).
+SYS_MOUNT_SETATTR = 442
+MOUNT_ATTR_RDONLY = 0x1
 AT_FDCWD = -100
 AT_SYMLINK_NOFOLLOW = 0x100
 AT_EMPTY_PATH = 0x1000
@@ -36,6 +40,11 @@ RESOLVE_NO_SYMLINKS = 0x04
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
                 ("resolve", ctypes.c_uint64)]  # fmt: skip
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -58,6 +67,25 @@ def mount(source: str, target: str | Path, fstype: str | None, flags: int, data:
         ),
         f"mount {source} on {target}",
     )
+
+
+def make_read_only(target: str | Path) -> None:
+    """Make the mount at ``target`` read-only, its other attributes as they are."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY, 0, 0, 0)
+    _check(
+        _libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, str(target).encode(), 0, ctypes.byref(attr),
+                      ctypes.sizeof(attr)),
+        f"mount_setattr {target} read-only",
+    )  # fmt: skip
+
+
+def join_mount_namespace(pid: int | str) -> None:
+    """Move this process, which must have one thread, into ``pid``'s mount namespace."""
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _check(_libc.setns(fd, CLONE_NEWNS), f"setns into process {pid}'s mount namespace")
+    finally:
+        os.close(fd)
 
 
 def umount(target: str | Path, detach: bool = False) -> None:
@@ -134,8 +162,9 @@ def make_private_recursive(target: str = "/") -> None:
     mount("none", target, None, MS_REC | MS_PRIVATE)
 
 
-def _unescape_mount(field: str) -> str:
-    # /proc/*/mounts and mountinfo escape space, tab, newline and backslash as octal (\040).
+def unescape_mount_field(field: str) -> str:
+    """A path field of /proc/*/mounts or mountinfo, which escape space, tab, newline and
+    backslash as octal (``\\040``), decoded."""
     return re.sub(r"\\([0-7]{3})", lambda match: chr(int(match.group(1), 8)), field)
 
 
@@ -145,7 +174,7 @@ def mountinfo_entries(pid: int | str = "self") -> list[tuple[str, str, str]]:
     for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines():
         fields = line.split()
         separator = fields.index("-")  # optional fields end here; type and source follow
-        point = _unescape_mount(fields[4])
+        point = unescape_mount_field(fields[4])
         entries.append((point, fields[separator + 1], fields[separator + 2]))
     return entries
 
@@ -161,7 +190,9 @@ def mount_lines(mounts_text: str) -> list[tuple[str, str, str]]:
     for line in mounts_text.splitlines():
         fields = line.split()
         if len(fields) >= 3:
-            entries.append((_unescape_mount(fields[1]), fields[2], _unescape_mount(fields[0])))
+            entries.append(
+                (unescape_mount_field(fields[1]), fields[2], unescape_mount_field(fields[0]))
+            )
     return entries
 
 

@@ -6,6 +6,7 @@ command CRIU runs in."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from snapctl.activation.container import (
 from snapctl.criu import CriuBinary
 from snapctl.criu.external import host_key
 from snapctl.errors import ExitStatus
-from snapctl.supervision.process import ProcessGoneError
+from snapctl.supervision.process import ProcessGoneError, start_time
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,12 +54,14 @@ def fake_proc(
         "94 64 0:45 / / rw - overlay overlay rw\n"
         "95 94 254:1 /vol /models ro - ext4 /dev/vdb rw\n"
         "96 94 0:99 / /elsewhere rw - tmpfs tmpfs rw\n"
+        "97 94 254:1 /vol2 /data rw - ext4 /dev/vdb rw\n"
     )
     host = "27 1 254:0 / / rw - ext4 /dev/vda rw\n"
     host += f"28 27 254:1 / {tmp_path / 'disk'} rw - ext4 /dev/vdb rw\n"
     if root_visible:
         host += f"62 27 0:45 / {root} rw - overlay overlay rw\n"
     (proc / "self" / "mountinfo").write_text(host)
+    (proc / str(PID) / "root").symlink_to(root)  # what the container sees at "/"
     (proc / str(PID) / "cgroup").write_text(
         f"4:memory:{CONTAINER_CGROUP}\n1:cpu:{CONTAINER_CGROUP}\n8:pids:{CONTAINER_CGROUP}\n"
         f"0::{CONTAINER_CGROUP}\n"
@@ -81,11 +84,11 @@ def test_a_running_container_by_name_or_by_its_first_process(tmp_path: Path) -> 
     by_name = resolve_container("placeholder-1", inspect=inspect, proc=proc)
     assert asked == ["placeholder-1"]
     assert by_name.pid == PID and by_name.level == 1 and by_name.root == tmp_path / "merged"
-    assert by_name.host_path("/etc/hosts") == tmp_path / "merged" / "etc" / "hosts"
-    assert by_name.host_path("/models/m/w.bin") == tmp_path / "disk" / "vol" / "m" / "w.bin"
-    assert by_name.host_path("/models") == tmp_path / "disk" / "vol"
+    assert by_name.host_path("/etc/hosts") == (tmp_path / "merged" / "etc" / "hosts", True, False)
+    volume = tmp_path / "disk" / "vol"
+    assert by_name.host_path("/models/m/w.bin") == (volume / "m" / "w.bin", False, True)
+    assert by_name.host_path("/models") == (volume, False, True)  # read-only in the container
     assert by_name.host_path("/elsewhere/x") is None  # no mount of it here
-    assert by_name.files == proc / str(PID) / "root"  # the gate reads volumes too
     by_pid = resolve_container(str(PID), inspect=inspect, proc=proc)
     assert asked == ["placeholder-1"] and by_pid.root == by_name.root  # no lookup for a PID
 
@@ -189,10 +192,18 @@ def test_the_pid_criu_writes_is_translated_to_the_hosts(tmp_path: Path) -> None:
         box.host_pid(99)
 
 
+def volume(box: Container, tmp_path: Path) -> Path:
+    """The container's volume at /models (a directory of the host's second disk), with the
+    directory ``m`` in it, as the container sees it too."""
+    (tmp_path / "disk" / "vol" / "m").mkdir(parents=True)
+    (box.root / "models").symlink_to(tmp_path / "disk" / "vol")
+    return tmp_path / "disk" / "vol"
+
+
 def test_the_images_host_mounts_are_the_containers_files(tmp_path: Path) -> None:
     box = container(tmp_path)
     (box.root / "opt" / "m").mkdir(parents=True)
-    (tmp_path / "disk" / "vol" / "m").mkdir(parents=True)
+    volume(box, tmp_path)
     work = tmp_path / "work"
     mounts = {"control": "/run/snapctl/control", host_key("/opt/m"): "/opt/m",
               host_key("/models/m"): "/models/m"}  # fmt: skip
@@ -205,6 +216,13 @@ def test_the_images_host_mounts_are_the_containers_files(tmp_path: Path) -> None
         box.mount_sources({host_key("/srv/none"): "/srv/none"}, work)
     with pytest.raises(ContainerError, match="does not hold"):
         box.mount_sources({host_key("/elsewhere/x"): "/elsewhere/x"}, work)
+    # The host's path is not what the container sees there (another mount covers one).
+    (tmp_path / "disk" / "vol2" / "x").mkdir(parents=True)
+    (box.root / "data" / "x").mkdir(parents=True)
+    with pytest.raises(ContainerError, match="does not hold"):
+        box.mount_sources({host_key("/data/x"): "/data/x"}, work)
+    assert box.file_view(mounts).mounts == {"/models/m": tmp_path / "disk" / "vol" / "m"}
+    assert box.file_view(mounts).root == box.root
     (box.root / "link").symlink_to(box.root / "opt")
     with pytest.raises(ContainerError, match="does not hold"):
         box.mount_sources({host_key("/link"): "/link"}, work)
@@ -212,34 +230,39 @@ def test_the_images_host_mounts_are_the_containers_files(tmp_path: Path) -> None
 
 def test_criu_runs_in_the_containers_pid_namespace_with_its_root_bound(tmp_path: Path) -> None:
     box = container(tmp_path)
-    (tmp_path / "disk" / "vol" / "m").mkdir(parents=True)
+    volume(box, tmp_path)
     criu = CriuBinary(path=Path("/opt/criu"), version="4.2", source="option")
     work = tmp_path / "work"
     work.mkdir()
     argv = box.criu(criu, work, {host_key("/models/m"): "/models/m"}).argv
     assert argv[argv.index("--target") + 1] == str(PID) and "--pid" in argv
-    # Two binds: the root, then the volume, each onto its target below the work dir.
-    assert "--mount" in argv and argv[-6:] == (
-        "2", str(box.root), str(work / "container-root"),
-        str(tmp_path / "disk" / "vol" / "m"), str(work / "container-volumes" / "0"), "/opt/criu",
+    # Two binds: the root, then the volume (read-only, as the container has it), each onto
+    # its target below the work dir.
+    assert "--mount" in argv and argv[-8:] == (
+        "2", str(box.root), str(work / "container-root"), "rw",
+        str(tmp_path / "disk" / "vol" / "m"), str(work / "container-volumes" / "0"), "ro",
+        "/opt/criu",
     )  # fmt: skip
     assert (work / "container-root").is_dir() and (work / "container-volumes" / "0").is_dir()
 
 
 def test_the_identity_gate_hashes_the_containers_files(tmp_path: Path) -> None:
-    from snapctl.images.identity.tree import hash_files
+    from snapctl.images.identity.tree import FileView, hash_files
 
     root = tmp_path / "merged"
     (root / "lib").mkdir(parents=True)
     (root / "lib" / "x.so").write_bytes(b"in the container")
     (tmp_path / "cache").mkdir()
-    [record] = hash_files(["/lib/x.so"], tmp_path / "cache", root=root)
+    [record] = hash_files(["/lib/x.so"], tmp_path / "cache", view=FileView(root))
     assert record.path == "/lib/x.so" and record.size == len(b"in the container")
-    again = hash_files(["/lib/x.so"], tmp_path / "cache", root=root)  # from the cache
+    again = hash_files(["/lib/x.so"], tmp_path / "cache", view=FileView(root))  # from the cache
     assert again == [record]
     (root / "lib" / "x.so").write_bytes(b"changed in the container")
-    assert hash_files(["/lib/x.so"], tmp_path / "cache", root=root)[0].sha256 != record.sha256
-    assert hash_files(["/lib/x.so"], None, root=tmp_path / "elsewhere") == []
+    assert (
+        hash_files(["/lib/x.so"], tmp_path / "cache", view=FileView(root))[0].sha256
+        != record.sha256
+    )
+    assert hash_files(["/lib/x.so"], None, view=FileView(tmp_path / "elsewhere")) == []
 
 
 def test_criu_joins_the_containers_network_namespace_as_its_proc_names_it(
@@ -256,24 +279,39 @@ def test_criu_joins_the_containers_network_namespace_as_its_proc_names_it(
     assert "--join-ns" not in restore_args(Path("/w"), Path("/w/root.pid"), {}, lazy=False)
 
 
-def test_the_images_extra_loopback_addresses_must_be_on_the_containers_network(
+def test_the_containers_network_must_have_the_images_addresses_and_a_free_port(
     tmp_path: Path,
 ) -> None:
+    from snapctl.namespaces.publish import PortInUseError
+
     # The container's first process is this test's own: its network is this host's.
     box = container(tmp_path)
-    box.require_addresses(["127.0.0.1"])
-    box.require_addresses([])
+    assert box.claim_network(["127.0.0.1"], ("127.0.0.1", 18555)) == ("127.0.0.1", 18555)
+    address, port = box.claim_network([], ("127.0.0.1", 0))  # any port free there now
+    assert address == "127.0.0.1" and port > 0
     with pytest.raises(ContainerError, match=r"198\.51\.100\.7.*ip address add ADDR dev lo"):
-        box.require_addresses(["127.0.0.1", "198.51.100.7"])
+        box.claim_network(["127.0.0.1", "198.51.100.7"], ("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        busy = taken.getsockname()[1]
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{busy} is in use on container box"):
+            box.claim_network([], ("127.0.0.1", busy))
 
 
-def test_publish_port_0_in_a_container_is_a_port_free_there_now() -> None:
-    from snapctl.activation.core import chosen_port
-    from snapctl.namespaces.netns import NetnsConnector
+def test_a_container_that_hosts_a_running_copy_is_refused(tmp_path: Path) -> None:
+    from snapctl.statedir.records import ActivationRecord
 
-    with NetnsConnector(os.getpid()) as there:
-        assert chosen_port(there, ("127.0.0.1", 18555)) == ("127.0.0.1", 18555)
-        address, port = chosen_port(there, ("127.0.0.1", 0))
-        assert address == "127.0.0.1" and port > 0
-        with there.listen(address, port):  # free: it can be bound
-            pass
+    box = container(tmp_path)
+    me = os.getpid()
+
+    def record(container_pid: int | None) -> ActivationRecord:
+        return ActivationRecord(
+            name="first", activation_id="copy-1", kind="copy", image=None, root_pid=me,
+            root_start_time=start_time(me), supervisor_pid=me,
+            supervisor_start_time=start_time(me), activation_dir="/a", logs_dir="/l", host=None,
+            port=8000, published=None, created="now",
+            container_pid=container_pid,
+        )  # fmt: skip
+
+    box.require_no_copy([record(None), record(PID + 1)])  # copies elsewhere
+    with pytest.raises(ContainerError, match=r"already hosts copy first.*snapctl stop first"):
+        box.require_no_copy([record(PID)])

@@ -100,6 +100,10 @@ def test_a_copy_restored_into_a_placeholder_serves_there_and_ends_with_it(
                     if "memory" in line.split(":")[1].split(","))  # fmt: skip
         assert line.split(":", 2)[2].startswith(memory + "/"), (pid, line, memory)
     assert names(state) == ["in-box"]
+    # A container hosts one copy: a second one is refused before CRIU runs.
+    second = copy_into(state, image, "second", box.name, 18212)
+    assert second.returncode == 7 and "already hosts copy in-box" in second.stderr, second.stderr
+    assert names(state) == ["in-box"]
 
     # snapctl stop ends the copy; the container keeps running.
     stopped = json.loads(cli(state, "--no-agent", "stop", "in-box", "--json").stdout)
@@ -184,6 +188,11 @@ def test_a_host_mount_of_the_image_comes_from_the_containers_volume(
         copied = json.loads(done.stdout)
         seen = Path(f"/proc/{copied['root_pid']}/root") / str(driver).lstrip("/") / "marker"
         assert seen.read_text() == "pod's volume\n"
+        # Read-only in the copy too, as the container has it.
+        options = next(line.split()[5] for line in
+                       Path(f"/proc/{copied['root_pid']}/mountinfo").read_text().splitlines()
+                       if line.split()[4] == str(driver))  # fmt: skip
+        assert "ro" in options.split(","), options
         stopped = json.loads(cli(state, "--no-agent", "stop", "model-in-box", "--json").stdout)
         assert not any(stopped["audit"].values()), stopped
     finally:

@@ -54,7 +54,8 @@ def busy_port() -> Iterator[int]:
 
 def request_fields(image: Path, **changes: Any) -> dict[str, Any]:
     fields: dict[str, Any] = {"image": str(image), "allow_mismatch": (), "name": None,
-                              "count": 1, "publish": None, "expose": False}  # fmt: skip
+                              "count": 1, "publish": None, "expose": False,
+                              "into_container": None}  # fmt: skip
     fields.update(changes)
     return fields
 
@@ -65,6 +66,7 @@ def as_request(fields: dict[str, Any]) -> CopyRequest:
         image=fields["image"], allow_mismatch=tuple(fields["allow_mismatch"]),
         name=fields["name"], count=fields["count"], expose=fields["expose"],
         publish=None if publish is None else {"address": publish[0], "port": publish[1]},
+        into_container=fields["into_container"],
     )  # fmt: skip
 
 
@@ -78,6 +80,8 @@ def as_argv(fields: dict[str, Any]) -> list[str]:
         argv += ["--publish", f"{fields['publish'][0]}:{fields['publish'][1]}"]
     if fields["expose"]:
         argv.append("--expose")
+    if fields["into_container"] is not None:
+        argv += ["--into-container", fields["into_container"]]
     return argv
 
 
@@ -92,6 +96,8 @@ USAGE_CASES = [
      "2 copies from port 65535 need ports up to 65536, past 65535; give a lower first port"),
     ({"expose": True, "image": "/nowhere"}, "",
      "--expose only widens --publish; give --publish ADDR:PORT"),
+    ({"count": 2, "into_container": "placeholder"}, "'--count' with '--into-container'",
+     "--count 2 with --into-container: a container hosts one copy"),
 ]  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from snapctl.images.identity.compare import (
 )
 from snapctl.images.identity.host import current_identity, hashed_env
 from snapctl.images.identity.models import FileRecord
-from snapctl.images.identity.tree import hash_files, tree_files
+from snapctl.images.identity.tree import FileView, hash_files, tree_files
 from tests.images.factories import SALT, make_identity
 
 HOLDER = """
@@ -219,12 +220,30 @@ def test_a_container_s_files_are_read_inside_its_root_whatever_its_links_say(
     (root / "lib" / "to-the-host-only").symlink_to("/etc/hostname")
     own = hashlib.sha256(b"the container's own\n").hexdigest()
     records = hash_files(["/lib/absolute", "/lib/climbing", "/lib/to-the-host-only"], None,
-                         root=root)  # fmt: skip
+                         view=FileView(root))  # fmt: skip
     assert [(r.path, r.sha256) for r in records] == [
         ("/lib/absolute", own), ("/lib/climbing", own),
     ]  # fmt: skip
     # On the host the same paths are the host's.
     assert Path("/etc/hostname").exists()
+
+
+def test_a_volume_of_the_view_is_read_from_its_own_directory(tmp_path: Path) -> None:
+    root, volume = tmp_path / "container", tmp_path / "volume"
+    (root / "models").mkdir(parents=True)
+    (root / "models" / "w.bin").write_bytes(b"the empty mount point's")
+    (volume / "m").mkdir(parents=True)
+    (volume / "m" / "w.bin").write_bytes(b"the volume's")
+    (volume / "m" / "up").symlink_to("../../container/models/w.bin")  # stays in the volume
+    (tmp_path / "single").write_bytes(b"a file volume")
+    view = FileView(root, {"/models": volume, "/etc/one": tmp_path / "single"})
+    records = hash_files(["/models/m/w.bin", "/models/w.bin", "/models/m/up", "/etc/one"],
+                         None, view=view)  # fmt: skip
+    digest = {r.path: r.sha256 for r in records}
+    assert digest == {
+        "/models/m/w.bin": hashlib.sha256(b"the volume's").hexdigest(),
+        "/etc/one": hashlib.sha256(b"a file volume").hexdigest(),
+    }
 
 
 def test_a_fifo_or_a_device_at_a_recorded_path_is_left_out_unopened(tmp_path: Path) -> None:
@@ -233,7 +252,7 @@ def test_a_fifo_or_a_device_at_a_recorded_path_is_left_out_unopened(tmp_path: Pa
     os.mkfifo(root / "lib" / "fifo")  # its open would wait for a writer
     (root / "lib" / "null").symlink_to("/dev/null")  # in the root: none there
     (root / "lib" / "file").write_bytes(b"x")
-    found = hash_files(["/lib/fifo", "/lib/null", "/lib/file"], None, root=root)
+    found = hash_files(["/lib/fifo", "/lib/null", "/lib/file"], None, view=FileView(root))
     assert [record.path for record in found] == ["/lib/file"]
     os.mkfifo(tmp_path / "host-fifo")
     assert hash_files([str(tmp_path / "host-fifo")], None) == []

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from snapctl.images.identity.models import Identity
-from snapctl.images.identity.tree import hash_files
+from snapctl.images.identity.tree import FileView, hash_files
 
 # Variables that differ between two shells of one host without changing what a server does;
 # recording them would refuse every copy started from another terminal or test.
@@ -114,13 +114,13 @@ def current_identity(
     files: Iterable[str],
     cache_dir: Path | None,
     env_salt: str | None = None,
-    root: Path | None = None,
+    view: FileView | None = None,
 ) -> Identity:
     """This host's identity; ``files`` are hashed here (in parallel, cached by stat).
 
     At capture ``files`` are those the tree had mapped or open and ``env_salt`` is new; at
     restore both come from the recorded identity, so the records compare field by field.
-    ``root``: where ``files`` are read (a container's root; None: this host's ``/``).
+    ``view``: where ``files`` are read (a container's files; None: this host's ``/``).
     """
     vendor, model, flags = _cpuinfo()
     salt = env_salt if env_salt is not None else secrets.token_hex(16)
@@ -137,5 +137,5 @@ def current_identity(
         argv=list(argv),
         env_salt=salt,
         env=hashed_env(env, salt),
-        files=hash_files(sorted(set(files)), cache_dir, root=root),
+        files=hash_files(sorted(set(files)), cache_dir, view=view),
     )

@@ -9,8 +9,9 @@ import hashlib
 import os
 import posixpath
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from snapctl.images.filecache import FileCache, stat_key
@@ -102,16 +103,36 @@ def open_in_root(root_fd: int, path: str) -> int:
     return fd
 
 
-class _Files:
-    """Where the paths are read: on this host, or (``root_fd``) inside a container's root.
-    Only regular files are read: a FIFO or a device at a recorded path is found with
-    ``O_PATH`` (which opens nothing) and left out, never opened (a FIFO's open would wait for
-    a writer for ever)."""
+@dataclass(frozen=True)
+class FileView:
+    """Where a copy's files are read instead of this host's ``/``: below ``root`` (a
+    container's root filesystem as this host mounts it), except each path of ``mounts``, read
+    from the directory or file given there (a volume of the container, as this host mounts
+    it): what the copy's tree will see."""
 
-    def __init__(self, root_fd: int | None = None) -> None:
+    root: Path
+    mounts: Mapping[str, Path] = field(default_factory=dict)
+
+
+class _Files:
+    """Where the paths are read: on this host, or (``root_fd``) inside a container's root and
+    (``mount_fds``: its mount point, deepest first, and a descriptor) its volumes. Only
+    regular files are read: a FIFO or a device at a recorded path is found with ``O_PATH``
+    (which opens nothing) and left out, never opened (a FIFO's open would wait for a writer
+    for ever)."""
+
+    def __init__(
+        self, root_fd: int | None = None, mount_fds: Sequence[tuple[str, int]] = ()
+    ) -> None:
         self.root_fd = root_fd
+        self.mount_fds = mount_fds
 
     def _find(self, path: str) -> int:
+        for point, fd in self.mount_fds:
+            if path == point:
+                return os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+            if path.startswith(point.rstrip("/") + "/"):
+                return open_in_root(fd, path[len(point.rstrip("/")) :])
         if self.root_fd is None:
             return os.open(path, os.O_PATH | os.O_CLOEXEC)
         return open_in_root(self.root_fd, path)
@@ -169,22 +190,27 @@ def _hash_one(path: str, cache: FileCache | None, files: _Files) -> FileRecord |
 
 
 def hash_files(
-    paths: list[str], cache_dir: Path | None, *, root: Path | None = None
+    paths: list[str], cache_dir: Path | None, *, view: FileView | None = None
 ) -> list[FileRecord]:
     """Size and sha256 of each path that exists (missing ones are left out), in parallel;
     cached in ``cache_dir`` by path and stat key (see :mod:`snapctl.images.filecache`).
-    ``root``: each path is read inside it (a container's root: :func:`open_in_root`), and
-    recorded as given."""
-    if root is None:
+    ``view``: each path is read there (a container's files: :func:`open_in_root` below its
+    root or volume), and recorded as given."""
+    if view is None:
         return _hash_files(paths, cache_dir, _Files())
+    opened: list[int] = []
     try:
-        root_fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return []  # no root: every file missing
-    try:
-        return _hash_files(paths, cache_dir, _Files(root_fd))
+        for where in (view.root, *view.mounts.values()):
+            try:
+                opened.append(os.open(where, os.O_PATH | os.O_CLOEXEC))
+            except OSError:
+                return []  # no root or volume: every file missing
+        points = list(view.mounts)
+        deepest = sorted(zip(points, opened[1:], strict=True), key=lambda e: -len(e[0]))
+        return _hash_files(paths, cache_dir, _Files(opened[0], deepest))
     finally:
-        os.close(root_fd)
+        for fd in opened:
+            os.close(fd)
 
 
 def _hash_files(paths: list[str], cache_dir: Path | None, files: _Files) -> list[FileRecord]:
