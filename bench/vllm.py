@@ -220,21 +220,35 @@ def _donor(
 def copy_once(
     python: Path, model: Path, image: Path, criu: CriuBinary, state: StateDir, lazy: bool,
     reference: Answer, results: VllmResults, say: Say, kind: str | None = None,
+    container: tuple[str, int] | None = None,
 ) -> None:  # fmt: skip
+    """One copy to its first correct completion, recorded under ``kind``; ``container``: the
+    name and first process of a placeholder to restore it into, asked on its network."""
     marks: list[tuple[str, float]] = []
+    options = launch_options(python, model)
+    if container is not None:
+        options.into_container = container[0]
     started = time.monotonic()
     session, report = start_copy(
-        image, launch_options(python, model), criu=criu, native=NoNativeStep(),
-        publish=("127.0.0.1", 0), state=state,
+        image, options, criu=criu, native=NoNativeStep(), publish=("127.0.0.1", 0), state=state,
         progress=lambda step: marks.append((step, time.monotonic())), lazy=lazy,
     )  # fmt: skip
+
+    def ask(port: int) -> Answer:
+        def work() -> Answer:
+            return first_correct(port, model, reference, lambda: True)
+
+        return work() if container is None else workload.in_netns(container[1], work)
+
     try:
         assert report.published is not None
         returned = time.monotonic() - started
         port = int(report.published.rsplit(":", 1)[1])
-        first_correct(port, model, reference, lambda: True)
+        ask(port)
         ready = time.monotonic() - started
-        again = _again(port, model, reference)
+        asked = time.monotonic()
+        ask(port)
+        again = time.monotonic() - asked
         if session.lazy is not None:
             session.lazy.wait(TIMEOUT_S)  # let the transfer end before the next contender
     finally:
