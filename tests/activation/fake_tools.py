@@ -90,6 +90,8 @@ class FakeCriu:
         self, criu: CriuBinary, view: Path, work_dir: Path, logs: Path, pidfile: Path, *,
         external_dirs: Mapping[str, Path], timeout_s: float,
         on_daemon_ready: Callable[[LazyPagesDaemon], None], hold_transfer: bool,
+        restore_criu: CriuBinary | None = None, root: Path | None = None,
+        netns: str | None = None,
     ) -> None:  # fmt: skip
         raise NotImplementedError("lazy restores are tested with CRIU")
 
