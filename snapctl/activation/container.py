@@ -11,10 +11,12 @@ What the copy shares with the container, and how:
   writes the tree's PID as the container counts it: :meth:`Container.host_pid` translates.
 - **Files.** The tree's root is the container's root (CRIU's ``--root``: the host's mount of
   it, bound where CRIU's private ``/run`` does not hide it), so it reads the container's files;
-  the identity gate hashes them as the container sees them, volumes included
-  (:attr:`Container.files`). Each mount the image recorded as external (a model's own disk)
-  comes from the container's mount at that path: its root, or the volume there, found through
-  the host's mount of the same filesystem (:meth:`Container.host_path`) and bound the same way.
+  the identity gate hashes them as the tree will see them (:meth:`Container.file_view`). Each
+  mount the image recorded as external (a model's own disk) comes from the container's mount
+  at that path: its root, or the volume there, found through the host's mount of the same
+  filesystem (:meth:`Container.host_path`) and bound the same way. What the container has
+  read-only is made read-only in the tree once CRIU restored it (:meth:`Container.keep_read_only`).
+- **One copy.** A container hosts one copy at a time (:meth:`Container.hold`).
 - **cgroup.** The copy's cgroup is made below the container's (cgroup v1), or beside it below
   its parent (cgroup v2, where a cgroup holding processes cannot hand controllers down: a
   pod's cgroup on Kubernetes), and CRIU enters it before it forks the tree.
@@ -36,6 +38,7 @@ capabilities it needs.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import ipaddress
 import json
 import os
@@ -56,7 +59,6 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images.identity.tree import FileView
 from snapctl.namespaces.mounts import unescape_mount_field
 from snapctl.phases import HostPhase
-from snapctl.statedir.records import ActivationRecord
 from snapctl.supervision.process import (
     ProcessGoneError,
     is_same_process,
@@ -79,6 +81,8 @@ ENTER_SCRIPT = (
     'mount -o remount,bind,ro "$2" || exit 125; fi; shift 3; n=$((n-1)); done; exec "$@"'
 )
 ROOT_BIND = "container-root"
+# Where a container is held for the copy it hosts (a tmpfs: nothing outlives a reboot).
+LOCK_DIR = Path("/run/lock/snapctl")
 VOLUME_BINDS = "container-volumes"
 
 
@@ -89,6 +93,19 @@ class Located(NamedTuple):
     path: Path
     on_root: bool
     read_only: bool
+
+
+class ContainerHold:
+    """An open descriptor on a container's lock file carrying a ``flock``: the one copy the
+    container hosts (:meth:`Container.hold`)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
 
 
 class ContainerError(SnapctlError):
@@ -353,46 +370,60 @@ class Container:
                 phase=HostPhase.RESTORE, pid=self.pid,
             ) from error  # fmt: skip
 
-    def keep_read_only(self, tree_pid: int, external_mounts: Mapping[str, str]) -> None:
-        """Make read-only in the restored tree whatever of it the container has read-only:
-        its root, and the volumes the image's ``host:`` mounts come from. CRIU restores each
-        mount with the donor's flags, so a pod's read-only model volume would otherwise be
-        writable to the copy, and the host's directory behind it too."""
+    def read_only_points(self, external_mounts: Mapping[str, str]) -> list[str]:
+        """The mounts of a tree restored here that :meth:`keep_read_only` makes read-only."""
         points = [
             external_mounts[key]
             for key, (_, located) in self._host_mounts(external_mounts).items()
-            if located.read_only and not located.on_root
+            if located.read_only
         ]
         root = _covering_mount(_mount_entries(self.mountinfo), "/")
         if root is not None and "ro" in root[3].split(","):
             points.insert(0, "/")
+        return points
+
+    def keep_read_only(self, tree_pid: int, external_mounts: Mapping[str, str]) -> None:
+        """Make read-only in the restored tree whatever of it the container has read-only:
+        its root, and the image's ``host:`` mounts that come from a read-only mount of the
+        container (its root's, or a volume's). CRIU restores each mount with the donor's
+        flags, so a pod's read-only model volume would otherwise be writable to the copy, and
+        the host's directory behind it too. OSError (a timeout too) where that fails."""
+        points = self.read_only_points(external_mounts)
         if not points:
             return
+        # -P, and from /: nothing of the caller's working directory is importable.
         done = subprocess.run(
-            [sys.executable, "-m", "snapctl.namespaces.readonly", str(tree_pid), *points],
-            capture_output=True, text=True, timeout=INSPECT_TIMEOUT_S, check=False,
+            [sys.executable, "-P", "-m", "snapctl.namespaces.readonly", str(tree_pid), *points],
+            capture_output=True, text=True, timeout=INSPECT_TIMEOUT_S, check=False, cwd="/",
         )  # fmt: skip
         if done.returncode != 0:
-            raise ContainerError(
+            raise OSError(
                 f"cannot keep {', '.join(points)} read-only in the copy, as container "
-                f"{self.reference} has them: {done.stderr.strip() or done.returncode}",
-                phase=HostPhase.RESTORE, pid=tree_pid,
-            )  # fmt: skip
+                f"{self.reference} has them: {done.stderr.strip() or done.returncode}"
+            )
 
-    def require_no_copy(self, records: list[ActivationRecord]) -> None:
-        """Refuse a container that already hosts a running copy: copies in one container
-        would share its network, where what each brings back (its loopback connections, its
-        server's port) is the same."""
-        for record in records:
-            if record.container_pid == self.pid and is_same_process(
-                record.root_pid, record.root_start_time
-            ):
-                raise ContainerError(
-                    f"container {self.reference} already hosts copy {record.name} (a "
-                    "container hosts one copy: copies would share its network; stop it first: "
-                    f"snapctl stop {record.name})",
-                    phase=HostPhase.RESTORE, pid=self.pid,
-                )  # fmt: skip
+    def hold(self, lock_dir: Path = LOCK_DIR) -> ContainerHold:
+        """Hold the container for one copy, until :meth:`ContainerHold.release` (the copy's
+        session releases it when it stops); refused while another copy holds it, however far
+        that one got: copies in one container would share its network, where what each brings
+        back (its loopback connections, its server's port) is the same."""
+        lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path = lock_dir / f"container-{self.pid}-{self.start_time:.2f}.lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as error:
+            os.close(fd)
+            raise ContainerError(
+                f"container {self.reference} already hosts a copy, or one is being restored "
+                "into it (a container hosts one copy: copies would share its network; stop "
+                "that one first: snapctl ps lists it)",
+                phase=HostPhase.RESTORE, pid=self.pid,
+            ) from error  # fmt: skip
+        except BaseException:
+            os.close(fd)
+            raise
+        return ContainerHold(fd)
 
     def host_pid(self, inside: int) -> int:
         """The host's PID of the process the container's PID namespace numbers ``inside``

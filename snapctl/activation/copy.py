@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.container import Container, resolve_container
+from snapctl.activation.container import Container, ContainerHold, resolve_container
 from snapctl.activation.core import (
     ActivationReport,
     activate_and_probe,
@@ -39,7 +39,7 @@ from snapctl.activation.tools import REAL_TOOLS, Tools
 from snapctl.criu import CriuBinary
 from snapctl.errors import SnapctlError
 from snapctl.images import ImageError, Manifest
-from snapctl.images.lock import hold_image
+from snapctl.images.lock import ImageHold, hold_image
 from snapctl.logtail import log_tail
 from snapctl.phases import HostPhase
 from snapctl.progress import Progress
@@ -99,35 +99,40 @@ def restore_copy(
     ``reservation``, taken by the caller, is used and owned from here on).
     """
     state.ensure()
-    container = None
+    container = container_hold = None
     if options.into_container is not None:
         try:
             # Before anything is reserved or started: a container that cannot host the copy
-            # is refused here, with the fix.
+            # (or hosts one already) is refused here, with the fix.
             container = resolve_container(options.into_container)
+            container_hold = container.hold()
         except BaseException:
             if reservation is not None:
                 reservation.release()
             raise
     if reservation is None:
-        reservation = reserve_session_name(state, "copy", options.name)
+        try:
+            reservation = reserve_session_name(state, "copy", options.name)
+        except BaseException:
+            if container_hold is not None:
+                container_hold.release()
+            raise
     timings: dict[str, float] = {}
     image = image.absolute()
     # Shared: another copy may read it too, but no rm/replace while we depend on it.
     try:
         hold = hold_image(image)
     except (FileNotFoundError, NotADirectoryError) as error:
-        reservation.release()
+        _release(reservation, container_hold)
         message = f"{image} is not a published image ({error.strerror})"
         raise ImageError(message, path=image) from error
     except BaseException:
-        reservation.release()
+        _release(reservation, container_hold)
         raise
     try:
         manifest = _check_image(image, options, criu, state, timings, progress, tools,
                                 container=container)  # fmt: skip
         if container is not None:
-            container.require_no_copy(state.load_records())
             # On the container's network the server listens where it is published.
             host, port = container.claim_network(
                 manifest.lo_addresses, publish or (options.host, options.port)
@@ -135,12 +140,11 @@ def restore_copy(
             options = replace(options, host=host, port=port)
         tools.sandbox.adopt_restored_trees()
     except BaseException:
-        hold.release()
-        reservation.release()
+        _release(hold, reservation, container_hold)
         raise
     session = new_session(
         state, "copy", options.name, reservation, options=options, image=image, image_hold=hold,
-        container=container, tools=tools,
+        container=container, container_hold=container_hold, tools=tools,
     )  # fmt: skip
     try:
         restore_tree(
@@ -170,6 +174,12 @@ def restore_copy(
                 pin_restored(session)
         session.stop_failed_start(error)
         raise
+
+
+def _release(*holds: ImageHold | NameReservation | ContainerHold | None) -> None:
+    for each in holds:
+        if each is not None:
+            each.release()
 
 
 def activate_copy(

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.container import Container
+from snapctl.activation.container import Container, ContainerHold
 from snapctl.activation.launch import LaunchOptions
 from snapctl.activation.session import Session
 from snapctl.activation.states import SessionState
@@ -77,6 +77,7 @@ def new_session(
     image: Path | None = None,
     image_hold: ImageHold | None = None,
     container: Container | None = None,
+    container_hold: ContainerHold | None = None,
     tools: Tools = REAL_TOOLS,
 ) -> Session:
     """A session with fresh directories, under ``reservation`` (taken here when None), for a
@@ -93,7 +94,7 @@ def new_session(
     session = Session(
         name=reservation.name, activation_id=activation_id, kind=kind, dirs=dirs,
         state_dir=state, reservation=reservation, image=image, image_hold=image_hold,
-        container=container,
+        container=container, container_hold=container_hold,
     )  # fmt: skip
     if options is not None:
         session.host, session.port = options.host, options.port

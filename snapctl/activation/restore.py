@@ -10,6 +10,7 @@ streams the rest (:mod:`snapctl.criu.lazy`); the image stays held until every pa
 from __future__ import annotations
 
 import dataclasses
+import subprocess
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -75,12 +76,16 @@ class PlainRestore(RestoreStrategy):
         started = self._tools.clock()
         images = image / "criu"
         root, netns = placement(session)
-        try:
-            if netns is not None:
-                # The tree joins a network namespace that exists: the image's own network
-                # state stays out of it (netdumps.network_state_dumps).
-                images = session.dirs.work / "images"
+        if netns is not None:
+            # The tree joins a network namespace that exists: the image's own network state
+            # stays out of it (netdumps.network_state_dumps).
+            images = session.dirs.work / "images"
+            try:
                 joined_view(image / "criu", images)
+            except OSError as error:
+                raise RestoreError(f"cannot build the restore's image view: {error}",
+                                   phase=HostPhase.RESTORE, path=images) from error  # fmt: skip
+        try:
             self._tools.criu.restore(
                 criu, images, session.dirs.work, session.dirs.logs / "restore.log",
                 pidfile(session), external_dirs=external_dirs, timeout_s=timeout_s, root=root,
@@ -88,9 +93,6 @@ class PlainRestore(RestoreStrategy):
             )  # fmt: skip
         except SnapctlError as error:
             raise criu_failed("criu restore failed", error, session, "restore") from error
-        except OSError as error:
-            raise RestoreError(f"cannot build the restore's image view: {error}",
-                               phase=HostPhase.RESTORE, path=images) from error  # fmt: skip
         timings["restore"] = self._tools.clock() - started
 
 
@@ -238,8 +240,11 @@ def restore_tree(
                      timeout_s=timeout_s, timings=timings)  # fmt: skip
     pin_restored(session)
     if container is not None:
-        # Parked at the barrier until activated: it writes nothing there before this.
-        container.keep_read_only(session.tree.pid, manifest.external_mounts)
+        try:
+            # Parked at the barrier until activated: it writes nothing there before this.
+            container.keep_read_only(session.tree.pid, manifest.external_mounts)
+        except (OSError, subprocess.SubprocessError) as error:
+            raise RestoreError(str(error), phase=HostPhase.RESTORE) from error
     session.remember_tree()
     session.advance(SessionState.RESTORED)
     pages = session.memory.status()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from snapctl.activation.container import Container
+from snapctl.activation.container import Container, ContainerHold
 from snapctl.activation.memory import InPlace, Memory
 from snapctl.activation.states import SessionState, TransitionError, check_transition
 from snapctl.cgroups import ActivationCgroup
@@ -231,6 +231,8 @@ class Session:
     cgroup: ActivationCgroup | None = None
     # The running container it is restored into (``copy --into-container``), or None.
     container: Container | None = None
+    # Its hold on that container (one copy per container), released when it stops.
+    container_hold: ContainerHold | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _record_saved: bool = field(default=False, repr=False)
     _stop_result: tuple[str, CleanupAudit] | None = field(default=None, repr=False)
@@ -358,7 +360,6 @@ class Session:
                 lazy_pages_start_time=None if transfer is None else transfer.daemon.start_time,
                 **self.memory.report_fields(),
                 **cgroup_fields(self.cgroup),
-                container_pid=None if self.container is None else self.container.pid,
             )
         )
 
@@ -425,6 +426,8 @@ class Session:
             self.state_dir.drop_record(self.name)
             if self.reservation is not None:
                 self.reservation.release()
+            if self.container_hold is not None:
+                self.container_hold.release()
         untrack(self)
         self._stop_result = result
         return result

@@ -40,8 +40,6 @@ class ActivationRecord(BaseModel):
     cgroup_dirs: dict[str, str] = {}
     memory_limit_bytes: int | None = None
     cpus: float | None = None
-    # The first process of the container it was restored into (``copy --into-container``).
-    container_pid: int | None = None
 
 
 class StopOutcome(BaseModel):

@@ -5,6 +5,7 @@ command CRIU runs in."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -21,7 +22,7 @@ from snapctl.activation.container import (
 from snapctl.criu import CriuBinary
 from snapctl.criu.external import host_key
 from snapctl.errors import ExitStatus
-from snapctl.supervision.process import ProcessGoneError, start_time
+from snapctl.supervision.process import ProcessGoneError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -297,21 +298,27 @@ def test_the_containers_network_must_have_the_images_addresses_and_a_free_port(
             box.claim_network([], ("127.0.0.1", busy))
 
 
-def test_a_container_that_hosts_a_running_copy_is_refused(tmp_path: Path) -> None:
-    from snapctl.statedir.records import ActivationRecord
-
+def test_a_container_hosts_one_copy_at_a_time(tmp_path: Path) -> None:
     box = container(tmp_path)
-    me = os.getpid()
+    locks = tmp_path / "locks"
+    held = box.hold(locks)
+    with pytest.raises(ContainerError, match="already hosts a copy, or one is being restored"):
+        box.hold(locks)
+    other = resolve_container("other", inspect=running, proc=box.proc)
+    with pytest.raises(ContainerError):
+        other.hold(locks)  # the same container by another name
+    held.release()
+    box.hold(locks).release()  # free again once the copy stopped
 
-    def record(container_pid: int | None) -> ActivationRecord:
-        return ActivationRecord(
-            name="first", activation_id="copy-1", kind="copy", image=None, root_pid=me,
-            root_start_time=start_time(me), supervisor_pid=me,
-            supervisor_start_time=start_time(me), activation_dir="/a", logs_dir="/l", host=None,
-            port=8000, published=None, created="now",
-            container_pid=container_pid,
-        )  # fmt: skip
 
-    box.require_no_copy([record(None), record(PID + 1)])  # copies elsewhere
-    with pytest.raises(ContainerError, match=r"already hosts copy first.*snapctl stop first"):
-        box.require_no_copy([record(PID)])
+def test_what_the_container_has_read_only_is_made_read_only_in_the_copy(tmp_path: Path) -> None:
+    box = container(tmp_path)
+    (box.root / "opt" / "m").mkdir(parents=True)
+    volume(box, tmp_path)
+    mounts = {host_key("/opt/m"): "/opt/m", host_key("/models/m"): "/models/m"}
+    assert box.read_only_points(mounts) == ["/models/m"]  # its volume is read-only
+    # A read-only root (readOnlyRootFilesystem): the root, and a mount bound from it too.
+    read_only_root = dataclasses.replace(
+        box, mountinfo=box.mountinfo.replace("/ / rw -", "/ / ro -", 1)
+    )
+    assert read_only_root.read_only_points(mounts) == ["/", "/opt/m", "/models/m"]

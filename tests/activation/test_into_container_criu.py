@@ -102,7 +102,7 @@ def test_a_copy_restored_into_a_placeholder_serves_there_and_ends_with_it(
     assert names(state) == ["in-box"]
     # A container hosts one copy: a second one is refused before CRIU runs.
     second = copy_into(state, image, "second", box.name, 18212)
-    assert second.returncode == 7 and "already hosts copy in-box" in second.stderr, second.stderr
+    assert second.returncode == 7 and "already hosts a copy" in second.stderr, second.stderr
     assert names(state) == ["in-box"]
 
     # snapctl stop ends the copy; the container keeps running.
