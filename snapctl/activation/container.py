@@ -38,7 +38,6 @@ capabilities it needs.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import ipaddress
 import json
 import os
@@ -59,6 +58,7 @@ from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.images.identity.tree import FileView
 from snapctl.namespaces.mounts import unescape_mount_field
 from snapctl.phases import HostPhase
+from snapctl.statedir.flock import try_lock
 from snapctl.supervision.process import (
     ProcessGoneError,
     is_same_process,
@@ -74,7 +74,8 @@ NEEDED_CAPABILITIES = ("CAP_SYS_ADMIN", "CAP_SYS_PTRACE")
 # Run in the container's PID namespace and a mount namespace of CRIU's own: a /proc of that
 # PID namespace (CRIU reads its own and its children's entries by the PIDs it sees), and the
 # container's root and volumes bound where a private /run cannot hide them ($1 times a source,
-# a target and "ro" or "rw": a read-only volume stays read-only), then CRIU.
+# a target and "ro" or "rw", as the container has it, while CRIU runs; CRIU then gives each
+# mount the donor's flags, and keep_read_only puts the container's back), then CRIU.
 ENTER_SCRIPT = (
     'mount -t proc snapctl-proc /proc || exit 125; n=$1; shift; while [ "$n" -gt 0 ]; do '
     'mount --bind "$1" "$2" || exit 125; if [ "$3" = ro ]; then '
@@ -408,21 +409,14 @@ class Container:
         that one got: copies in one container would share its network, where what each brings
         back (its loopback connections, its server's port) is the same."""
         lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = lock_dir / f"container-{self.pid}-{self.start_time:.2f}.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as error:
-            os.close(fd)
+        fd = try_lock(lock_dir / f"container-{self.pid}-{self.start_time:.2f}.lock")
+        if fd is None:
             raise ContainerError(
                 f"container {self.reference} already hosts a copy, or one is being restored "
                 "into it (a container hosts one copy: copies would share its network; stop "
                 "that one first: snapctl ps lists it)",
                 phase=HostPhase.RESTORE, pid=self.pid,
-            ) from error  # fmt: skip
-        except BaseException:
-            os.close(fd)
-            raise
+            )  # fmt: skip
         return ContainerHold(fd)
 
     def host_pid(self, inside: int) -> int:

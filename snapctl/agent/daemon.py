@@ -9,7 +9,6 @@ running in their own supervisors throughout, and a new agent simply finds their 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import signal
 import stat
@@ -33,6 +32,7 @@ from snapctl.agent.service import AgentService
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.pool import Spawner, WarmPool
 from snapctl.statedir import StateDir
+from snapctl.statedir.flock import try_lock
 from snapctl.supervision.listing import activation_rows
 from snapctl.supervision.memory import enable_ksm
 
@@ -191,15 +191,12 @@ class Agent:
             ) from error
 
     def _lock(self) -> None:
-        fd = os.open(self.state.root / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as error:
-            os.close(fd)
+        fd = try_lock(self.state.root / "agent.lock")
+        if fd is None:
             raise AgentRunningError(
                 f"another agent owns {self.state.root} (stop it first; its socket: "
                 f"{self.socket_path})", path=self.state.root,
-            ) from error  # fmt: skip
+            )  # fmt: skip
         self._lock_fd = fd
 
     def _listen_unix(self, router: Router) -> None:

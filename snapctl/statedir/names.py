@@ -15,13 +15,12 @@ A look that only checks a name (:func:`check_name_free`) writes nothing: it is n
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import os
 import re
 
 from snapctl.errors import ExitStatus, SnapctlError
 from snapctl.phases import HostPhase
+from snapctl.statedir.flock import try_lock
 
 TYPE_CHECKING = False  # not typing's, nor pathlib: see snapctl.errors
 if TYPE_CHECKING:
@@ -165,15 +164,9 @@ def lock_name(records: Path, name: str) -> NameReservation | None:
     """
     path = records / f"{check_name(name)}{LOCK_SUFFIX}"
     while True:
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as error:
-            os.close(fd)
-            if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return None
-            raise
+        fd = try_lock(path)
+        if fd is None:
+            return None
         if _same_file(fd, path):
             return NameReservation(name, path, fd)
         os.close(fd)  # released and unlinked between our open and our lock: open it again
