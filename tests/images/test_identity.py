@@ -256,3 +256,25 @@ def test_a_fifo_or_a_device_at_a_recorded_path_is_left_out_unopened(tmp_path: Pa
     assert [record.path for record in found] == ["/lib/file"]
     os.mkfifo(tmp_path / "host-fifo")
     assert hash_files([str(tmp_path / "host-fifo")], None) == []
+
+
+def test_host_and_container_reads_of_a_path_keep_cache_entries_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from snapctl.images.identity import tree
+
+    path = tmp_path / "lib.so"
+    path.write_bytes(b"x" * 1000)
+    cache = tmp_path / "cache"
+    view = FileView(Path("/"))  # a container whose files are this host's, as --rootfs /:O
+    on_host = hash_files([str(path)], cache)
+    in_container = hash_files([str(path)], cache, view=view)
+    assert on_host == in_container and len(list(cache.iterdir())) == 2
+
+    def hashed_again(*args: object) -> None:
+        raise AssertionError("hashed again: the other's turn evicted its entry")
+
+    monkeypatch.setattr(tree, "_hash_one", hashed_again)
+    for _ in range(2):  # copies taking turns: every one a cache hit
+        assert hash_files([str(path)], cache) == on_host
+        assert hash_files([str(path)], cache, view=view) == in_container

@@ -127,6 +127,12 @@ class _Files:
         self.root_fd = root_fd
         self.mount_fds = mount_fds
 
+    def entry(self, path: str) -> str:
+        """The name of ``path``'s entry in the hash cache: a container's files (on a file
+        system of their own) have one beside this host's, so that copies on the host and in
+        containers taking turns do not each evict the other's and hash the file again."""
+        return path if self.root_fd is None else f"{path} (in a container)"
+
     def _find(self, path: str) -> int:
         for point, fd in self.mount_fds:
             if path == point:
@@ -164,7 +170,7 @@ def _cached(path: str, cache: FileCache | None, files: _Files) -> FileRecord | N
         st = files.stat(path)
     except OSError:
         return None  # missing: hashing leaves it out
-    sha256 = cache.lookup(path, {path: stat_key(st)})
+    sha256 = cache.lookup(files.entry(path), {path: stat_key(st)})
     if sha256 is None:
         return None
     try:
@@ -185,7 +191,7 @@ def _hash_one(path: str, cache: FileCache | None, files: _Files) -> FileRecord |
         return None
     record = FileRecord(path=path, size=after.st_size, sha256=digest.hexdigest())
     if cache is not None and stat_key(after) == key:  # not written to while we read it
-        cache.remember(path, {path: key}, record.sha256)
+        cache.remember(files.entry(path), {path: key}, record.sha256)
     return record
 
 
