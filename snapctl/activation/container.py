@@ -87,6 +87,10 @@ LOCK_DIR = Path("/run/lock/snapctl")
 VOLUME_BINDS = "container-volumes"
 
 
+# (device, root in its filesystem, mount point, the mount's own options): a mountinfo line.
+MountEntry = tuple[str, str, str, str]
+
+
 class Located(NamedTuple):
     """Where this host mounts a file or directory of a container, and how the container has
     it: on its root filesystem (else on a volume), read-only."""
@@ -200,17 +204,18 @@ class Container:
             },
         )
 
-    def host_path(self, inside: str) -> Located | None:
+    def host_path(self, inside: str, own: list[MountEntry] | None = None) -> Located | None:
         """Where this host mounts the container's file or directory ``inside`` (below the
         host's mount of the filesystem the container's mount at ``inside`` comes from), and
         how the container has it; None where this host does not mount it (a volume of another
-        mount namespace)."""
+        mount namespace). ``own``: this host's mount entries, when already read."""
         covering = _covering_mount(_mount_entries(self.mountinfo), inside)
         if covering is None:
             return None
         device, root, point, options = covering
         within = os.path.normpath(os.path.join(root, os.path.relpath(inside, point)))
-        own = _mount_entries((self.proc / "self" / "mountinfo").read_text())
+        if own is None:
+            own = _mount_entries((self.proc / "self" / "mountinfo").read_text())
         found = [
             (host_root, host_point)
             for host_device, host_root, host_point, _ in own
@@ -315,9 +320,13 @@ class Container:
         on the container's root; refused where the container holds no plain file or
         directory there that this host mounts (checked to be the very file the container
         sees)."""
-        found = {}
-        for index, point in enumerate(host_mounts(external_mounts)):
-            located = self.host_path(point)
+        found: dict[str, tuple[int, Located]] = {}
+        points = host_mounts(external_mounts)
+        if not points:
+            return found
+        own = _mount_entries((self.proc / "self" / "mountinfo").read_text())
+        for index, point in enumerate(points):
+            located = self.host_path(point, own)
             seen = self.proc / str(self.pid) / "root" / point.lstrip("/")
             if (
                 located is None or os.path.realpath(located.path) != str(located.path)
@@ -489,7 +498,7 @@ def _nspids(proc: Path, pid: int) -> list[int]:
     return [int(part) for part in value.split()] if value else []
 
 
-def _mount_entries(mountinfo: str) -> list[tuple[str, str, str, str]]:
+def _mount_entries(mountinfo: str) -> list[MountEntry]:
     """(device, root in its filesystem, mount point, the mount's own options) of each line of
     a mountinfo text."""
     entries = []
@@ -507,9 +516,7 @@ def _below(path: str, top: str) -> bool:
     return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _covering_mount(
-    entries: list[tuple[str, str, str, str]], path: str
-) -> tuple[str, str, str, str] | None:
+def _covering_mount(entries: list[MountEntry], path: str) -> MountEntry | None:
     """The mount ``path`` is on: the deepest mount point above it (the last of those stacked)."""
     found = None
     for entry in entries:
@@ -518,23 +525,11 @@ def _covering_mount(
     return found
 
 
-def _root_mount(mountinfo: str) -> tuple[str, str] | None:
-    """(device, root in its filesystem) of the mount at ``/`` of a mountinfo text (the top
-    one, where mounts are stacked)."""
-    found = None
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4 and fields[4] == "/":
-            found = (fields[2], fields[3])
-    return found
-
-
-def _mounted_at(mountinfo: str, device: str, root: str) -> Path | None:
-    """Where a mountinfo text mounts ``device`` from ``root`` (its first such mount)."""
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4 and fields[2] == device and fields[3] == root:
-            return Path(unescape_mount_field(fields[4]))
+def _mounted_at(entries: list[MountEntry], device: str, root: str) -> Path | None:
+    """Where ``entries`` mount ``device`` from ``root`` (the first such mount)."""
+    for each_device, each_root, point, _ in entries:
+        if (each_device, each_root) == (device, root):
+            return Path(point)
     return None
 
 
@@ -632,8 +627,8 @@ def resolve_container(
     except (OSError, ProcessGoneError) as error:
         raise ContainerError(f"container {reference} ended while snapctl looked at it",
                              phase=HostPhase.RESTORE, pid=pid) from error  # fmt: skip
-    found = _root_mount(its_mounts)
-    root = _mounted_at(own_mounts, *found) if found is not None else None
+    found = _covering_mount(_mount_entries(its_mounts), "/")
+    root = _mounted_at(_mount_entries(own_mounts), *found[:2]) if found is not None else None
     if root is None or not root.is_dir():
         raise ContainerError(
             f"the root of container {reference} is not mounted where snapctl sees it (run "
